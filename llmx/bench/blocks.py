@@ -1,0 +1,103 @@
+"""Random but valid tensor data of any GGML type, with a chosen standard deviation of the weights.
+
+A synthetic model must run: activations have to stay finite through dozens of layers. Random bytes
+are valid quantized codes for every supported type, but their fp16 scale fields (`d`, `dmin`, `m`)
+would then be arbitrary halves, NaN and inf included. So each block is random bytes whose scale
+fields are overwritten with +-s: one magnitude per tensor, chosen so the dequantized weights have
+the requested standard deviation, and a random sign per field so every type is zero-mean (Q4_0's
+codes alone average -0.5 d). Everything is vectorised over a chunk of blocks; a chunk is generated
+by its own seeded `Generator`, so threads can fill chunks in parallel and the file stays reproducible.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+from llmx.errors import LlmxError
+from llmx.quant import QType, qtype
+
+# Byte offsets of the fp16 scale fields inside one block (ggml-common.h block_* structs).
+# Everything else in a block (codes, 6-bit sub-block scales, high bits) is valid as any byte value.
+SCALE_FIELDS: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,),  # d, qs[16]
+    "Q4_1": (0, 2),  # d, m, qs[16]
+    "Q5_0": (0,),  # d, qh[4], qs[16]
+    "Q5_1": (0, 2),  # d, m, qh[4], qs[16]
+    "Q8_0": (0,),  # d, qs[32]
+    "Q2_K": (80, 82),  # scales[16], qs[64], d, dmin
+    "Q3_K": (108,),  # hmask[32], qs[64], scales[12], d
+    "Q4_K": (0, 2),  # d, dmin, scales[12], qs[128]
+    "Q5_K": (0, 2),  # d, dmin, scales[12], qh[32], qs[128]
+    "Q6_K": (208,),  # ql[128], qh[64], scales[16], d
+    "IQ4_NL": (0,),  # d, qs[16]
+    "IQ4_XS": (0,),  # d, scales_h, scales_l[4], qs[128]
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def can_generate(qt: QType) -> bool:
+    """Whether random valid data of this type can be written (floats and the types in SCALE_FIELDS)."""
+    return qt.name in FLOAT_TYPES or qt.name in SCALE_FIELDS
+
+
+def chunk_rng(seed: int, *path: int) -> np.random.Generator:
+    """An independent generator per (seed, tensor, chunk). SFC64: ~10x faster than PCG64 for raw bytes."""
+    return np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, *path])))
+
+
+def random_data(qt: QType, n_elements: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """`n_elements` weights of type `qt` as raw uint8 bytes, zero-mean with standard deviation `std`."""
+    if qt.name in FLOAT_TYPES:
+        return _random_floats(qt.name, n_elements, std, rng)
+    if qt.name not in SCALE_FIELDS:
+        raise LlmxError(
+            f"llmx cannot write random {qt.name} blocks; types it can write: "
+            f"{', '.join(FLOAT_TYPES + tuple(SCALE_FIELDS))}"
+        )
+    if n_elements % qt.block_elems:
+        raise LlmxError(f"{n_elements} weights are not whole {qt.name} blocks of {qt.block_elems}")
+    return _random_blocks(qt, n_elements // qt.block_elems, std / unit_std(qt.name), rng).reshape(-1)
+
+
+def _random_floats(name: str, n: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    values = rng.standard_normal(n, dtype=np.float32)
+    values *= std
+    if name == "F32":
+        return values.view(np.uint8)
+    if name == "F16":
+        return values.astype(np.float16).view(np.uint8)
+    # BF16 is the top half of an f32 (truncation is fine for random values).
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def _random_blocks(qt: QType, n_blocks: int, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """[n_blocks, block_bytes] uint8: random codes, every scale field set to +-scale."""
+    # Whole 64-bit words are the fastest thing a Generator makes; the tail block padding is cut off.
+    n_bytes = n_blocks * qt.block_bytes
+    words = rng.integers(0, 2**64 - 1, -(-n_bytes // 8), dtype=np.uint64, endpoint=True)
+    blocks = words.view(np.uint8)[:n_bytes].reshape(n_blocks, qt.block_bytes)
+    magnitude = np.float16(scale)
+    if not np.isfinite(magnitude) or magnitude == 0:
+        raise LlmxError(f"a {qt.name} scale of {scale:g} does not fit in fp16; choose another std")
+    for offset in SCALE_FIELDS[qt.name]:
+        signs = rng.integers(0, 2, n_blocks, dtype=np.uint8).astype(np.float16) * 2 - 1
+        blocks[:, offset : offset + 2].view(np.float16)[:, 0] = signs * magnitude
+    return blocks
+
+
+@cache
+def unit_std(name: str) -> float:
+    """Standard deviation of a type's dequantized weights when every scale field is +-1.
+
+    Measured once per type on random blocks with gguf-py's reference dequantizer rather than derived
+    by hand for each of the twelve layouts: one formula that cannot drift from the format.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qt = qtype(name)
+    blocks = _random_blocks(qt, 4096, 1.0, chunk_rng(0, qt.ggml_id))
+    values = dequantize(blocks, GGMLQuantizationType(qt.ggml_id))
+    return float(np.std(values))

@@ -1,0 +1,47 @@
+"""Benchmarks: floor arithmetic by hand, tables, JSON, the plot, and runs on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmx.bench.floor import floor_seconds, mean_depth, roofline, token_bytes
+
+GB = 10**9
+
+# --- the floor, by hand ---
+
+
+def test_floor_of_a_hybrid_moe_placement_by_hand():
+    tensors = [
+        ("token_embd.weight", 5 * GB, "cpu"),  # looked up, not read: excluded
+        ("output.weight", 1 * GB, "cuda:0"),
+        ("blk.0.attn_q.weight", 3 * GB, "cuda:0"),
+        ("blk.1.ffn_up_exps.weight", 8 * GB, "cpu"),  # 2 of 8 experts read: 2 GB
+    ]
+    tb = token_bytes(tensors, {"cuda:0": 1e6}, n_expert_used=2, n_expert=8)
+    assert tb.weights == {"cpu": 2 * GB, "cuda:0": 4 * GB}
+    # one token at depth 1000: cuda:0 reads 4 GB + 1000 * 1 MB = 5 GB, the CPU 2 GB
+    assert tb.at_depth(1000) == {"cpu": 2 * GB, "cuda:0": 5 * GB}
+    # 5 GB / 1000 GB/s + 2 GB / 100 GB/s = 5 ms + 20 ms
+    assert floor_seconds(tb.at_depth(1000), {"cuda:0": 1000, "cpu": 100}) == pytest.approx(0.025)
+    r = roofline(tb, n_depth=1000, n_gen=1, bandwidth_gbs={"cuda:0": 1000, "cpu": 100})
+    assert r.bytes_per_token == 7 * GB
+    assert r.floor_tps() == pytest.approx(40)
+    assert r.percent_of_floor(20) == pytest.approx(50)
+    assert r.gbs(20) == pytest.approx(140)
+
+
+def test_tied_embeddings_are_read_as_the_output_matrix():
+    tb = token_bytes([("token_embd.weight", 2 * GB, "cpu"), ("blk.0.attn_q.weight", GB, "cpu")], {})
+    assert tb.weights == {"cpu": 3 * GB}
+
+
+def test_floor_is_unknown_without_the_bandwidth_of_a_device_holding_bytes():
+    assert floor_seconds({"cpu": GB, "cuda:0": GB}, {"cpu": 100}) is None
+    assert floor_seconds({"cpu": GB, "cuda:0": 0}, {"cpu": 100}) == pytest.approx(0.01)
+
+
+def test_mean_depth_of_a_generation_test():
+    # tokens attend over 512, 513, ..., 512 + 127 positions: the mean is 512 + 63.5
+    assert mean_depth(512, 128) == 575.5
+    assert mean_depth(0, 0) == 0
