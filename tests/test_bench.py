@@ -45,3 +45,27 @@ def test_mean_depth_of_a_generation_test():
     # tokens attend over 512, 513, ..., 512 + 127 positions: the mean is 512 + 63.5
     assert mean_depth(512, 128) == 575.5
     assert mean_depth(0, 0) == 0
+
+
+# --- ceilings ---
+
+
+def test_cpu_ceilings_are_measured_cached_and_reused(tmp_path, monkeypatch):
+    from llmx.bench import ceilings
+
+    monkeypatch.setenv("LLMX_CACHE_DIR", str(tmp_path))
+    small = ceilings.measure_cpu(size_bytes=64 << 20, matmul_n=256, reps=2)
+    monkeypatch.setattr(ceilings, "measure_cpu", lambda: small)
+    notes = []
+    first = ceilings.ceilings_for(["cpu"], notify=notes.append)["cpu"]
+    assert first.mem_gbs > 0 and first.matmul_tflops > 0 and first.threads >= 1 and len(notes) == 1
+    assert (tmp_path / "ceilings.json").exists()
+    monkeypatch.setattr(ceilings, "measure_cpu", lambda: pytest.fail("a cached device was re-measured"))
+    assert ceilings.ceilings_for(["cpu"], notify=notes.append)["cpu"] == first and len(notes) == 1
+
+
+def test_a_corrupt_ceilings_cache_reads_as_empty(tmp_path):
+    from llmx.bench.ceilings import load_cache
+
+    (tmp_path / "ceilings.json").write_text("{not json")
+    assert load_cache(tmp_path / "ceilings.json") == {}
