@@ -66,6 +66,13 @@ def test_synthetic_vocab_has_exactly_n_tokens_and_valid_merges(n_vocab):
         assert left in known and right in known and left + right in known
 
 
+def test_synthetic_vocab_puts_the_specials_at_the_real_models_ids():
+    meta = synthetic_vocab(49152, bos_id=1, eos_id=2)
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    assert tokens[1] == BOS and tokens[2] == EOS and types[1:3] == [3, 3]
+    assert types.count(3) == 2 and len(tokens) == 49152
+
+
 def test_synthetic_vocab_needs_room_for_bytes_and_specials():
     with pytest.raises(LlmxError, match="at least 258"):
         synthetic_vocab(100)

@@ -3,8 +3,9 @@
 Real checkpoints' vocabularies are not ours to ship, but a synthetic model still has to tokenize
 and detokenize anything, so benchmarks can feed it real text. The vocabulary is the 256 byte tokens
 (in GPT-2's byte-to-unicode spelling, so every string is encodable), then merged tokens built from
-them in a fixed order (common characters first: byte pairs, then pair + byte, ...), then the
-special tokens (BOS, EOS) as control tokens at the end, as Llama 3 and Qwen place theirs.
+them in a fixed order (common characters first: byte pairs, then pair + byte, ...), and the
+special tokens BOS and EOS as control tokens at the ids the real model uses (by default the last
+two, where Llama 3 and Qwen place their specials), so prompts and stop ids look like the real thing.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ def _merge_order(symbols: list[str]) -> list[str]:
     return first + [s for s in symbols if s not in first]
 
 
-def synthetic_vocab(n_vocab: int) -> dict[str, Any]:
+def synthetic_vocab(n_vocab: int, bos_id: int | None = None, eos_id: int | None = None) -> dict[str, Any]:
     """The `tokenizer.ggml.*` metadata of a BPE vocabulary with exactly `n_vocab` tokens."""
+    bos_id = n_vocab - 2 if bos_id is None else bos_id
+    eos_id = n_vocab - 1 if eos_id is None else eos_id
+    if bos_id == eos_id or not (0 <= bos_id < n_vocab and 0 <= eos_id < n_vocab):
+        raise LlmxError(f"BOS {bos_id} and EOS {eos_id} must be two different ids below {n_vocab}")
     symbols = byte_symbols()
     n_merged = n_vocab - len(symbols) - len(SPECIALS)
     if n_merged < 0:
@@ -60,15 +65,17 @@ def synthetic_vocab(n_vocab: int) -> dict[str, Any]:
                 next_level.append(left + right)
         tokens += next_level
         level = next_level
-    tokens += SPECIALS
-    types = [TOKEN_NORMAL] * (len(tokens) - len(SPECIALS)) + [TOKEN_CONTROL] * len(SPECIALS)
+    types = [TOKEN_NORMAL] * len(tokens)
+    for token_id, special in sorted(((bos_id, BOS), (eos_id, EOS))):
+        tokens.insert(token_id, special)
+        types.insert(token_id, TOKEN_CONTROL)
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "default",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.bos_token_id": tokens.index(BOS),
-        "tokenizer.ggml.eos_token_id": tokens.index(EOS),
+        "tokenizer.ggml.bos_token_id": bos_id,
+        "tokenizer.ggml.eos_token_id": eos_id,
         "tokenizer.ggml.add_bos_token": True,
     }
