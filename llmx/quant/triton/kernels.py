@@ -1,0 +1,145 @@
+"""GEMV, GEMM and dequantize kernels over raw GGUF rows, written once for every type.
+
+`unpack` picks the type's helper at compile time (QT is a constexpr type name), so each kernel
+is compiled per type and holds no branches at run time. Shapes, for weight W [N, K] stored as
+raw uint8 rows of `swn` bytes (whole blocks; K a multiple of the group size G):
+    gemv_kernel:     out[M, N] = x[M, K] @ W.T, M <= BM <= 8, fp32 FMA (memory-bound decode)
+    gemm_kernel:     out[M, N] = x[M, K] @ W.T, tiles dequantized into registers for tl.dot
+    dequant_kernel:  out[R, K] = W[ids[R], :]  (embedding rows, or the whole tensor)
+Out-of-range rows and groups are clamped to valid ones instead of masked in the helpers: their
+x is masked to 0 (GEMV, GEMM) or their store is masked (dequantize), so they never count.
+"""
+
+import triton
+import triton.language as tl
+
+from llmx.quant.triton import iq, kquants, legacy
+
+
+@triton.jit
+def unpack(QT: tl.constexpr, w_ptr, row_off, sb, lut_ptr):
+    """Codes q [R, S, G] and per-group a, b [R, S] (weight = a*q + b) of type QT; see legacy.py."""
+    if QT == "Q4_0":
+        q, a, b = legacy.q4_0(w_ptr, row_off, sb)
+    elif QT == "Q4_1":
+        q, a, b = legacy.q4_1(w_ptr, row_off, sb)
+    elif QT == "Q5_0":
+        q, a, b = legacy.q5_0(w_ptr, row_off, sb)
+    elif QT == "Q5_1":
+        q, a, b = legacy.q5_1(w_ptr, row_off, sb)
+    elif QT == "Q8_0":
+        q, a, b = legacy.q8_0(w_ptr, row_off, sb)
+    elif QT == "Q2_K":
+        q, a, b = kquants.q2_k(w_ptr, row_off, sb)
+    elif QT == "Q3_K":
+        q, a, b = kquants.q3_k(w_ptr, row_off, sb)
+    elif QT == "Q4_K":
+        q, a, b = kquants.q4_k(w_ptr, row_off, sb)
+    elif QT == "Q5_K":
+        q, a, b = kquants.q5_k(w_ptr, row_off, sb)
+    elif QT == "Q6_K":
+        q, a, b = kquants.q6_k(w_ptr, row_off, sb)
+    elif QT == "IQ4_NL":
+        q, a, b = iq.iq4_nl(w_ptr, row_off, sb, lut_ptr)
+    else:
+        tl.static_assert(QT == "IQ4_XS", "no Triton unpack helper for this GGML type")
+        q, a, b = iq.iq4_xs(w_ptr, row_off, sb, lut_ptr)
+    return q, a, b
+
+
+@triton.jit
+def _row_offsets(rows, N, swn):
+    """[R, 1] int64 byte offsets of weight rows, out-of-range rows clamped to the last one."""
+    return tl.minimum(rows, N - 1).to(tl.int64)[:, None] * swn
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sxm, swn, som,
+    QT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """One program: BN output rows for all M (<= BM) inputs, walking K in BK steps.
+
+    Each group's dot product sum_l q_l x_l is taken on the codes, then scaled once by a and
+    offset by b * sum_l x_l (llama.cpp's mmvq does the same), so the per-weight work is one
+    unpack and one FMA per input row.
+    """
+    S: tl.constexpr = BK // G
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_off = _row_offsets(rn, N, swn)
+    rm = tl.arange(0, BM)[:, None, None]
+    g = tl.arange(0, G)[None, None, :]
+    n_groups = K // G
+    acc = tl.zeros([BM, BN, S], tl.float32)
+    for k0 in range(0, K, BK):
+        sb = k0 // G + tl.arange(0, S)
+        q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], lut_ptr)
+        x_mask = (rm < M) & (sb < n_groups)[None, :, None]
+        x = tl.load(x_ptr + rm * sxm + sb[None, :, None] * G + g, mask=x_mask, other=0.0).to(tl.float32)
+        dots = tl.sum(q[None, :, :, :] * x[:, None, :, :], axis=3)  # [BM, BN, S]
+        x_sums = tl.sum(x, axis=2)[:, None, :]  # [BM, 1, S]
+        acc += a[None, :, :] * dots + b[None, :, :] * x_sums
+    out = tl.sum(acc, axis=2)  # [BM, BN]
+    o_ptr = out_ptr + tl.arange(0, BM)[:, None] * som + rn[None, :]
+    tl.store(
+        o_ptr, out.to(out_ptr.dtype.element_ty), mask=(tl.arange(0, BM)[:, None] < M) & (rn[None, :] < N)
+    )
+
+
+@triton.jit
+def gemm_kernel(
+    x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sxm, swn, som, M_BUCKET,
+    QT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One program: a BM x BN output tile. Weight tiles are dequantized to x's dtype for tl.dot.
+
+    Programs are ordered GROUP_M tiles down M before moving along N, so the weight tiles a group
+    shares are still in L2 (the weight is read from HBM about once). M_BUCKET only keys autotuning.
+    """
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    S: tl.constexpr = BK // G
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    row_off = _row_offsets(rn, N, swn)
+    n_groups = K // G
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        sb = k0 // G + tl.arange(0, S)
+        q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], lut_ptr)
+        rk = k0 + tl.arange(0, BK)
+        x = tl.load(
+            x_ptr + rm[:, None] * sxm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
+        )
+        w = tl.reshape(a[:, :, None] * q + b[:, :, None], (BN, BK)).to(x.dtype)
+        acc = tl.dot(x, tl.trans(w), acc)
+    o_ptr = out_ptr + rm[:, None] * som + rn[None, :]
+    tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def dequant_kernel(
+    w_ptr, lut_ptr, ids_ptr, out_ptr, R, N, K, swn, so,
+    QT: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """One program: BR selected rows x BK weights. Bit-exact with gguf-py when out is float32."""
+    S: tl.constexpr = BK // G
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    ids = tl.load(ids_ptr + tl.minimum(r, R - 1))
+    row_off = _row_offsets(ids, N, swn)
+    n_groups = K // G
+    sb = tl.program_id(1) * S + tl.arange(0, S)
+    q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], lut_ptr)
+    w = a[:, :, None] * q + b[:, :, None]
+    k = sb[None, :, None] * G + tl.arange(0, G)[None, None, :]
+    r3 = r[:, None, None]
+    mask = (r3 < R) & (k < K)
+    tl.store(out_ptr + r3.to(tl.int64) * so + k, w.to(out_ptr.dtype.element_ty), mask=mask)

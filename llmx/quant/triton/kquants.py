@@ -1,0 +1,108 @@
+"""Unpack helpers for the K-quants: 256-weight super-blocks with 6-bit or 8-bit sub-block scales.
+
+Same contract as `legacy` (see its docstring). Groups follow the scale granularity: G = 16 for
+Q2_K, Q3_K and Q6_K, G = 32 for Q4_K and Q5_K; `j` below is the group's index in its super-block.
+
+Layouts (ggml-common.h block_q*_K), w = weight j*G + l of the super-block:
+    Q2_K (84 B):  scales[16] (lo: scale, hi: min), qs[64], d, dmin      w = d*sc*q - dmin*m, q 2 bits
+    Q3_K (110 B): hmask[32], qs[64], scales[12] (16 x 6 bits), d        w = d*(sc-32)*(q - 4*(1-h))
+    Q4_K (144 B): d, dmin, scales[12] (8 x 6-bit scale + min), qs[128]  w = d*sc*q - dmin*m
+    Q5_K (176 B): d, dmin, scales[12], qh[32], qs[128]                   w = d*sc*(q | h<<4) - dmin*m
+    Q6_K (210 B): ql[128], qh[64], scales[16] int8, d                    w = d*sc*((ql | qh<<4) - 32)
+2-bit codes: weight i of a 128-weight half sits in byte i%32 of that half's 32 bytes, at bits
+2*(i//32). Q3_K's hmask / Q5_K's qh: weight i of the super-block is bit i//32 of byte i%32.
+"""
+
+import triton
+import triton.language as tl
+
+from llmx.quant.triton.bits import code_f32, f16, nibbles, u8
+
+
+@triton.jit
+def _two_bit_codes(w_ptr, blk, j, QS: tl.constexpr):
+    """[R, S, 16] 2-bit codes of groups `j` (16 weights) of the super-blocks at `blk`, qs at QS."""
+    l = tl.arange(0, 16)[None, None, :]
+    off = blk + QS + 32 * (j // 8) + 16 * (j % 2)
+    return (u8(w_ptr, off[:, :, None] + l) >> (2 * ((j % 8) // 2))[:, :, None]) & 3
+
+
+@triton.jit
+def _scale_min_k4(w_ptr, blk, j):
+    """Q4_K/Q5_K 6-bit scale and min of sub-block j (0..7) from the 12 bytes at blk + 4.
+
+    Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same
+    for the mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble).
+    """
+    lo = j % 4
+    s = u8(w_ptr, blk + 4 + lo)
+    m = u8(w_ptr, blk + 8 + lo)
+    sm = u8(w_ptr, blk + 12 + lo)
+    first = j < 4
+    sc = tl.where(first, s & 63, (sm & 15) | ((s >> 6) << 4))
+    mn = tl.where(first, m & 63, (sm >> 4) | ((m >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def q2_k(w_ptr, row_off, sb):
+    blk = row_off + (sb // 16) * 84
+    j = sb % 16
+    s = u8(w_ptr, blk + j)
+    a = f16(w_ptr, blk + 80) * (s & 15).to(tl.float32)
+    b = -(f16(w_ptr, blk + 82) * (s >> 4).to(tl.float32))
+    return code_f32(_two_bit_codes(w_ptr, blk, j, 16), 0), a, b
+
+
+@triton.jit
+def q3_k(w_ptr, row_off, sb):
+    blk = row_off + (sb // 16) * 110
+    j = sb % 16
+    l = tl.arange(0, 16)[None, None, :]
+    hoff = blk + 16 * (j % 2)
+    h = (u8(w_ptr, hoff[:, :, None] + l) >> (j // 2)[:, :, None]) & 1
+    # A set hmask bit means the code is used as is; a clear one subtracts 4.
+    q = code_f32(_two_bit_codes(w_ptr, blk, j, 32) | (h << 2), 4)
+    sc_lo = (u8(w_ptr, blk + 96 + j % 8) >> (4 * (j // 8))) & 15
+    sc_hi = (u8(w_ptr, blk + 104 + j % 4) >> (2 * (j // 4))) & 3
+    a = f16(w_ptr, blk + 108) * ((sc_lo | (sc_hi << 4)) - 32).to(tl.float32)
+    return q, a, tl.zeros_like(a)
+
+
+@triton.jit
+def q4_k(w_ptr, row_off, sb):
+    blk = row_off + (sb // 8) * 144
+    j = sb % 8
+    sc, mn = _scale_min_k4(w_ptr, blk, j)
+    l = tl.arange(0, 32)[None, None, :]
+    off = blk + 16 + 32 * (j // 2)
+    q = nibbles(w_ptr, off[:, :, None] + l, (4 * (j % 2))[:, :, None])
+    return code_f32(q, 0), f16(w_ptr, blk) * sc, -(f16(w_ptr, blk + 2) * mn)
+
+
+@triton.jit
+def q5_k(w_ptr, row_off, sb):
+    blk = row_off + (sb // 8) * 176
+    j = sb % 8
+    sc, mn = _scale_min_k4(w_ptr, blk, j)
+    l = tl.arange(0, 32)[None, None, :]
+    off = blk + 48 + 32 * (j // 2)
+    q = nibbles(w_ptr, off[:, :, None] + l, (4 * (j % 2))[:, :, None])
+    h = (u8(w_ptr, blk[:, :, None] + 16 + l) >> j[:, :, None]) & 1
+    return code_f32(q | (h << 4), 0), f16(w_ptr, blk) * sc, -(f16(w_ptr, blk + 2) * mn)
+
+
+@triton.jit
+def q6_k(w_ptr, row_off, sb):
+    blk = row_off + (sb // 16) * 210
+    j = sb % 16
+    half = j // 8
+    r = j % 8
+    l = tl.arange(0, 16)[None, None, :]
+    lo_off = blk + 64 * half + 16 * (r % 4)
+    lo = nibbles(w_ptr, lo_off[:, :, None] + l, (4 * (r // 4))[:, :, None])
+    hi_off = blk + 128 + 32 * half + 16 * (r % 2)
+    hi = (u8(w_ptr, hi_off[:, :, None] + l) >> (2 * (r // 2))[:, :, None]) & 3
+    sc = (u8(w_ptr, blk + 192 + j) ^ 0x80) - 128  # int8 scale
+    a = f16(w_ptr, blk + 208) * sc.to(tl.float32)
+    return code_f32(lo | (hi << 4), 32), a, tl.zeros_like(a)

@@ -1,0 +1,157 @@
+"""Triton kernels vs gguf-py's dequantize (+ float64 matmul), on random valid blocks.
+
+Without CUDA the kernels run on CPU tensors under TRITON_INTERPRET=1 (set here before triton is
+first imported) with small odd shapes; with CUDA the same tests compile for the GPU, and the
+`gpu`-marked ones add larger shapes and bf16.
+
+Tolerances, as ||out - ref|| / ||ref|| against float64 on the same dequantized weights:
+- dequantize / embedding to float32: 0 (bit-exact);
+- GEMV, float32 x: 1e-5 (float32 sums over K);
+- fp16 output or fp16 GEMM operands: 2e-3; tf32 GEMM (float32 x on a GPU): 3e-3;
+- bf16 (GPU only: the interpreter cannot load bf16): 1.5e-2 (8-bit mantissa on weights and output).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+
+from llmx.bench.blocks import SCALE_FIELDS, chunk_rng, random_data  # noqa: E402
+from llmx.errors import LlmxError  # noqa: E402
+from llmx.quant import QType, qtype  # noqa: E402
+from llmx.quant import triton_ops as tops  # noqa: E402
+
+TYPES = list(tops.GROUP)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+GEMM_TOL = {torch.float32: 3e-3, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+class Weight:
+    """The fields of llmx.quant.weight.QWeight that the kernels read."""
+
+    def __init__(self, raw: torch.Tensor, qt: QType, shape: tuple[int, int]) -> None:
+        self.raw, self.qtype, self.shape, self.name = raw, qt, shape, "test"
+
+
+def random_weight(name: str, n: int, k: int, seed: int) -> tuple[Weight, np.ndarray]:
+    """A random valid [n, k] weight and its float64 reference dequantization.
+
+    Blocks are random bytes (llmx.bench.blocks) whose fp16 scale fields then get independent
+    random values in +-[2^-6, 2^-2], so a kernel that reads the wrong block's scale is caught.
+    """
+    qt = qtype(name)
+    rng = chunk_rng(seed, qt.ggml_id)
+    blocks = random_data(qt, n * k, 0.02, rng).reshape(-1, qt.block_bytes)
+    for off in SCALE_FIELDS[name]:
+        mags = np.exp2(rng.uniform(-6, -2, len(blocks))) * rng.choice([-1.0, 1.0], len(blocks))
+        blocks[:, off : off + 2] = mags.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw = blocks.reshape(n, -1)
+    ref = gguf_dequantize(raw, GGMLQuantizationType(qt.ggml_id)).astype(np.float64)
+    return Weight(torch.from_numpy(raw.copy()).to(DEVICE), qt, (n, k)), ref
+
+
+def width(name: str, blocks: int) -> int:
+    return blocks * qtype(name).block_elems
+
+
+def rel_err(out: torch.Tensor, ref: np.ndarray) -> float:
+    got = out.double().cpu().numpy()
+    assert np.isfinite(got).all()
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def check_linear(name: str, m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> None:
+    w, ref_w = random_weight(name, n, k, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    out = tops.linear(x.to(DEVICE), w)
+    assert out.shape == (m, n) and out.dtype == dtype
+    tol = TOL[dtype] if m <= tops.GEMV_MAX_M else GEMM_TOL[dtype]
+    assert rel_err(out, x.double().numpy() @ ref_w.T) < tol
+
+
+# --- small shapes: the CPU interpreter, or the GPU when there is one -------------------------------
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_is_exact(name: str) -> None:
+    w, ref = random_weight(name, 5, width(name, 3), seed=1)
+    assert np.array_equal(tops.dequantize(w).cpu().numpy(), ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_embedding_reads_the_chosen_rows(name: str) -> None:
+    w, ref = random_weight(name, 7, width(name, 2), seed=2)
+    ids = torch.tensor([[6, 0, 3], [3, 3, 1]])
+    out = tops.embedding(ids.to(DEVICE), w)
+    assert out.shape == (2, 3, w.shape[1])
+    assert np.array_equal(out.cpu().numpy(), ref[ids.numpy()].astype(np.float32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gemv(name: str, m: int) -> None:
+    # N = 9 is not a multiple of the rows per program; 3 blocks are not a multiple of BK.
+    check_linear(name, m, 9, width(name, 3), torch.float32, seed=10 + m)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gemv_fp16(name: str) -> None:
+    check_linear(name, 2, 6, width(name, 2), torch.float16, seed=20)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gemm(name: str, dtype: torch.dtype) -> None:
+    # M = 17 and N = 33 leave partial tiles in both directions.
+    check_linear(name, 17, 33, width(name, 3), dtype, seed=30)
+
+
+def test_leading_dims_and_float_weights() -> None:
+    w, ref = random_weight("Q4_K", 6, 256, seed=40)
+    x = torch.randn(2, 3, 256)
+    expected = x.reshape(6, 256).double().numpy() @ ref.T
+    out = tops.linear(x.to(DEVICE), w)
+    assert out.shape == (2, 3, 6)
+    assert rel_err(out.reshape(6, 6), expected) < TOL[torch.float32]
+    dense = Weight(torch.from_numpy(ref.astype(np.float32)).to(DEVICE), qtype("F32"), (6, 256))
+    assert rel_err(tops.linear(x.to(DEVICE), dense).reshape(6, 6), expected) < 1e-5
+
+
+def test_unsupported_type_is_a_clear_error() -> None:
+    qt = qtype("IQ2_XXS")
+    w = Weight(torch.zeros(2, qt.block_bytes, dtype=torch.uint8), qt, (2, 256))
+    with pytest.raises(LlmxError, match=r"\(IQ2_XXS\) has no Triton kernel"):
+        tops.linear(torch.zeros(1, 256), w)
+
+
+# --- GPU: model-sized shapes and bf16 ---------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", TYPES)
+def test_gpu_dequantize_large(name: str) -> None:
+    w, ref = random_weight(name, 301, 4096, seed=50)
+    assert np.array_equal(tops.dequantize(w).cpu().numpy(), ref.astype(np.float32))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_linear_large(name: str, m: int, dtype: torch.dtype) -> None:
+    check_linear(name, m, 1000, 4096, dtype, seed=60 + m)
