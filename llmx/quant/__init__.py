@@ -21,6 +21,7 @@ class QType:
     block_bytes: int
     family: str  # "float", "legacy" (32-weight blocks), "k" (256-weight super-blocks), "iq"
     supported: bool = True  # False: known for sizing (planner, shapes) but not computed yet
+    row_meta_bytes: int = 0  # ik_llama's *_KS types start every row with an f32 scale
 
     @property
     def bits_per_weight(self) -> float:
@@ -30,7 +31,7 @@ class QType:
         """Bytes of one row of `n_cols` weights; rows are whole blocks in GGUF."""
         if n_cols % self.block_elems:
             raise LlmxError(f"a {self.name} row needs a multiple of {self.block_elems} columns, got {n_cols}")
-        return n_cols // self.block_elems * self.block_bytes
+        return self.row_meta_bytes + n_cols // self.block_elems * self.block_bytes
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes of a tensor whose innermost (contiguous) dimension is shape[-1]."""
@@ -79,11 +80,15 @@ _SIZE_ONLY = [
     ("TQ1_0", 34, 256, 54, "k"),
     ("TQ2_0", 35, 256, 66, "k"),
     ("MXFP4", 39, 32, 17, "legacy"),
+    # ik_llama.cpp types (ggml/include/ggml.h there): ubergarm's DeepSeek/Qwen MoE quants use them.
+    ("IQ5_K", 140, 256, 176, "iq"),
+    ("IQ4_KS", 144, 256, 136, "iq", 4),  # + f32 row scale: 4 bytes a row
+    ("IQ4_KS_R4", 344, 256, 136, "iq", 4),
 ]
 
 QTYPES: dict[int, QType] = {
     row[1]: QType(*row) for row in _TABLE
-} | {row[1]: QType(*row, supported=False) for row in _SIZE_ONLY}
+} | {row[1]: QType(*row[:5], False, *row[5:]) for row in _SIZE_ONLY}
 BY_NAME: dict[str, QType] = {q.name: q for q in QTYPES.values()}
 
 F32, F16, BF16 = BY_NAME["F32"], BY_NAME["F16"], BY_NAME["BF16"]
