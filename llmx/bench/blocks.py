@@ -61,14 +61,25 @@ def random_data(qt: QType, n_elements: int, std: float, rng: np.random.Generator
     return _random_blocks(qt, n_elements // qt.block_elems, std / unit_std(qt.name), rng).reshape(-1)
 
 
+def constant_data(qt: QType, n_elements: int, value: float) -> np.ndarray:
+    """`n_elements` copies of `value` in a float type, as raw bytes (norm weights 1.0, biases 0.0)."""
+    if qt.name not in FLOAT_TYPES:
+        raise LlmxError(f"a constant tensor must be F32, F16 or BF16, not {qt.name}")
+    return _to_float_type(qt.name, np.full(n_elements, value, dtype=np.float32))
+
+
 def _random_floats(name: str, n: int, std: float, rng: np.random.Generator) -> np.ndarray:
     values = rng.standard_normal(n, dtype=np.float32)
     values *= std
+    return _to_float_type(name, values)
+
+
+def _to_float_type(name: str, values: np.ndarray) -> np.ndarray:
     if name == "F32":
         return values.view(np.uint8)
     if name == "F16":
         return values.astype(np.float16).view(np.uint8)
-    # BF16 is the top half of an f32 (truncation is fine for random values).
+    # BF16 is the top half of an f32 (truncation: exact for 0 and 1, harmless for random values).
     return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
 
 
