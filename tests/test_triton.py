@@ -14,6 +14,7 @@ Tolerances, as ||out - ref|| / ||ref|| against float64 on the same dequantized w
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import numpy as np
 import pytest
@@ -71,8 +72,8 @@ def rel_err(out: torch.Tensor, ref: np.ndarray) -> float:
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
-def check_linear(name: str, m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> None:
-    w, ref_w = random_weight(name, n, k, seed)
+def check_linear(w: Weight, ref_w: np.ndarray, m: int, dtype: torch.dtype, seed: int) -> None:
+    n, k = w.shape
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
     out = tops.linear(x.to(DEVICE), w)
     assert out.shape == (m, n) and out.dtype == dtype
@@ -102,19 +103,19 @@ def test_embedding_reads_the_chosen_rows(name: str) -> None:
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_gemv(name: str, m: int) -> None:
     # N = 9 is not a multiple of the rows per program; 3 blocks are not a multiple of BK.
-    check_linear(name, m, 9, width(name, 3), torch.float32, seed=10 + m)
+    check_linear(*random_weight(name, 9, width(name, 3), seed=10 + m), m, torch.float32, seed=m)
 
 
 @pytest.mark.parametrize("name", TYPES)
 def test_gemv_fp16(name: str) -> None:
-    check_linear(name, 2, 6, width(name, 2), torch.float16, seed=20)
+    check_linear(*random_weight(name, 6, width(name, 2), seed=20), 2, torch.float16, seed=20)
 
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gemm(name: str, dtype: torch.dtype) -> None:
     # M = 17 and N = 33 leave partial tiles in both directions.
-    check_linear(name, 17, 33, width(name, 3), dtype, seed=30)
+    check_linear(*random_weight(name, 33, width(name, 3), seed=30), 17, dtype, seed=30)
 
 
 def test_leading_dims_and_float_weights() -> None:
@@ -140,11 +141,17 @@ def test_unsupported_type_is_a_clear_error() -> None:
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@cache
+def large_weight(name: str) -> tuple[Weight, np.ndarray]:
+    """One 1000 x 4096 weight per type, shared by the GPU tests (making it dominates their time)."""
+    return random_weight(name, 1000, 4096, seed=50)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name", TYPES)
 def test_gpu_dequantize_large(name: str) -> None:
-    w, ref = random_weight(name, 301, 4096, seed=50)
+    w, ref = large_weight(name)
     assert np.array_equal(tops.dequantize(w).cpu().numpy(), ref.astype(np.float32))
 
 
@@ -154,4 +161,4 @@ def test_gpu_dequantize_large(name: str) -> None:
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 100])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_linear_large(name: str, m: int, dtype: torch.dtype) -> None:
-    check_linear(name, m, 1000, 4096, dtype, seed=60 + m)
+    check_linear(*large_weight(name), m, dtype, seed=m)
