@@ -1,0 +1,247 @@
+"""The placement planner: (model, inventory, options) -> Plan, with llama.cpp's semantics. Pure.
+
+How a tensor's device is decided, in order:
+1. the first override rule that matches its name (`-ot`, then `--cpu-moe`/`--n-cpu-moe`);
+2. token embeddings (and other non-layer tensors) stay on the CPU: a lookup gains nothing on a GPU;
+3. a repeating layer's tensors follow their layer: `-ngl N` puts the *last* N layers on GPUs, and
+   with N > n_layer the output layer too (llama_model::load_tensors, `i_gpu_start`);
+4. `-sm layer` spreads the GPU layers over the GPUs in proportion to `-ts` (default: free memory),
+   GPU 0 taking the first of them; `-sm none` uses the `-mg` GPU only; `-sm row` keeps the layers on
+   the `-mg` GPU but splits each 2-D weight's rows across the GPUs in proportion to `-ts`.
+A layer's KV cache lives with the layer, or on the CPU with `--no-kv-offload`.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from llmx.errors import LlmxError
+from llmx.plan.devices import Device, Inventory, MiB
+from llmx.plan.memory import compute_bytes, context_length, kv_layer_bytes
+from llmx.plan.model import ROLES, ModelSpec, TensorSpec
+from llmx.plan.options import ALL_LAYERS, Options
+from llmx.plan.placement import DeviceUse, LayerRow, Plan
+from llmx.plan.rules import compile_rules
+
+OUTPUT_TENSORS = ("output_norm.weight", "output.weight")
+ROW_ROUNDING = 64  # row-split boundaries fall on multiples of 64 rows, as ggml-cuda rounds them
+
+
+def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...] = ()) -> Plan:
+    """Apply `opts` exactly (no fitting) and account for every byte."""
+    gpus = gpus_in_use(inv, opts)
+    layer_dev, output_dev, n_offloaded = assign_layers(model, opts, gpus, inv)
+    rules = compile_rules(opts, inv)
+    hits = [0] * len(rules)
+    tensor_device: dict[str, str] = {}
+    pinned: set[str] = set()
+    for t in model.tensors:
+        for i, rule in enumerate(rules):
+            if rule.matches(t.name):
+                tensor_device[t.name] = rule.device
+                hits[i] += 1
+                pinned.add(t.name)
+                break
+        else:
+            tensor_device[t.name] = _home(t, layer_dev, output_dev)
+
+    row_splits: dict[str, tuple[tuple[str, int, int], ...]] = {}
+    if opts.split_mode == "row" and len(gpus) > 1:
+        shares = _shares(opts, gpus, inv)
+        for t in model.tensors:
+            if (
+                t.is_matrix
+                and t.name not in pinned
+                and tensor_device[t.name] != "cpu"
+                and t.name != "token_embd.weight"
+            ):
+                row_splits[t.name] = _row_ranges(t.shape[0], gpus, shares)
+
+    extra_copies = {}
+    if not any(t.name == "output.weight" for t in model.tensors) and output_dev != tensor_device.get(
+        "token_embd.weight", "cpu"
+    ):
+        extra_copies["token_embd.weight"] = output_dev  # tied embeddings: the output needs its own copy
+
+    kv_devices = tuple("cpu" if opts.no_kv_offload else d for d in layer_dev)
+    usage = _usage(
+        model, inv, opts, tensor_device, row_splits, extra_copies, kv_devices, layer_dev, output_dev
+    )
+    warnings = [f"{r.source} matched no tensor" for r, n in zip(rules, hits, strict=True) if n == 0]
+    warnings += _empty_gpu_warnings(inv, opts, gpus, usage, n_offloaded)
+    if inv.gpus == () and opts.n_gpu_layers:
+        warnings.append(f"no GPU: -ngl {opts.n_gpu_layers} has no effect, everything runs on the CPU")
+    return Plan(
+        model=model.name,
+        options=opts,
+        n_layer=model.n_layer,
+        ctx=context_length(model, opts),
+        tensor_device=tensor_device,
+        layer_device=tuple(layer_dev),
+        output_device=output_dev,
+        kv_devices=kv_devices,
+        usage=usage,
+        layers=_layer_rows(model, opts, tensor_device, row_splits, kv_devices),
+        n_offloaded=n_offloaded,
+        row_splits=row_splits,
+        extra_copies=extra_copies,
+        warnings=tuple(warnings),
+        notes=notes,
+    )
+
+
+# --- layers -> devices ---
+
+
+def gpus_in_use(inv: Inventory, opts: Options) -> list[Device]:
+    """The GPUs layers may go to: all of them, or only the -mg one with -sm none."""
+    if not inv.gpus:
+        return []
+    if opts.main_gpu >= len(inv.gpus):
+        raise LlmxError(f"-mg {opts.main_gpu}: this machine has {len(inv.gpus)} GPU(s), numbered from 0")
+    if opts.split_mode == "none":
+        return [inv.gpus[opts.main_gpu]]
+    return list(inv.gpus)
+
+
+def assign_layers(
+    model: ModelSpec, opts: Options, gpus: list[Device], inv: Inventory
+) -> tuple[list[str], str, int]:
+    """(device of each repeating layer, device of the output layer, number of offloaded layers)."""
+    n = model.n_layer
+    if not gpus:
+        return ["cpu"] * n, "cpu", 0
+    ngl = ALL_LAYERS if opts.n_gpu_layers is None else opts.n_gpu_layers
+    start, act = max(n - ngl, 0), min(ngl, n + 1)
+    main = inv.gpus[opts.main_gpu].name
+    points = _split_points(_shares(opts, gpus, inv)) if opts.split_mode == "layer" else []
+
+    def device(il: int) -> str:
+        if il < start or il - start >= act:
+            return "cpu"
+        if opts.split_mode != "layer":
+            return main
+        # llama.cpp: the first split point above the layer's position among the GPU layers
+        k = bisect.bisect_right(points, (il - start) / act)
+        return gpus[min(k, len(gpus) - 1)].name
+
+    return [device(i) for i in range(n)], device(n), act
+
+
+def _shares(opts: Options, gpus: list[Device], inv: Inventory) -> list[float]:
+    """Each in-use GPU's proportion: -ts (indexed by CUDA number) or its free memory."""
+    if opts.tensor_split is None:
+        shares = [float(g.free) for g in gpus]
+    else:
+        if len(opts.tensor_split) > len(inv.gpus):
+            raise LlmxError(
+                f"-ts gives {len(opts.tensor_split)} proportions but this machine has {len(inv.gpus)} GPU(s)"
+            )
+        padded = list(opts.tensor_split) + [0.0] * (len(inv.gpus) - len(opts.tensor_split))
+        shares = [padded[g.index] for g in gpus]
+    if sum(shares) <= 0:
+        raise LlmxError("-ts gives every GPU in use a zero share; give at least one a positive proportion")
+    return shares
+
+
+def _split_points(shares: list[float]) -> list[float]:
+    total, acc, points = sum(shares), 0.0, []
+    for s in shares:
+        acc += s
+        points.append(acc / total)
+    return points
+
+
+def _row_ranges(rows: int, gpus: list[Device], shares: list[float]) -> tuple[tuple[str, int, int], ...]:
+    points = _split_points(shares)
+    bounds = [0] + [int(rows * p) // ROW_ROUNDING * ROW_ROUNDING for p in points[:-1]] + [rows]
+    return tuple((g.name, lo, hi) for g, lo, hi in zip(gpus, bounds, bounds[1:], strict=True) if hi > lo)
+
+
+def _home(t: TensorSpec, layer_dev: list[str], output_dev: str) -> str:
+    if t.layer is not None:
+        return layer_dev[t.layer]
+    return output_dev if t.name in OUTPUT_TENSORS else "cpu"
+
+
+# --- accounting ---
+
+
+def _usage(model, inv, opts, tensor_device, row_splits, extra_copies, kv_devices, layer_dev, output_dev):
+    weights = {d.name: 0 for d in inv.devices}
+    runs = {d.name: set() for d in inv.devices}  # which kinds of op each device computes
+    by_name = {t.name: t for t in model.tensors}
+    for t in model.tensors:
+        parts = row_splits.get(t.name) or ((tensor_device[t.name], 0, t.shape[0]),)
+        for dev, lo, hi in parts:
+            weights[dev] += t.nbytes * (hi - lo) // t.shape[0]
+            runs[dev].add(t.role)
+    for name, dev in extra_copies.items():
+        weights[dev] += by_name[name].nbytes
+    kv = {d.name: 0 for d in inv.devices}
+    per_layer = kv_layer_bytes(model, opts)
+    for dev in kv_devices:
+        kv[dev] += per_layer
+    for dev in layer_dev:
+        runs[dev].add("attn")
+    usage = []
+    for d in inv.devices:
+        compute = 0
+        if weights[d.name] or kv[d.name] or d.name == output_dev:
+            compute = compute_bytes(
+                model,
+                opts,
+                attention="attn" in runs[d.name],
+                ffn=bool(runs[d.name] & {"ffn", "experts", "shared"}),
+                output=d.name == output_dev,
+                inp=d.name == tensor_device.get("token_embd.weight"),
+            )
+        margin = opts.margin_mib(d.index) * MiB
+        usage.append(
+            DeviceUse(
+                d.name, d.label, d.bus_id, d.total, d.free, weights[d.name], kv[d.name], compute, margin
+            )
+        )
+    return tuple(usage)
+
+
+def _layer_rows(model, opts, tensor_device, row_splits, kv_devices) -> tuple[LayerRow, ...]:
+    groups: dict[int | str, list[TensorSpec]] = {"input": []}
+    for i in range(model.n_layer):
+        groups[i] = []
+    groups["output"] = []
+    for t in model.tensors:
+        key = t.layer if t.layer is not None else ("output" if t.name in OUTPUT_TENSORS else "input")
+        groups[key].append(t)
+    per_layer_kv = kv_layer_bytes(model, opts)
+    rows = []
+    for key, tensors in groups.items():
+        nbytes = {r: 0 for r in ROLES}
+        devices: dict[str, set[str]] = {r: set() for r in ROLES}
+        for t in tensors:
+            nbytes[t.role] += t.nbytes
+            split = row_splits.get(t.name)
+            devices[t.role] |= {p[0] for p in split} if split else {tensor_device[t.name]}
+        joined = {r: "+".join(sorted(devices[r], key=_device_order)) for r in ROLES}
+        kv = (per_layer_kv, kv_devices[key]) if isinstance(key, int) else (0, "")
+        rows.append(LayerRow(key, nbytes, joined, *kv))
+    return tuple(rows)
+
+
+def _device_order(name: str) -> tuple[int, int]:
+    return (1, 0) if name == "cpu" else (0, int(name.split(":")[1]))
+
+
+def _empty_gpu_warnings(inv, opts, gpus, usage, n_offloaded) -> list[str]:
+    if not n_offloaded and not any(u.weights for u in usage if u.device != "cpu"):
+        return []
+    out = []
+    in_use = {g.name for g in gpus}
+    for u in usage:
+        if u.device == "cpu" or u.weights or u.kv:
+            continue
+        if u.device not in in_use:
+            out.append(f"{u.device} is left empty: -sm none uses only -mg {opts.main_gpu}")
+        else:
+            out.append(f"{u.device} is left empty: its share of the {n_offloaded} GPU layers rounds to none")
+    return out
