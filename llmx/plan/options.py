@@ -236,7 +236,7 @@ def _overrides(value: Any) -> tuple[tuple[str, str], ...]:
         try:
             re.compile(regex)
         except re.error as e:
-            raise LlmxError(f"override_tensor (-ot): bad regular expression {regex!r}: {e}") from None
+            raise LlmxError(f"override_tensor (-ot): bad regular expression '{regex}': {e}") from None
     return tuple(rules)
 
 

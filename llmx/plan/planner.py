@@ -155,7 +155,7 @@ def _split_points(shares: list[float]) -> list[float]:
 def _row_ranges(rows: int, gpus: list[Device], shares: list[float]) -> tuple[tuple[str, int, int], ...]:
     points = _split_points(shares)
     bounds = [0] + [int(rows * p) // ROW_ROUNDING * ROW_ROUNDING for p in points[:-1]] + [rows]
-    return tuple((g.name, lo, hi) for g, lo, hi in zip(gpus, bounds, bounds[1:], strict=True) if hi > lo)
+    return tuple((g.name, lo, hi) for g, lo, hi in zip(gpus, bounds[:-1], bounds[1:], strict=True) if hi > lo)
 
 
 def _home(t: TensorSpec, layer_dev: list[str], output_dev: str) -> str:
