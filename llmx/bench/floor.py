@@ -6,13 +6,18 @@ bandwidth; the devices work one after another during decode, not in parallel). T
 weight except the token embedding table (one row of it is read, not the table), plus only the
 active experts' share of MoE expert tensors, plus the KV cache at the current depth. With tied
 embeddings (no `output.weight`) the embedding table is the output matrix and is read in full.
-Pure arithmetic: no torch, so it is tested on hand-computed cases.
+Pure arithmetic: no torch, so it is tested on hand-computed cases. A `-sm row` split counts each
+GPU's rows on that GPU; those GPUs read concurrently, so for row splits the sum is an upper bound.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmx.plan.placement import Plan
 
 EMBEDDING = "token_embd.weight"
 OUTPUT = "output.weight"
@@ -59,6 +64,38 @@ def token_bytes(
         share = weight_read_fraction(name, tied, n_expert_used, n_expert)
         weights[device] = weights.get(device, 0.0) + nbytes * share
     return TokenBytes(weights, dict(kv_per_position))
+
+
+def placed_tensors(plan: Plan, tensors: Iterable[tuple[str, int]]) -> list[tuple[str, int, str]]:
+    """`(name, nbytes)` -> `(name, nbytes, device)` as `plan` places them; row splits per GPU share."""
+    out = []
+    for name, nbytes in tensors:
+        split = plan.row_split(name)
+        if split:
+            rows = sum(end - first for _, first, end in split)
+            out += [(name, nbytes * (end - first) // rows, dev) for dev, first, end in split]
+        elif name == EMBEDDING:
+            # Only read per token when tied, and then as the output matrix, on the output's device.
+            out.append((name, nbytes, plan.output_device))
+        else:
+            out.append((name, nbytes, plan.device_of(name)))
+    return out
+
+
+def kv_per_position(plan: Plan) -> dict[str, float]:
+    """device -> K+V bytes per cached token, from the plan's per-layer KV sizes for its context."""
+    out: dict[str, float] = {}
+    for row in plan.layers:
+        if row.kv_bytes:
+            out[row.kv_device] = out.get(row.kv_device, 0.0) + row.kv_bytes / plan.ctx
+    return out
+
+
+def plan_token_bytes(
+    plan: Plan, tensors: Iterable[tuple[str, int]], n_expert_used: int, n_expert: int
+) -> TokenBytes:
+    """Bytes per generated token, per device, of a model with `tensors` placed by `plan`."""
+    return token_bytes(placed_tensors(plan, tensors), kv_per_position(plan), n_expert_used, n_expert)
 
 
 def floor_seconds(bytes_per_device: Mapping[str, float], bandwidth_gbs: Mapping[str, float]) -> float | None:
