@@ -84,6 +84,8 @@ class Tokenizer:
         *,
         bos_id: int | None,
         eos_id: int | None,
+        unk_id: int | None = None,
+        pad_id: int | None = None,
         add_bos: bool,
         add_eos: bool,
         add_space_prefix: bool,
@@ -98,7 +100,7 @@ class Tokenizer:
         # llama.cpp gives a type it does not know no text and never parses it: as unused.
         self._types = [TokenType(t) if t in _KNOWN_TYPES else TokenType.UNUSED for t in types]
         self._model = model
-        self.bos_id, self.eos_id = bos_id, eos_id
+        self.bos_id, self.eos_id, self.unk_id, self.pad_id = bos_id, eos_id, unk_id, pad_id
         self.add_bos, self.add_eos, self.add_space_prefix = add_bos, add_eos, add_space_prefix
         self.stop_ids: frozenset[int] = frozenset(stop_ids)
         self.chat_template = chat_template
@@ -125,13 +127,21 @@ class Tokenizer:
             if "tokenizer.ggml.merges" not in meta:
                 raise LlmxError("the GGUF's BPE vocabulary has no merges (tokenizer.ggml.merges)")
             model = ByteLevelBPE(tokens, meta["tokenizer.ggml.merges"], p)
-            bos_id, eos_id = token_id("bos_token_id", None), token_id("eos_token_id", None)
+            bos_id, eos_id, unk_id = (
+                token_id("bos_token_id", None),
+                token_id("eos_token_id", None),
+                token_id("unknown_token_id", None),
+            )
             add_bos_default, add_space_prefix = p.add_bos, False
         elif kind == "llama":
+            # llama.cpp's defaults for a SentencePiece file that does not say: <unk> = 0, <s> = 1, </s> = 2.
+            bos_id, eos_id, unk_id = (
+                token_id("bos_token_id", 1),
+                token_id("eos_token_id", 2),
+                token_id("unknown_token_id", 0),
+            )
             scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-            model = SentencePieceBPE(tokens, scores, token_id("unknown_token_id", 0))
-            # llama.cpp's defaults for a SentencePiece file that does not say: <s> = 1, </s> = 2.
-            bos_id, eos_id = token_id("bos_token_id", 1), token_id("eos_token_id", 2)
+            model = SentencePieceBPE(tokens, scores, unk_id)
             add_bos_default = True
             add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         else:
@@ -148,6 +158,8 @@ class Tokenizer:
             model,
             bos_id=bos_id,
             eos_id=eos_id,
+            unk_id=unk_id,
+            pad_id=token_id("padding_token_id", None),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             add_space_prefix=add_space_prefix,
@@ -167,6 +179,10 @@ class Tokenizer:
 
     def token_type(self, token_id: int) -> TokenType:
         return self._types[token_id]
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the control, user-defined or unknown token spelled `text` (`<|im_end|>`), if any."""
+        return self._special_ids.get(text)
 
     def token_bytes(self, token_id: int, skip_special: bool = False) -> bytes:
         """The bytes a token stands for in decoded text (possibly part of a UTF-8 character)."""
