@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
-from llmx.bench.floor import floor_seconds, mean_depth, plan_token_bytes, roofline, token_bytes
+from llmx.bench.floor import Roofline, floor_seconds, mean_depth, plan_token_bytes, roofline, token_bytes
 from llmx.bench.grid import expand, int_list, option_grid
+from llmx.bench.plot import plot_sweeps
+from llmx.bench.rows import BENCH_COLUMNS, SWEEP_COLUMNS, bench_row, sweep_row
+from llmx.bench.runner import BenchTest, Speed, bench_tests, time_test
+from llmx.bench.sweep import sweep
+from llmx.bench.tables import csv_text, json_text, markdown
 from llmx.errors import LlmxError
 from llmx.plan.devices import parse_devices
 from llmx.plan.model import ModelSpec
@@ -130,3 +136,127 @@ def test_option_grid_gives_one_options_per_combination():
     }
     assert {o.override_tensor for o in combos} == {(("exps", "CPU"), ("output", "CPU")), (("exps", "CUDA0"),)}
     assert all(o.tensor_split == (3.0, 1.0) and o.devices == "cuda0=16GiB,cpu=64GiB" for o in combos)
+
+
+# --- timing loops, on an engine that only counts ---
+
+
+class CountingEngine:
+    """Stands in for llmx.engine.Engine: records calls, keeps n_past like the real one."""
+
+    def __init__(self) -> None:
+        self.n_past, self.calls = 0, []
+
+    def reset(self) -> None:
+        self.n_past = 0
+        self.calls.append(("reset",))
+
+    def prefill(self, ids):
+        self.calls.append(("prefill", self.n_past, len(ids)))
+        self.n_past += len(ids)
+
+    def decode(self, token):
+        self.calls.append(("decode", self.n_past))
+        self.n_past += 1
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_tests_follow_llama_bench_order_and_names():
+    tests = bench_tests([512], [128], [0, 4096])
+    assert [t.name for t in tests] == ["pp512", "tg128", "pp512 @ d4096", "tg128 @ d4096"]
+    assert tests[3].n_ctx == 4096 + 128
+
+
+def test_time_test_warms_up_then_fills_the_depth_untimed_for_every_repetition():
+    engine = CountingEngine()
+    samples = time_test(engine, BenchTest(0, 3, n_depth=10), reps=2, n_vocab=100)
+    assert len(samples) == 2  # the warm-up is not a sample
+    one_rep = [("reset",), ("prefill", 0, 10), ("decode", 10), ("decode", 11), ("decode", 12)]
+    assert engine.calls == one_rep * 3
+
+
+def test_speed_reports_llama_bench_statistics():
+    s = Speed(n_tokens=100, samples_s=(1.0, 0.5))
+    assert s.samples_ts == [100, 200] and s.avg_ts == 150
+    assert s.stddev_ts == pytest.approx(70.7107, rel=1e-4)  # sample stddev, as llama-bench
+    assert s.samples_ns == [10**9, 5 * 10**8]
+
+
+def test_sweep_times_each_window_and_drops_the_generated_tokens():
+    engine = CountingEngine()
+    rows = list(sweep(engine, n_ctx=64, n_ubatch=16, n_gen=4, n_vocab=100))
+    assert [r["n_kv"] for r in rows] == [0, 16, 32, 48]
+    assert all(r["pp"] == 16 and r["tg"] == 4 and r["speed_pp"] > 0 and r["rss_bytes"] > 0 for r in rows)
+    # the last window: 4 decodes at 48..51, then the prompt ubatch again from 48
+    assert engine.calls[-5:] == [
+        ("decode", 48),
+        ("decode", 49),
+        ("decode", 50),
+        ("decode", 51),
+        ("prefill", 48, 16),
+    ]
+    with pytest.raises(LlmxError, match="-ub"):
+        list(sweep(engine, n_ctx=8, n_ubatch=16, n_gen=4, n_vocab=100))
+
+
+# --- rows, tables, plot ---
+
+ENV = {"llmx_commit": "abc", "cpu": "BenchTest CPU", "gpus": []}
+MODEL = {"model_filename": "m.gguf", "model_name": "m", "model_arch": "llama", "model_ftype": "Q4_K_M",
+         "model_size": 2**30, "model_n_params": 10**9}  # fmt: skip
+PLACEMENT = {"devices": ["cpu"], "summary": "default", "plan": {}, "bandwidth_gbs": {"cpu": 10.0},
+             "load_seconds": 0.1, "n_offloaded": 0}  # fmt: skip
+LLAMA_BENCH_FIELDS = [
+    "n_prompt", "n_gen", "n_depth", "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "stddev_ns", "samples_ns",
+    "model_type", "model_size", "model_n_params", "n_threads", "type_k", "type_v", "n_gpu_layers",
+    "build_commit", "cpu_info", "backends", "test_time",
+]  # fmt: skip
+
+
+def bench_rows() -> list[dict]:
+    roof = Roofline(bytes_per_token=10**9, floor_seconds=0.1)
+    return [
+        bench_row(ENV, MODEL, Options(), PLACEMENT, BenchTest(512, 0), Speed(512, (1.0, 1.0)), roof),
+        bench_row(ENV, MODEL, Options(), PLACEMENT, BenchTest(0, 128), Speed(128, (25.6, 25.6)), roof),
+    ]
+
+
+def test_bench_rows_carry_llama_bench_fields_and_the_floor_for_generation_only():
+    pp, tg = bench_rows()
+    assert all(field in tg for field in LLAMA_BENCH_FIELDS)
+    assert tg["avg_ts"] == pytest.approx(5) and tg["gbs"] == pytest.approx(5)
+    assert tg["floor_ts"] == pytest.approx(10) and tg["pct_floor"] == pytest.approx(50)
+    assert pp["gbs"] is None and pp["pct_floor"] is None
+    json.loads(json_text([pp, tg]))  # JSON-ready as it stands
+
+
+def test_bench_markdown_has_every_column():
+    text = markdown(bench_rows(), BENCH_COLUMNS)
+    header, rule, pp, tg = text.splitlines()
+    for name in ["model", "size", "params", "devices", "placement", "test", "t/s", "GB/s", "% of floor"]:
+        assert f" {name} " in header
+    assert "1.00 GiB" in pp and "1.00 B" in pp and "pp512" in pp and "512.00 ± 0.00" in pp
+    assert "tg128" in tg and "5.00 ± 0.00" in tg and "50%" in tg
+    assert len({len(line) for line in text.splitlines()}) == 1  # aligned
+
+
+def test_bench_csv_has_a_column_per_field():
+    lines = csv_text(bench_rows()).splitlines()
+    assert len(lines) == 3 and "avg_ts" in lines[0].split(",")
+
+
+def test_sweep_plot_is_a_valid_png(tmp_path):
+    window = {"pp": 16, "tg": 4, "t_pp": 0.1, "speed_pp": 160.0, "t_tg": 0.2, "speed_tg": 20.0}
+    rows = [sweep_row({**window, "n_kv": n}, Roofline(10**8, 0.01)) for n in (0, 16, 32)]
+    path = tmp_path / "sweep.png"
+    plot_sweeps([{"label": "a", "rows": rows}, {"label": "b", "rows": rows}], path, title="test")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.verify()
+        assert image.size[0] > 500
+    assert "S_TG t/s" in markdown(rows, SWEEP_COLUMNS)

@@ -1,0 +1,135 @@
+"""Result rows of `llmx bench` and `llmx sweep-bench`, and the markdown columns that show them.
+
+A bench row carries llama-bench's JSON field names (`n_prompt`, `n_gen`, `n_depth`, `avg_ts`,
+`stddev_ts`, `samples_ts`, `type_k`, `n_gpu_layers`, ...) so tools written for llama-bench read it,
+plus llmx's own: the roofline (`bytes_per_token`, `gbs`, `floor_ts`, `pct_floor`, the bandwidth
+used per device), the placement and full plan, and the environment. A sweep row keeps
+ik_llama.cpp's sweep-bench names (`n_kv`, `t_pp`, `speed_pp`, `t_tg`, `speed_tg`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from llmx.bench.floor import Roofline
+from llmx.bench.runner import BenchTest, Speed
+from llmx.bench.tables import Column, human_bytes, human_count, mean_pm, number
+from llmx.plan.options import Options
+
+
+def placement_summary(opts: Options, n_offloaded: int | None, n_layer: int) -> str:
+    """The flags a user would type for this placement, and how many layers that put on GPUs."""
+    flags = " ".join(opts.to_args()) or "default"
+    return flags if n_offloaded is None else f"{flags} ({n_offloaded}/{n_layer + 1} on GPU)"
+
+
+def bench_row(
+    env: Mapping[str, Any],
+    model: Mapping[str, Any],
+    opts: Options,
+    placement: Mapping[str, Any],
+    test: BenchTest,
+    speed: Speed,
+    roof: Roofline | None,
+) -> dict[str, Any]:
+    """One llama-bench JSON row plus llmx's fields. `placement` holds devices, summary, plan, load time."""
+    tg = roof is not None and test.n_gen > 0
+    return {
+        # --- llama-bench's fields ---
+        "build_commit": env.get("llmx_commit"),
+        "cpu_info": env.get("cpu"),
+        "gpu_info": ", ".join(g["name"] for g in env.get("gpus", [])),
+        "backends": "CUDA" if any(d.startswith("cuda") for d in placement["devices"]) else "CPU",
+        "model_filename": model["model_filename"],
+        "model_type": f"{model['model_arch']} {model['model_ftype']}",
+        "model_size": model["model_size"],
+        "model_n_params": model["model_n_params"],
+        "n_batch": opts.batch_size,
+        "n_ubatch": opts.n_ubatch,
+        "n_threads": opts.n_threads,
+        "type_k": opts.cache_type_k,
+        "type_v": opts.cache_type_v,
+        "n_gpu_layers": placement.get("n_offloaded"),
+        "split_mode": opts.split_mode,
+        "main_gpu": opts.main_gpu,
+        "no_kv_offload": opts.no_kv_offload,
+        "flash_attn": opts.flash_attn,
+        "tensor_split": "/".join(f"{p:g}" for p in opts.tensor_split or ()),
+        "tensor_buft_overrides": ";".join(f"{r}={b}" for r, b in opts.override_tensor),
+        "use_mmap": not opts.no_mmap,
+        "n_prompt": test.n_prompt,
+        "n_gen": test.n_gen,
+        "n_depth": test.n_depth,
+        "test_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "avg_ns": speed.avg_ns,
+        "stddev_ns": speed.stddev_ns,
+        "avg_ts": speed.avg_ts,
+        "stddev_ts": speed.stddev_ts,
+        "samples_ns": speed.samples_ns,
+        "samples_ts": speed.samples_ts,
+        # --- llmx's fields ---
+        "test": test.name,
+        "model_name": model["model_name"],
+        "devices": placement["devices"],
+        "placement": placement["summary"],
+        "bytes_per_token": roof.bytes_per_token if tg else None,
+        "gbs": roof.gbs(speed.avg_ts) if tg else None,
+        "floor_ts": roof.floor_tps() if tg else None,
+        "pct_floor": roof.percent_of_floor(speed.avg_ts) if tg else None,
+        "bandwidth_gbs": placement["bandwidth_gbs"],
+        "load_seconds": placement["load_seconds"],
+        "environment": dict(env),
+        "plan": placement["plan"],
+    }
+
+
+def _devices(r: Mapping[str, Any]) -> str:
+    return "+".join(r["devices"])
+
+
+BENCH_COLUMNS = [
+    Column("model", lambda r: r["model_name"], right=False),
+    Column("size", lambda r: human_bytes(r["model_size"])),
+    Column("params", lambda r: human_count(r["model_n_params"])),
+    Column("devices", _devices, right=False),
+    Column("placement", lambda r: r["placement"], right=False),
+    Column("test", lambda r: r["test"]),
+    Column("t/s", lambda r: mean_pm(r["avg_ts"], r["stddev_ts"])),
+    Column("GB/s", lambda r: number(r["gbs"])),
+    Column("% of floor", lambda r: number(r["pct_floor"], 0, "%")),
+    Column("floor t/s", lambda r: number(r["floor_ts"])),
+]
+
+
+def sweep_row(row: Mapping[str, Any], roof: Roofline | None) -> dict[str, Any]:
+    """A sweep window with its generation roofline at that depth."""
+    speed = row["speed_tg"]
+    return {
+        **row,
+        "gbs_tg": roof.gbs(speed) if roof else None,
+        "floor_tg": roof.floor_tps() if roof else None,
+        "pct_floor_tg": roof.percent_of_floor(speed) if roof else None,
+    }
+
+
+SWEEP_COLUMNS = [
+    Column("PP", lambda r: str(r["pp"])),
+    Column("TG", lambda r: str(r["tg"])),
+    Column("N_KV", lambda r: str(r["n_kv"])),
+    Column("T_PP s", lambda r: number(r["t_pp"], 3)),
+    Column("S_PP t/s", lambda r: number(r["speed_pp"], 2)),
+    Column("T_TG s", lambda r: number(r["t_tg"], 3)),
+    Column("S_TG t/s", lambda r: number(r["speed_tg"], 2)),
+    Column("GB/s", lambda r: number(r["gbs_tg"])),
+    Column("% of floor", lambda r: number(r["pct_floor_tg"], 0, "%")),
+]
+
+
+def memory_columns(gpus: list[str]) -> list[Column]:
+    """Host RSS and per-GPU allocated bytes, for `sweep-bench --mem`."""
+    cols = [Column("RSS", lambda r: human_bytes(r["rss_bytes"]))]
+    for dev in gpus:
+        cols.append(Column(f"{dev} alloc", lambda r, d=dev: human_bytes(r["gpu_allocated"].get(d, 0))))
+    return cols

@@ -1,0 +1,135 @@
+"""llama-bench's measurements on an llmx engine: timed prompt (pp) and generation (tg) tests.
+
+A test runs `reps` times after one warm-up run that is not counted (the first run pays for kernel
+compilation, CUDA graph capture and cold caches). Each repetition starts from an empty context,
+fills `n_depth` random tokens untimed, then times either one prompt of `n_prompt` random tokens or
+`n_gen` single-token decode steps fed random tokens, as llama-bench does: the speed of a step does
+not depend on which token it is, and sampling is not part of the measurement.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class TimedEngine(Protocol):
+    """What the benchmarks need from `llmx.engine.Engine`."""
+
+    n_past: int
+
+    def reset(self) -> None: ...
+    def prefill(self, ids: list[int]) -> object: ...
+    def decode(self, token: int) -> object: ...
+    def synchronize(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class BenchTest:
+    """One llama-bench test: a prompt of n_prompt tokens or n_gen generated ones, after n_depth."""
+
+    n_prompt: int
+    n_gen: int
+    n_depth: int = 0
+
+    @property
+    def name(self) -> str:
+        base = f"pp{self.n_prompt}" if self.n_prompt else f"tg{self.n_gen}"
+        return f"{base} @ d{self.n_depth}" if self.n_depth else base
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_prompt + self.n_gen
+
+    @property
+    def n_ctx(self) -> int:
+        """The context the test needs."""
+        return self.n_depth + self.n_tokens
+
+
+def bench_tests(prompts: Sequence[int], gens: Sequence[int], depths: Sequence[int]) -> list[BenchTest]:
+    """llama-bench's test list: for each depth, the pp tests then the tg tests (0 skips a kind)."""
+    out = []
+    for d in depths:
+        out += [BenchTest(p, 0, d) for p in prompts if p > 0]
+        out += [BenchTest(0, n, d) for n in gens if n > 0]
+    return out
+
+
+def random_tokens(rng: np.random.Generator, n: int, n_vocab: int) -> list[int]:
+    return rng.integers(0, n_vocab, n).tolist()
+
+
+def time_once(engine: TimedEngine, test: BenchTest, rng: np.random.Generator, n_vocab: int) -> float:
+    """Seconds of one repetition of `test`, from an empty context filled to its depth (untimed)."""
+    engine.reset()
+    if test.n_depth:
+        engine.prefill(random_tokens(rng, test.n_depth, n_vocab))
+    prompt = random_tokens(rng, test.n_prompt, n_vocab)
+    tokens = random_tokens(rng, test.n_gen, n_vocab)
+    engine.synchronize()
+    t0 = time.perf_counter()
+    if prompt:
+        engine.prefill(prompt)
+    for token in tokens:
+        engine.decode(token)
+    engine.synchronize()
+    return time.perf_counter() - t0
+
+
+def time_test(
+    engine: TimedEngine,
+    test: BenchTest,
+    reps: int,
+    n_vocab: int,
+    seed: int = 0,
+    tick: Callable[[], None] | None = None,
+) -> list[float]:
+    """Seconds of each of `reps` repetitions, after one uncounted warm-up repetition."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(reps + 1):
+        seconds = time_once(engine, test, rng, n_vocab)
+        if i:
+            samples.append(seconds)
+        if tick:
+            tick()
+    return samples
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A test's repetitions as llama-bench reports them: tokens/s per sample, mean and sample stddev."""
+
+    n_tokens: int
+    samples_s: tuple[float, ...]
+
+    @property
+    def samples_ts(self) -> list[float]:
+        return [self.n_tokens / s for s in self.samples_s]
+
+    @property
+    def avg_ts(self) -> float:
+        return statistics.fmean(self.samples_ts)
+
+    @property
+    def stddev_ts(self) -> float:
+        ts = self.samples_ts
+        return statistics.stdev(ts) if len(ts) > 1 else 0.0
+
+    @property
+    def samples_ns(self) -> list[int]:
+        return [round(s * 1e9) for s in self.samples_s]
+
+    @property
+    def avg_ns(self) -> float:
+        return statistics.fmean(self.samples_ns)
+
+    @property
+    def stddev_ns(self) -> float:
+        return statistics.stdev(self.samples_ns) if len(self.samples_s) > 1 else 0.0
