@@ -61,9 +61,13 @@ def suggestion(model: ModelSpec, inv: Inventory, opts: Options) -> str:
 
 
 def _fit(model: ModelSpec, inv: Inventory, opts: Options) -> tuple[Options, tuple[str, ...]]:
-    if not inv.gpus:
-        return opts.replace(n_gpu_layers=0, fit=False), ("--fit: no GPU, everything runs on the CPU",)
     margins = {d.name: opts.margin_mib(d.index) * MiB for d in inv.devices}
+    if not inv.gpus:
+        cpu_only = opts.replace(n_gpu_layers=0, fit=False)
+        p = place(model, inv, cpu_only)
+        if not p.fits(margins):
+            raise LlmxError(f"{model.name} does not fit: {_shortfall(p, margins)}")
+        return cpu_only, ("--fit: no GPU, everything runs on the CPU",)
     n = model.n_layer
     ceiling = n + 1 if opts.n_gpu_layers is None else min(opts.n_gpu_layers, n + 1)
     tried: dict[tuple[int, int], tuple[Options, Plan | None]] = {}
