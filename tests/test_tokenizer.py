@@ -113,9 +113,10 @@ def test_round_trip_on_the_corpus(model, reference):
         assert tok.decode(tok.encode(case["text"], add_special=False)) == case["text"]
 
 
-# SmolLM2's vocabulary has no token for a few bytes (some C0 controls, the lead bytes of planes 4-11):
-# such characters are dropped, by HF and llama.cpp too, so the text drawn here avoids them.
-_SPELLABLE = st.characters(exclude_categories=("Cs", "Cc"), max_codepoint=0x3FFFF)
+# What cannot round-trip, in HF and llama.cpp alike, is left out: SmolLM2's vocabulary has no token for
+# a few bytes (some C0 controls, the lead bytes of planes 4-11), so those characters are dropped; and
+# SentencePiece spells a space "▁", so a literal "▁" in the text comes back as a space.
+_SPELLABLE = st.characters(exclude_categories=("Cs", "Cc"), exclude_characters="▁", max_codepoint=0x3FFFF)
 
 
 @settings(max_examples=150, deadline=None)
