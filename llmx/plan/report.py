@@ -98,4 +98,5 @@ def _gib(n: int) -> str:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.0f}M"
+    """Compact sizes for the layer table: 436M, or 12K for norms."""
+    return f"{n / 2**20:.0f}M" if n >= 2**20 else f"{-(-n // 1024)}K"
