@@ -57,7 +57,7 @@ def test_the_fastest_gpu_is_filled_first():
     inv = parse_devices("cuda0=48GiB:bw=500GB/s,cuda1=48GiB:bw=1TB/s,cpu=64GiB")
     p = plan(m, inv, Options())
     assert set(p.layer_device) == {"cuda:1"} and p.options.tensor_split == (0.0, 33.0)
-    assert p.warnings == ("cuda:0 is left empty: its share of the 33 GPU layers rounds to none",)
+    assert p.warnings == ("cuda:0 is left empty: -ts gives it no share of the 33 GPU layers",)
 
 
 def test_per_gpu_margins():

@@ -14,6 +14,7 @@ A layer's KV cache lives with the layer, or on the CPU with `--no-kv-offload`.
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 from llmx.errors import LlmxError
 from llmx.plan.devices import Device, Inventory, MiB
@@ -25,6 +26,22 @@ from llmx.plan.rules import compile_rules
 
 OUTPUT_TENSORS = ("output_norm.weight", "output.weight")
 ROW_ROUNDING = 64  # row-split boundaries fall on multiples of 64 rows, as ggml-cuda rounds them
+
+
+@dataclass(frozen=True)
+class _Where:
+    """The placement decisions, before any accounting."""
+
+    tensor_device: dict[str, str]
+    row_splits: dict[str, tuple[tuple[str, int, int], ...]]
+    extra_copies: dict[str, str]
+    layer_dev: list[str]
+    output_dev: str
+    kv_devices: tuple[str, ...]
+
+    def parts(self, t: TensorSpec) -> tuple[tuple[str, int, int], ...]:
+        """(device, first_row, end_row) pieces of `t`: one piece unless it is row-split."""
+        return self.row_splits.get(t.name) or ((self.tensor_device[t.name], 0, t.shape[0]),)
 
 
 def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...] = ()) -> Plan:
@@ -45,31 +62,25 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         else:
             tensor_device[t.name] = _home(t, layer_dev, output_dev)
 
-    row_splits: dict[str, tuple[tuple[str, int, int], ...]] = {}
+    row_splits = {}
     if opts.split_mode == "row" and len(gpus) > 1:
         shares = _shares(opts, gpus, inv)
         for t in model.tensors:
-            if (
-                t.is_matrix
-                and t.name not in pinned
-                and tensor_device[t.name] != "cpu"
-                and t.name != "token_embd.weight"
-            ):
+            on_gpu = tensor_device[t.name] != "cpu" and t.name != "token_embd.weight"
+            if t.is_matrix and on_gpu and t.name not in pinned:
                 row_splits[t.name] = _row_ranges(t.shape[0], gpus, shares)
 
     extra_copies = {}
-    if not any(t.name == "output.weight" for t in model.tensors) and output_dev != tensor_device.get(
-        "token_embd.weight", "cpu"
-    ):
-        extra_copies["token_embd.weight"] = output_dev  # tied embeddings: the output needs its own copy
+    tied = not any(t.name == "output.weight" for t in model.tensors)
+    if tied and output_dev != tensor_device.get("token_embd.weight", "cpu"):
+        extra_copies["token_embd.weight"] = output_dev  # the output matrix is the embedding table
 
     kv_devices = tuple("cpu" if opts.no_kv_offload else d for d in layer_dev)
-    usage = _usage(
-        model, inv, opts, tensor_device, row_splits, extra_copies, kv_devices, layer_dev, output_dev
-    )
+    where = _Where(tensor_device, row_splits, extra_copies, layer_dev, output_dev, kv_devices)
+    usage = _usage(model, inv, opts, where)
     warnings = [f"{r.source} matched no tensor" for r, n in zip(rules, hits, strict=True) if n == 0]
-    warnings += _empty_gpu_warnings(inv, opts, gpus, usage, n_offloaded)
-    if inv.gpus == () and opts.n_gpu_layers:
+    warnings += _empty_gpu_warnings(opts, gpus, usage, n_offloaded)
+    if not inv.gpus and opts.n_gpu_layers:
         warnings.append(f"no GPU: -ngl {opts.n_gpu_layers} has no effect, everything runs on the CPU")
     return Plan(
         model=model.name,
@@ -81,7 +92,7 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         output_device=output_dev,
         kv_devices=kv_devices,
         usage=usage,
-        layers=_layer_rows(model, opts, tensor_device, row_splits, kv_devices),
+        layers=_layer_rows(model, opts, where),
         n_offloaded=n_offloaded,
         row_splits=row_splits,
         extra_copies=extra_copies,
@@ -167,34 +178,32 @@ def _home(t: TensorSpec, layer_dev: list[str], output_dev: str) -> str:
 # --- accounting ---
 
 
-def _usage(model, inv, opts, tensor_device, row_splits, extra_copies, kv_devices, layer_dev, output_dev):
+def _usage(model: ModelSpec, inv: Inventory, opts: Options, where: _Where) -> tuple[DeviceUse, ...]:
     weights = {d.name: 0 for d in inv.devices}
-    runs = {d.name: set() for d in inv.devices}  # which kinds of op each device computes
-    by_name = {t.name: t for t in model.tensors}
+    runs: dict[str, set[str]] = {d.name: set() for d in inv.devices}  # the roles of ops each device runs
     for t in model.tensors:
-        parts = row_splits.get(t.name) or ((tensor_device[t.name], 0, t.shape[0]),)
-        for dev, lo, hi in parts:
+        for dev, lo, hi in where.parts(t):
             weights[dev] += t.nbytes * (hi - lo) // t.shape[0]
             runs[dev].add(t.role)
-    for name, dev in extra_copies.items():
-        weights[dev] += by_name[name].nbytes
+    for t in model.tensors:
+        if t.name in where.extra_copies:
+            weights[where.extra_copies[t.name]] += t.nbytes
     kv = {d.name: 0 for d in inv.devices}
-    per_layer = kv_layer_bytes(model, opts)
-    for dev in kv_devices:
-        kv[dev] += per_layer
-    for dev in layer_dev:
-        runs[dev].add("attn")
+    for dev in where.kv_devices:
+        kv[dev] += kv_layer_bytes(model, opts)
+    for dev in where.layer_dev:
+        runs[dev].add("attn")  # a layer's attention runs where the layer lives
     usage = []
     for d in inv.devices:
         compute = 0
-        if weights[d.name] or kv[d.name] or d.name == output_dev:
+        if weights[d.name] or kv[d.name] or d.name == where.output_dev:
             compute = compute_bytes(
                 model,
                 opts,
                 attention="attn" in runs[d.name],
                 ffn=bool(runs[d.name] & {"ffn", "experts", "shared"}),
-                output=d.name == output_dev,
-                inp=d.name == tensor_device.get("token_embd.weight"),
+                output=d.name == where.output_dev,
+                inp=d.name == where.tensor_device.get("token_embd.weight"),
             )
         margin = opts.margin_mib(d.index) * MiB
         usage.append(
@@ -205,25 +214,24 @@ def _usage(model, inv, opts, tensor_device, row_splits, extra_copies, kv_devices
     return tuple(usage)
 
 
-def _layer_rows(model, opts, tensor_device, row_splits, kv_devices) -> tuple[LayerRow, ...]:
-    groups: dict[int | str, list[TensorSpec]] = {"input": []}
-    for i in range(model.n_layer):
-        groups[i] = []
-    groups["output"] = []
+def _layer_rows(model: ModelSpec, opts: Options, where: _Where) -> tuple[LayerRow, ...]:
+    groups: dict[int | str, list[TensorSpec]] = {
+        "input": [],
+        **{i: [] for i in range(model.n_layer)},
+        "output": [],
+    }
     for t in model.tensors:
         key = t.layer if t.layer is not None else ("output" if t.name in OUTPUT_TENSORS else "input")
         groups[key].append(t)
-    per_layer_kv = kv_layer_bytes(model, opts)
     rows = []
     for key, tensors in groups.items():
         nbytes = {r: 0 for r in ROLES}
         devices: dict[str, set[str]] = {r: set() for r in ROLES}
         for t in tensors:
             nbytes[t.role] += t.nbytes
-            split = row_splits.get(t.name)
-            devices[t.role] |= {p[0] for p in split} if split else {tensor_device[t.name]}
+            devices[t.role] |= {dev for dev, _, _ in where.parts(t)}
         joined = {r: "+".join(sorted(devices[r], key=_device_order)) for r in ROLES}
-        kv = (per_layer_kv, kv_devices[key]) if isinstance(key, int) else (0, "")
+        kv = (kv_layer_bytes(model, opts), where.kv_devices[key]) if isinstance(key, int) else (0, "")
         rows.append(LayerRow(key, nbytes, joined, *kv))
     return tuple(rows)
 
@@ -232,16 +240,20 @@ def _device_order(name: str) -> tuple[int, int]:
     return (1, 0) if name == "cpu" else (0, int(name.split(":")[1]))
 
 
-def _empty_gpu_warnings(inv, opts, gpus, usage, n_offloaded) -> list[str]:
+def _empty_gpu_warnings(
+    opts: Options, gpus: list[Device], usage: tuple[DeviceUse, ...], n_offloaded: int
+) -> list[str]:
     if not n_offloaded and not any(u.weights for u in usage if u.device != "cpu"):
         return []
-    out = []
     in_use = {g.name for g in gpus}
+    out = []
     for u in usage:
         if u.device == "cpu" or u.weights or u.kv:
             continue
         if u.device not in in_use:
             out.append(f"{u.device} is left empty: -sm none uses only -mg {opts.main_gpu}")
+        elif opts.tensor_split is not None:
+            out.append(f"{u.device} is left empty: -ts gives it no share of the {n_offloaded} GPU layers")
         else:
             out.append(f"{u.device} is left empty: its share of the {n_offloaded} GPU layers rounds to none")
     return out
