@@ -1,7 +1,8 @@
 """Bytes that are not weights: the KV cache per layer and the compute (scratch) buffers per device.
 
 The KV cache is exact arithmetic: K and V rows per token in the cache type (`-ctk`, `-ctv`), for a
-context padded to 256 tokens as llama.cpp pads it. Compute buffers are an estimate that errs high:
+context padded to 256 tokens as llama.cpp pads it (sliding-window layers are counted at the full
+context, which errs high for Gemma-style models). Compute buffers are an estimate that errs high:
 it adds up the activations of one physical batch (`-ub` tokens) that a device's layers produce,
 where a graph allocator would reuse some of that memory.
 """
