@@ -87,9 +87,24 @@ def test_min_p_keeps_tokens_at_least_p_times_the_best():
     ],
 )
 def test_filters_limit_what_can_be_drawn(params, support):
-    # 3000 draws at temperature 1 see every allowed token (the rarest, p >= 0.05, is missed with
-    # probability 0.95**3000, about 1e-67) and never a filtered one.
-    assert set(draws(SamplingParams(temperature=1.0, seed=1, **params), LOGITS, 3000)) == support
+    # 1000 draws at temperature 1 see every allowed token (the rarest, p >= 0.05, is missed with
+    # probability 0.95**1000, about 5e-23) and never a filtered one.
+    assert set(draws(SamplingParams(temperature=1.0, seed=1, **params), LOGITS, 1000)) == support
+
+
+@pytest.mark.parametrize(
+    ("params", "support"),
+    [
+        ({"top_p": 0.75, "min_p": 0.0}, {0, 1}),
+        ({"top_p": 0.85, "min_p": 0.0}, {0, 1, 2}),
+        ({"min_p": 0.2}, {0, 1, 2}),
+    ],
+)
+def test_without_top_k_a_large_vocabulary_keeps_the_same_tokens(params, support):
+    # 5000 more tokens of negligible probability: the shortcut that avoids sorting the whole
+    # vocabulary must keep exactly what sorting it would.
+    logits = torch.cat([LOGITS, torch.full((5000,), -30.0)])
+    assert set(draws(SamplingParams(temperature=1.0, top_k=0, seed=2, **params), logits, 1000)) == support
 
 
 def test_filters_see_the_untempered_distribution():

@@ -9,7 +9,7 @@
 3. top-k, then top-p (the smallest set of most likely tokens whose probability reaches `top_p`,
    renormalized over the top-k), then min-p (tokens at least `min_p` times as likely as the best);
    all three on the untempered distribution, because llama.cpp applies temperature after them;
-4. temperature, softmax, and one draw from a `torch.Generator` seeded with `seed`.
+4. temperature, softmax, and one draw with a `torch.Generator` seeded with `seed`.
 
 Each filter keeps a prefix of the candidates sorted by logit, so after top-k the rest works on k
 values, not the whole vocabulary.
@@ -76,12 +76,16 @@ def apply_penalties(logits: torch.Tensor, recent: Sequence[int], params: Samplin
     return out
 
 
-def top_p_count(sorted_logits: torch.Tensor, p: float) -> int:
+def top_p_count(sorted_logits: torch.Tensor, p: float, log_total: torch.Tensor | None = None) -> int:
     """How many of the descending `sorted_logits` top-p keeps: up to and including the token whose
-    cumulative probability first reaches `p`."""
+    cumulative probability first reaches `p`. Probabilities are normalized by `log_total` (the
+    logsumexp of the distribution top-p sees) when the candidates are only its head; all of them
+    are kept if that head's mass stays under `p`."""
     if p >= 1.0:
         return len(sorted_logits)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    if log_total is None:
+        log_total = torch.logsumexp(sorted_logits, dim=-1)
+    cumulative = torch.exp(sorted_logits - log_total).cumsum(dim=-1)
     reached = int(torch.searchsorted(cumulative, torch.tensor([p], dtype=cumulative.dtype)).item())
     return min(reached + 1, len(sorted_logits))  # rounding may leave the total a hair under p
 
@@ -113,12 +117,41 @@ class Sampler:
             return int(torch.argmax(logits).item())
         if 0 < p.top_k < len(logits):
             values, ids = torch.topk(logits, p.top_k)
+            log_total = torch.logsumexp(values, dim=-1)  # top-p renormalizes over the top k
         else:
-            values, ids = torch.sort(logits, descending=True)
-        keep = min(top_p_count(values, p.top_p), min_p_count(values, p.min_p))
+            log_total = torch.logsumexp(logits, dim=-1)
+            values, ids = _head(logits, p, log_total)
+        keep = min(top_p_count(values, p.top_p, log_total), min_p_count(values, p.min_p))
         probs = torch.softmax(values[:keep] / p.temperature, dim=-1)
-        choice = torch.multinomial(probs, 1, generator=self._generator)
-        return int(ids[choice].item())
+        return int(ids[_draw(probs, self._generator)].item())
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One index drawn with probabilities `probs`, by inverting the cumulative sum at a uniform
+    draw (exact, and several times faster than torch.multinomial over a 262k vocabulary)."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand((), generator=generator) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True).item()), len(cdf) - 1)
+
+
+def _head(
+    logits: torch.Tensor, p: SamplingParams, log_total: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Without top-k: (values, ids) of every token min-p and top-p could keep, sorted by logit,
+    without sorting the whole vocabulary (a 262k sort costs more than the decode step it follows)."""
+    if p.min_p > 0.0:
+        ids = torch.nonzero(logits >= logits.max() + math.log(p.min_p)).squeeze(1)
+        values, order = torch.sort(logits[ids], descending=True)
+        return values, ids[order]
+    if p.top_p < 1.0:
+        m = 256
+        while m < len(logits):
+            values, ids = torch.topk(logits, m)
+            if torch.exp(values - log_total).sum() >= p.top_p:
+                return values, ids
+            m *= 8
+        return torch.sort(logits, descending=True)
+    return logits, torch.arange(len(logits))  # nothing filtered: order does not matter
 
 
 def _recent(history: Sequence[int], n: int) -> Sequence[int]:
