@@ -13,9 +13,11 @@ from gguf.quants import dequantize
 from llmx.bench.blocks import FLOAT_TYPES, SCALE_FIELDS, chunk_rng, random_data
 from llmx.bench.synth import synth_tensors, synth_types, synthesize
 from llmx.bench.vocab import BOS, EOS, byte_symbols, synthetic_vocab
+from llmx.bench.writer import write_gguf
 from llmx.errors import LlmxError
 from llmx.gguf import open_gguf
 from llmx.models_on_disk import default_model_path
+from llmx.plan.model import TensorSpec
 from llmx.plan.shapes import get_shape
 from llmx.quant import qtype
 
@@ -162,3 +164,14 @@ def test_unknown_and_unwritable_types_are_clear_errors(tmp_path):
         synthesize("smollm2-135m", "IQ4_KS", tmp_path / "x.gguf", n_layer=1, progress=False)
     with pytest.raises(LlmxError, match="does not exist"):
         synthesize("smollm2-135m", "Q4_0", tmp_path / "no" / "x.gguf", n_layer=1, progress=False)
+
+
+def test_an_interrupted_write_leaves_no_file(tmp_path):
+    tensors = [TensorSpec("a.weight", "Q8_0", (4, 32), qtype("Q8_0").nbytes((4, 32)))]
+
+    def failing_fill(t, first, count, path):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_gguf(tmp_path / "x.gguf", "llama", {}, tensors, failing_fill, progress=False)
+    assert list(tmp_path.iterdir()) == []

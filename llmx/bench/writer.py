@@ -71,10 +71,42 @@ def write_gguf(
     threads: int | None = None,
     progress: bool = True,
 ) -> int:
-    """Write a GGUF whose tensor data comes from `fill`; returns the file size in bytes."""
+    """Write a GGUF whose tensor data comes from `fill`; returns the file size in bytes.
+
+    The file appears under its name only when complete (it is written as NAME.part, then renamed),
+    so an interrupted run never leaves a truncated model behind.
+    """
     path = Path(path)
     if not path.parent.is_dir():
         raise LlmxError(f"cannot write {path}: the directory {path.parent} does not exist")
+    partial = path.with_name(path.name + ".part")
+    writer = _header(partial, arch, metadata, tensors)
+    assert writer.fout is not None
+    bar = tqdm(total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"writing {path.name}", disable=None if progress else True)  # fmt: skip
+    workers = threads or os.cpu_count() or 1
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            in_flight: deque[tuple[TensorSpec, int, int, Future[np.ndarray]]] = deque()
+            for t_index, c_index, t, first, count in _chunks(tensors):
+                in_flight.append((t, first, count, pool.submit(fill, t, first, count, (t_index, c_index))))
+                if len(in_flight) >= 2 * workers:
+                    _write_next(writer.fout[0], in_flight, writer.data_alignment, bar)
+            while in_flight:
+                _write_next(writer.fout[0], in_flight, writer.data_alignment, bar)
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    writer.close()
+    partial.replace(path)
+    return path.stat().st_size
+
+
+def _header(path: Path, arch: str, metadata: dict[str, Any], tensors: Sequence[TensorSpec]) -> GGUFWriter:
+    """Open `path` and write the GGUF header, the metadata and the tensor infos (offsets from sizes)."""
     writer = GGUFWriter(path, arch)
     for key, value in metadata.items():
         if key != "general.architecture":  # GGUFWriter writes it from `arch`
@@ -91,34 +123,7 @@ def write_gguf(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    assert writer.fout is not None
-    out = writer.fout[0]
-    align = writer.data_alignment
-    total = sum(t.nbytes for t in tensors)
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=f"writing {path.name}",
-        disable=None if progress else True,
-    )
-    workers = threads or os.cpu_count() or 1
-    try:
-        with ThreadPoolExecutor(workers) as pool:
-            in_flight: deque[tuple[TensorSpec, int, int, Future[np.ndarray]]] = deque()
-            jobs = _chunks(tensors)
-            for job in jobs:
-                t_index, c_index, t, first, count = job
-                in_flight.append((t, first, count, pool.submit(fill, t, first, count, (t_index, c_index))))
-                if len(in_flight) >= 2 * workers:
-                    _write_next(out, in_flight, align, bar)
-            while in_flight:
-                _write_next(out, in_flight, align, bar)
-    finally:
-        bar.close()
-        writer.close()
-    return path.stat().st_size
+    return writer
 
 
 def _write_next(out, in_flight: deque, align: int, bar: tqdm) -> None:
