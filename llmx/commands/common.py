@@ -1,0 +1,76 @@
+"""Flags and output shared by the commands that load a model (run, chat, bench, serve)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from llmx.engine import Timings
+from llmx.errors import LlmxError
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-m",
+        "--model",
+        type=Path,
+        default=None,
+        help="GGUF file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling (llama.cpp names)")
+    g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--repeat-last-n", type=int, default=64)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("-s", "--seed", type=int, default=None, help="RNG seed for a reproducible run")
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict:
+    return dict(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        repeat_last_n=args.repeat_last_n,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """-p TEXT or -f FILE (one of them)."""
+    if getattr(args, "file", None) is not None:
+        try:
+            return Path(args.file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise LlmxError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+    if args.prompt is None:
+        raise LlmxError("no prompt: pass -p TEXT or -f FILE")
+    return args.prompt
+
+
+def print_timings(load_seconds: float, t: Timings, file=sys.stderr) -> None:
+    """The end-of-run summary in llama.cpp's shape."""
+
+    def line(label: str, seconds: float, n: int) -> str:
+        per = seconds * 1000 / n if n else 0.0
+        tps = n / seconds if seconds else 0.0
+        return (
+            f"llmx: {label:>16} = {seconds * 1000:10.2f} ms / {n:5d} tokens "
+            f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+        )
+
+    print(f"\nllmx: {'load time':>16} = {load_seconds * 1000:10.2f} ms", file=file)
+    print(line("prompt eval time", t.prompt_seconds, t.prompt_tokens), file=file)
+    print(line("eval time", t.gen_seconds, t.gen_tokens), file=file)

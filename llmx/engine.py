@@ -1,0 +1,117 @@
+"""Generation over token ids: chunked prefill, the decode loop, stop ids, timings.
+
+The engine knows nothing about text: the tokenizer and chat templates stay in `llmx.text` and the
+API/CLI. It walks the model's blocks and moves the hidden state (a few KB per token) to the device
+of each block; weights never move.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from llmx.errors import LlmxError
+from llmx.runtime.executor import Executor
+
+
+@dataclass
+class Timings:
+    """llama.cpp-style counters: prompt (prefill) and generation (decode) tokens and seconds."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    gen_tokens: int = 0
+    gen_seconds: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0
+
+
+@dataclass
+class Engine:
+    """Runs a model through its `Executor` over one sequence; `n_past` tokens are in the KV cache."""
+
+    executor: Executor
+    ubatch: int = 512
+    n_past: int = 0
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.executor.cache.n_ctx
+
+    def reset(self) -> None:
+        """Forget the context (the cache buffers are reused; positions restart at 0)."""
+        self.n_past = 0
+        self.timings = Timings()
+
+    def synchronize(self) -> None:
+        for dev in {d for d in self.executor.layer_devices if d.type == "cuda"}:
+            torch.cuda.synchronize(dev)
+
+    @torch.inference_mode()
+    def forward(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
+        """Run one micro-batch at position n_past; returns logits [T or 1, vocab] (float32, on the CPU)."""
+        if self.n_past + len(ids) > self.n_ctx:
+            raise LlmxError(
+                f"the context is full: {self.n_past} + {len(ids)} tokens exceed -c {self.n_ctx}; "
+                "raise -c or shorten the prompt"
+            )
+        logits = self.executor.forward(list(ids), self.n_past, all_logits)
+        self.n_past += len(ids)
+        return logits
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
+        """Process a prompt in `ubatch`-sized chunks; logits of the last token [vocab] (or all [T, vocab])."""
+        if not ids:
+            raise LlmxError("the prompt is empty")
+        t0 = time.perf_counter()
+        outs = [self.forward(ids[s : s + self.ubatch], all_logits) for s in range(0, len(ids), self.ubatch)]
+        self.timings.prompt_tokens += len(ids)
+        self.timings.prompt_seconds += time.perf_counter() - t0
+        return torch.cat(outs) if all_logits else outs[-1][-1]
+
+    def decode(self, token: int) -> torch.Tensor:
+        """One generation step: logits [vocab] for the token after `token`."""
+        t0 = time.perf_counter()
+        logits = self.forward([token])[-1]
+        self.timings.gen_tokens += 1
+        self.timings.gen_seconds += time.perf_counter() - t0
+        return logits
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sample: Callable[[torch.Tensor, Sequence[int]], int],
+        stop_ids: set[int] = frozenset(),
+    ) -> Iterator[int]:
+        """Yield up to `max_tokens` new ids after `prompt` (appended to the current context).
+
+        `sample(logits, history)` picks the next id; generation ends at a stop id (not yielded) or
+        when the context is full.
+        """
+        if self.n_past + len(prompt) >= self.n_ctx:
+            raise LlmxError(
+                f"the prompt has {len(prompt)} tokens but the context holds {self.n_ctx} "
+                f"({self.n_past} already used); raise -c or shorten the prompt"
+            )
+        history = list(prompt)
+        logits = self.prefill(prompt)
+        for _ in range(max_tokens):
+            token = sample(logits, history)
+            if token in stop_ids:
+                return
+            history.append(token)
+            yield token
+            if self.n_past >= self.n_ctx:
+                return
+            logits = self.decode(token)

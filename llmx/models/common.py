@@ -1,0 +1,189 @@
+"""What every architecture shares: the config read from `{arch}.*` keys, the weight tree, the Model base.
+
+A model is three functions over token ids and a KV cache: `embed`, `block(i, ...)` and `head`. The
+runtime walks the blocks, moving the hidden state to each block's device; models never name devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Self
+
+import torch
+
+from llmx.errors import LlmxError
+from llmx.ops import Rope, attention, embedding, linear, rms_norm
+
+
+class TensorGroup:
+    """Tensors by GGUF name with the `blk.N.` prefix and `.weight` suffix dropped (`attn_q`, `attn_q_bias`).
+
+    Matrices are `QWeight`s; vectors (norms, biases) are float32 tensors.
+    """
+
+    def __init__(self, prefix: str, tensors: dict[str, Any]) -> None:
+        self._prefix, self._tensors = prefix, tensors
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_tensors"][name]
+        except KeyError:
+            raise LlmxError(f"the model file has no tensor {self._prefix}{name}.weight") from None
+
+    def optional(self, name: str) -> Any | None:
+        return self._tensors.get(name)
+
+    def items(self):
+        return self._tensors.items()
+
+
+@dataclass(frozen=True)
+class Config:
+    """Hyperparameters of the Llama family, read from `{arch}.*` GGUF keys in one place.
+
+    Architectures extend it with their own fields and override `from_gguf` to read them.
+    """
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int
+    n_ctx_train: int
+    norm_eps: float
+    rope_base: float
+    rope_dims: int
+    rope_scale: float  # linear position scaling (1 = none)
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any], **extra: Any) -> Self:
+        arch = meta["general.architecture"]
+
+        def key(suffix: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{suffix}", default)
+            if value is None:
+                raise LlmxError(f"the model file lacks the metadata key {arch}.{suffix}")
+            return value
+
+        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", n_embd // n_head))
+        n_vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+        scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        if scaling not in ("none", "linear") and factor != 1.0:
+            raise LlmxError(f"RoPE scaling type {scaling!r} is not supported yet (llmx supports linear)")
+        values = dict(
+            arch=arch,
+            n_layer=int(key("block_count")),
+            n_embd=n_embd,
+            n_ff=int(key("feed_forward_length")),
+            n_head=n_head,
+            n_head_kv=int(key("attention.head_count_kv", n_head)),
+            head_dim=head_dim,
+            n_vocab=int(n_vocab),
+            n_ctx_train=int(key("context_length")),
+            norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_base=float(key("rope.freq_base", 10000.0)),
+            rope_dims=int(key("rope.dimension_count", head_dim)),
+            rope_scale=factor if scaling == "linear" else 1.0,
+        )
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (values | extra).items() if k in names})
+
+
+@dataclass(frozen=True)
+class Step:
+    """Where a micro-batch sits in the sequence, on the device of the block being run.
+
+    `positions` [T] are the tokens' positions. `masked` is False only when every cached key is
+    visible to every query (one token decoded over exactly its past), so attention can skip the mask;
+    inside a CUDA graph the cache is read in fixed-size buckets and the mask is always on.
+    """
+
+    positions: torch.Tensor
+    masked: bool
+
+
+class Model:
+    """Base of every architecture: the weight tree, the config and the three stages of a forward pass.
+
+    `block(i, x, step, cache_kv)` runs layer i; `cache_kv(k, v) -> (K, V)` stores this step's keys and
+    values in the layer's cache and returns the rows attention reads.
+    """
+
+    config_class: ClassVar[type[Config]] = Config
+    neox_rope: ClassVar[bool] = False
+
+    def __init__(self, config: Config, top: TensorGroup, layers: list[TensorGroup]) -> None:
+        self.config, self.top, self.layers = config, top, layers
+        self.rope = Rope(
+            config.rope_dims, config.rope_base, self.neox_rope, config.rope_scale, top.optional("rope_freqs")
+        )
+
+    @classmethod
+    def config_from_gguf(cls, meta: dict[str, Any]) -> Config:
+        return cls.config_class.from_gguf(meta)
+
+    @classmethod
+    def kv_shape(cls, config: Config, layer: int) -> tuple[int, int, int]:
+        """What layer `layer` caches per token: (KV heads, key dim, value dim)."""
+        return config.n_head_kv, config.head_dim, config.head_dim
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> hidden states [T, E]."""
+        return embedding(ids, self.top.token_embd)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """hidden states [T, E] -> logits [T, vocab]; a missing `output` means tied to the embedding."""
+        x = rms_norm(x, self.top.output_norm, self.config.norm_eps)
+        output = self.top.optional("output")
+        return linear(x, self.top.token_embd if output is None else output)
+
+    def block(self, i: int, x: torch.Tensor, step: Step, cache_kv) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- shared pieces -------------------------------------------------------------------------
+
+    def qkv(self, w: TensorGroup, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections with optional biases, as [T, heads, D]."""
+        c, t = self.config, h.shape[0]
+        q, k, v = (self._proj(w, name, h) for name in ("attn_q", "attn_k", "attn_v"))
+        return q.view(t, c.n_head, c.head_dim), k.view(t, c.n_head_kv, c.head_dim), v.view(t, c.n_head_kv, -1)
+
+    @staticmethod
+    def _proj(w: TensorGroup, name: str, h: torch.Tensor) -> torch.Tensor:
+        y = linear(h, getattr(w, name))
+        bias = w.optional(f"{name}_bias")
+        return y if bias is None else y + bias
+
+    def self_attention(
+        self,
+        w: TensorGroup,
+        h: torch.Tensor,
+        step: Step,
+        cache_kv,
+        rope: Rope | None = None,
+        window: int | None = None,
+        **kw: Any,
+    ) -> torch.Tensor:
+        """RoPE'd grouped-query attention over the cache, before the output projection: [T, H*D]."""
+        rope = rope or self.rope
+        q, k, v = self.qkv(w, h)
+        q, k = self.qk_norm(w, q, k)
+        cos, sin = rope.tables(step.positions)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        keys, values = cache_kv(k, v)
+        q_pos = step.positions if step.masked or (window is not None and keys.shape[0] > window) else None
+        return attention(q, keys, values, q_pos, window=window, **kw)
+
+    def qk_norm(self, w: TensorGroup, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of queries and keys where the model has it (Qwen3, Gemma 3)."""
+        qn, kn = w.optional("attn_q_norm"), w.optional("attn_k_norm")
+        if qn is not None:
+            q = rms_norm(q, qn, self.config.norm_eps)
+        if kn is not None:
+            k = rms_norm(k, kn, self.config.norm_eps)
+        return q, k

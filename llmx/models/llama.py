@@ -1,0 +1,24 @@
+"""Llama (also SmolLM2, Mistral, Llama 2/3): pre-norm blocks of grouped-query attention and SwiGLU.
+
+h = x + W_o · attn(rope(W_q · norm(x)), rope(W_k · norm(x)), W_v · norm(x))
+y = h + W_down · (silu(W_gate · norm(h)) * W_up · norm(h))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmx.models.common import Model, Step
+from llmx.ops import linear, rms_norm, swiglu
+
+
+class Llama(Model):
+    neox_rope = False  # llama GGUFs permute Q/K for GGML's adjacent-pair rotation
+
+    def block(self, i: int, x: torch.Tensor, step: Step, cache_kv) -> torch.Tensor:
+        w, eps = self.layers[i], self.config.norm_eps
+        x = x + linear(self.self_attention(w, rms_norm(x, w.attn_norm, eps), step, cache_kv), w.attn_output)
+        return x + swiglu(rms_norm(x, w.ffn_norm, eps), w.ffn_gate, w.ffn_up, w.ffn_down)
+
+
+MODEL = Llama

@@ -1,0 +1,15 @@
+"""GGUF tensor naming, pure (no torch): which layer a tensor belongs to and its short name."""
+
+from __future__ import annotations
+
+
+def group_key(gguf_name: str) -> tuple[int | None, str]:
+    """`blk.3.attn_q.weight` -> (3, "attn_q"); `blk.3.attn_q.bias` -> (3, "attn_q_bias");
+    `output_norm.weight` -> (None, "output_norm")."""
+    parts = gguf_name.split(".")
+    layer = None
+    if parts[0] == "blk":
+        layer, parts = int(parts[1]), parts[2:]
+    if parts[-1] == "weight":
+        parts = parts[:-1]
+    return layer, "_".join(parts)

