@@ -24,8 +24,12 @@ from llmx.gguf import ModelFile, open_gguf
 from llmx.models import model_class
 from llmx.models.common import Config
 from llmx.models_on_disk import default_model_path
+from llmx.plan.fit import plan as make_plan
+from llmx.plan.model import ModelSpec
 from llmx.plan.options import Options, options_from_kwargs
+from llmx.plan.placement import Plan
 from llmx.runtime.cache import KVCache, LayerShape
+from llmx.runtime.devices import probe
 from llmx.runtime.executor import Executor
 from llmx.runtime.weights import LoadReport, load_weights
 from llmx.text.chat import chat_ids
@@ -42,6 +46,7 @@ class LoadedModel:
     engine: Engine
     tokenizer: Tokenizer
     options: Options
+    plan: Plan
     report: LoadReport
     load_seconds: float
 
@@ -79,10 +84,6 @@ class LoadedModel:
         return chat_ids(self.tokenizer, messages, add_generation_prompt=True)
 
 
-def _threads(options: Options) -> None:
-    torch.set_num_threads(options.n_threads)
-
-
 def load(path: str | os.PathLike | None = None, **options: Any) -> LoadedModel:
     """Open a GGUF (default: the embedded SmolLM2), place and load its weights, build the engine."""
     opts = options.pop("options", None) or options_from_kwargs(**options)
@@ -90,49 +91,28 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> LoadedModel:
 
 
 def load_with_options(path: str | os.PathLike | None, opts: Options, progress=None) -> LoadedModel:
+    """Open, plan, load: the plan (from `llmx.plan`) decides every tensor's and KV layer's device."""
     t0 = time.perf_counter()
-    _threads(opts)
+    torch.set_num_threads(opts.n_threads)
     mf = open_gguf(path or default_model_path(), mmap=not opts.no_mmap)
     cls = model_class(mf.architecture)
     config = cls.config_from_gguf(mf.metadata)
     tokenizer = Tokenizer.from_metadata(mf.metadata)
-    n_ctx = opts.ctx_size or config.n_ctx_train
-    device_of = _placement(mf, opts)
-    top, layers, report = load_weights(mf, device_of, progress=progress)
+    plan = make_plan(ModelSpec.from_gguf(mf), probe(), opts)
+    plan.check(suggestion="lower -ngl or -c, or use --fit")
+    if plan.row_splits:
+        raise LlmxError("-sm row is planned but not executed yet; use -sm layer")
+    top, layers, report = load_weights(mf, plan.device_of, progress=progress)
     model = cls(config, top, layers)
-    layer_devices = [torch.device(_layer_device(mf, i, device_of)) for i in range(config.n_layer)]
-    kv_devices = ["cpu" if opts.no_kv_offload else str(d) for d in layer_devices]
-    cache = KVCache(
-        n_ctx,
-        [LayerShape(*cls.kv_shape(config, i), kv_devices[i]) for i in range(config.n_layer)],
-        opts.cache_type_k,
-        opts.cache_type_v,
-    )
+    layer_devices = [torch.device(d) for d in plan.layer_device]
+    shapes = [LayerShape(*cls.kv_shape(config, i), plan.kv_device(i)) for i in range(config.n_layer)]
+    cache = KVCache(plan.ctx, shapes, opts.cache_type_k, opts.cache_type_v)
     executor = Executor(
         model,
         cache,
         layer_devices,
-        torch.device(device_of("token_embd.weight")),
-        torch.device(device_of("output_norm.weight")),
+        torch.device(plan.device_of("token_embd.weight")),
+        torch.device(plan.device_of("output_norm.weight")),
     )
     engine = Engine(executor, ubatch=opts.n_ubatch)
-    return LoadedModel(mf, config, engine, tokenizer, opts, report, time.perf_counter() - t0)
-
-
-def _layer_device(mf: ModelFile, i: int, device_of) -> str:
-    """Where block i runs and keeps its KV: the device of its attention (`-ot` may move single
-    tensors elsewhere; those ops then run where their weight lives)."""
-    name = f"blk.{i}.attn_q.weight"
-    if name not in mf.tensors:
-        name = next(n for n in mf.tensors if n.startswith(f"blk.{i}."))
-    return device_of(name)
-
-
-def _placement(mf: ModelFile, opts: Options):
-    """tensor name -> device string. CPU-only until the planner drives placement."""
-    if opts.n_gpu_layers and not torch.cuda.is_available():
-        raise LlmxError(
-            f"-ngl {opts.n_gpu_layers} asks for GPU layers but torch sees no CUDA device; "
-            "drop -ngl to run on the CPU"
-        )
-    return lambda name: "cpu"
+    return LoadedModel(mf, config, engine, tokenizer, opts, plan, report, time.perf_counter() - t0)
