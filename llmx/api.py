@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from llmx.engine import Engine
-from llmx.errors import LlmxError
 from llmx.gguf import ModelFile, open_gguf
 from llmx.models import model_class
 from llmx.models.common import Config
@@ -100,9 +99,7 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     tokenizer = Tokenizer.from_metadata(mf.metadata)
     plan = make_plan(ModelSpec.from_gguf(mf), probe(), opts)
     plan.check(suggestion="lower -ngl or -c, or use --fit")
-    if plan.row_splits:
-        raise LlmxError("-sm row is planned but not executed yet; use -sm layer")
-    top, layers, report = load_weights(mf, plan.device_of, progress=progress)
+    top, layers, report = load_weights(mf, plan, progress=progress)
     model = cls(config, top, layers)
     layer_devices = [torch.device(d) for d in plan.layer_device]
     shapes = [LayerShape(*cls.kv_shape(config, i), plan.kv_device(i)) for i in range(config.n_layer)]

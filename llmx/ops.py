@@ -16,11 +16,26 @@ import torch.nn.functional as F
 from llmx.quant import weight as qw
 from llmx.quant.weight import QWeight, embedding
 
-__all__ = ["Rope", "attention", "embedding", "gelu_tanh", "linear", "rms_norm", "swiglu"]
+__all__ = ["Rope", "RowSplit", "attention", "embedding", "gelu_tanh", "linear", "rms_norm", "swiglu"]
 
 
-def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+@dataclass
+class RowSplit:
+    """A matrix whose output rows are spread over several GPUs (`-sm row`): each GPU multiplies its
+    slice, and the slices are gathered on the main GPU. Launches on different GPUs run concurrently."""
+
+    parts: list[QWeight]
+    main: torch.device
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [qw.linear(x.to(p.raw.device, non_blocking=True), p) for p in self.parts]
+        return torch.cat([o.to(self.main, non_blocking=True) for o in outs], dim=-1)
+
+
+def linear(x: torch.Tensor, w: QWeight | RowSplit) -> torch.Tensor:
     """x [..., in] @ W^T -> [..., out], computed where W lives (only the activation moves)."""
+    if isinstance(w, RowSplit):
+        return w.linear(x).to(x.device)
     if x.device == w.raw.device:
         return qw.linear(x, w)
     return qw.linear(x.to(w.raw.device), w).to(x.device)
@@ -99,7 +114,10 @@ def attention(
     """
     t, n_head, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    # On a GPU attend in the cache's dtype (f16/bf16 tensor-core kernels, no cache-sized conversion);
+    # on the CPU in float32, where half-precision math is slow.
+    dtype = k.dtype if q.is_cuda else q.dtype
+    qh, kh, vh = q.transpose(0, 1).to(dtype), k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype)
     mask = None
     if q_pos is not None:
         k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
@@ -115,4 +133,4 @@ def attention(
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         out = scores.softmax(-1) @ vh
-    return out.transpose(0, 1).reshape(t, n_head * head_dim)
+    return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)

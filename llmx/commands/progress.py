@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from tqdm import tqdm
 
-from llmx.gguf import TensorInfo
 
+def load_progress() -> Callable[[str, int], Callable[[int], None]]:
+    """A factory `(device, total_bytes) -> tick(n_bytes)` drawing one bar per device upload."""
 
-def load_progress() -> Callable[[Iterable[TensorInfo], int], Callable[[int], None]]:
-    """A factory `(tensors, total_bytes) -> tick(n_bytes)` drawing one bar per device upload."""
-
-    def start(infos: Iterable[TensorInfo], total: int) -> Callable[[int], None]:
+    def start(device: str, total: int) -> Callable[[int], None]:
         bar = tqdm(
             total=total,
             unit="B",
             unit_scale=True,
             unit_divisor=1024,
-            desc="loading",
+            desc=f"loading {device}",
             leave=False,
             disable=None,
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +19,8 @@ import torch
 from llmx.gguf import ModelFile, TensorInfo
 from llmx.models.common import TensorGroup
 from llmx.models.naming import group_key
+from llmx.ops import RowSplit
+from llmx.plan.placement import Plan
 from llmx.quant import QType
 from llmx.quant.weight import QWeight, prepare_cpu
 
@@ -54,80 +56,131 @@ def shape_raw(raw: torch.Tensor, qt: QType, shape: tuple[int, ...]) -> torch.Ten
     return raw.view(rows, qt.row_bytes(shape[-1]))
 
 
-def _finish(info: TensorInfo, raw: torch.Tensor, repack: bool) -> QWeight | torch.Tensor:
+def _finish(
+    name: str, qt: QType, shape: tuple[int, ...], raw: torch.Tensor, repack: bool
+) -> QWeight | torch.Tensor:
     """Vectors (norms, biases) become float32 tensors; matrices become QWeights."""
-    if len(info.shape) == 1:
-        return raw.float().reshape(info.shape).clone() if raw.device.type == "cpu" else raw.float()
-    w = QWeight(raw, info.qtype, info.shape, info.name)
+    if len(shape) == 1:
+        return raw.float().reshape(shape).clone() if raw.device.type == "cpu" else raw.float()
+    w = QWeight(raw, qt, shape, name)
     return prepare_cpu(w, repack=repack) if raw.device.type == "cpu" else w
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The bytes of one tensor, or of a row range of it (`-sm row`), bound for one device."""
+
+    key: str  # unique per piece: the tensor name, with "@device" for row parts and extra copies
+    info: TensorInfo
+    device: str
+    rows: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape if self.rows is None else (self.rows[1] - self.rows[0], *self.info.shape[1:])
+
+    @property
+    def data(self) -> np.ndarray:
+        if self.rows is None:
+            return self.info.data
+        row_bytes = self.info.nbytes // self.info.shape[0]
+        return self.info.data[self.rows[0] * row_bytes : self.rows[1] * row_bytes]
+
+
+def pieces(mf: ModelFile, plan: Plan) -> list[Piece]:
+    """Every byte range to place, in file order (so uploads read the file sequentially)."""
+    out = []
+    for info in sorted(mf.tensors.values(), key=lambda t: t.offset):
+        split = plan.row_split(info.name)
+        if split:
+            out += [Piece(f"{info.name}@{dev}", info, dev, (r0, r1)) for dev, r0, r1 in split]
+        else:
+            out.append(Piece(info.name, info, plan.device_of(info.name)))
+        if info.name in plan.extra_copies:
+            dev = plan.extra_copies[info.name]
+            out.append(Piece(f"{info.name}@{dev}", info, dev))
+    return out
+
+
 def upload_arena(
-    infos: list[TensorInfo], device: torch.device, progress: Callable[[int], None]
+    parts: list[Piece], device: torch.device, progress: Callable[[int], None]
 ) -> dict[str, torch.Tensor]:
-    """Copy the raw bytes of `infos` (in file order) into one allocation on `device`; return views."""
+    """Copy the raw bytes of `parts` into one allocation on `device`; return a view per piece."""
     offsets, total = {}, 0
-    for info in infos:
-        offsets[info.name] = total
-        total += -(-info.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+    for piece in parts:
+        offsets[piece.key] = total
+        total += -(-piece.data.nbytes // ARENA_ALIGN) * ARENA_ALIGN
     arena = torch.empty(total, dtype=torch.uint8, device=device)
     staging = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     done = [torch.cuda.Event() for _ in staging]
     stream = torch.cuda.Stream(device)
     turn = 0
     with torch.cuda.stream(stream):
-        for info in infos:
-            src = info.data
-            for start in range(0, info.nbytes, STAGING_BYTES):
-                n = min(STAGING_BYTES, info.nbytes - start)
+        for piece in parts:
+            src = piece.data
+            for start in range(0, src.nbytes, STAGING_BYTES):
+                n = min(STAGING_BYTES, src.nbytes - start)
                 buf = staging[turn]
                 done[turn].synchronize()  # the copy that last used this buffer has finished
                 buf[:n].numpy()[:] = src[start : start + n]  # the file read (page cache or disk)
-                dst = offsets[info.name] + start
+                dst = offsets[piece.key] + start
                 arena[dst : dst + n].copy_(buf[:n], non_blocking=True)
                 done[turn].record(stream)
                 turn ^= 1
                 progress(n)
     stream.synchronize()
     return {
-        info.name: shape_raw(
-            arena[offsets[info.name] : offsets[info.name] + info.nbytes], info.qtype, info.shape
-        )
-        for info in infos
+        p.key: shape_raw(arena[offsets[p.key] : offsets[p.key] + p.data.nbytes], p.info.qtype, p.shape)
+        for p in parts
     }
 
 
 def load_weights(
     mf: ModelFile,
-    device_of: Callable[[str], str],
+    plan: Plan,
     repack: bool = True,
-    progress: Callable[[Iterable[TensorInfo], int], Callable[[int], None]] | None = None,
+    progress: Callable[[str, int], Callable[[int], None]] | None = None,
 ) -> tuple[TensorGroup, list[TensorGroup], LoadReport]:
-    """Place every tensor of `mf` on `device_of(name)` ("cpu", "cuda:0", ...).
+    """Place every tensor of `mf` where `plan` says.
 
-    Returns the top-level tensors, one group per layer (named as in the GGUF) and a report.
+    Returns the top-level tensors, one group per layer (named as in the GGUF) and a report. A
+    row-split matrix becomes a `RowSplit` of per-GPU parts; a tied embedding copied to the output
+    device (`plan.extra_copies`) serves as the model's `output`.
     """
     t0 = time.perf_counter()
     report = LoadReport()
-    by_device: dict[str, list[TensorInfo]] = {}
-    for info in sorted(mf.tensors.values(), key=lambda t: t.offset):
-        by_device.setdefault(device_of(info.name), []).append(info)
+    by_device: dict[str, list[Piece]] = {}
+    for piece in pieces(mf, plan):
+        by_device.setdefault(piece.device, []).append(piece)
 
-    placed: dict[str, QWeight | torch.Tensor] = {}
-    for device, infos in by_device.items():
-        report.bytes_per_device[device] = sum(i.nbytes for i in infos)
+    raws: dict[str, torch.Tensor] = {}
+    for device, parts in by_device.items():
+        report.bytes_per_device[device] = sum(p.data.nbytes for p in parts)
         td = time.perf_counter()
         if device == "cpu":
-            raws = {i.name: host_view(i) for i in infos}
+            raws |= {p.key: host_view(p.info) for p in parts}
         else:
-            tick = progress(infos, report.bytes_per_device[device]) if progress else (lambda n: None)
-            raws = upload_arena(infos, torch.device(device), tick)
+            tick = progress(device, report.bytes_per_device[device]) if progress else (lambda n: None)
+            raws |= upload_arena(parts, torch.device(device), tick)
         report.upload_seconds[device] = time.perf_counter() - td
-        for info in infos:
-            placed[info.name] = _finish(info, raws[info.name], repack)
-            if isinstance(placed[info.name], QWeight) and device == "cpu":
-                fmt = placed[info.name].describe()
-                report.cpu_formats[fmt] = report.cpu_formats.get(fmt, 0) + 1
+
+    placed: dict[str, object] = {}
+    for info in mf.tensors.values():
+        split = plan.row_split(info.name)
+        if split:
+            parts = [
+                _finish(info.name, info.qtype, (r1 - r0, *info.shape[1:]), raws[f"{info.name}@{dev}"], repack)
+                for dev, r0, r1 in split
+            ]
+            placed[info.name] = RowSplit(parts, torch.device(plan.device_of(info.name)))
+            continue
+        placed[info.name] = w = _finish(info.name, info.qtype, info.shape, raws[info.name], repack)
+        if isinstance(w, QWeight) and w.raw.device.type == "cpu":
+            report.cpu_formats[w.describe()] = report.cpu_formats.get(w.describe(), 0) + 1
+    for name, dev in plan.extra_copies.items():
+        copy = _finish(name, mf.tensors[name].qtype, mf.tensors[name].shape, raws[f"{name}@{dev}"], repack)
+        if name == "token_embd.weight":  # tied output: the head multiplies by the embedding table
+            placed["output.weight"] = copy
 
     top: dict[str, object] = {}
     layers: dict[int, dict[str, object]] = {}
