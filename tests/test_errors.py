@@ -70,7 +70,8 @@ def test_unknown_architecture(capsys, tmp_path, tensors):
 
 
 def test_prompt_longer_than_context(capsys, smollm2_path):
-    rc, err = run_cli(capsys, "run", "-m", str(smollm2_path), "-p", "word " * 200, "-c", "64", "-n", "4")
+    # -c is padded to whole 256-token cells (as llama.cpp does), so 400 words overflow -c 64.
+    rc, err = run_cli(capsys, "run", "-m", str(smollm2_path), "-p", "word " * 400, "-c", "64", "-n", "4")
     assert_one_clear_line(rc, err, "context", "-c")
 
 
