@@ -46,6 +46,7 @@ class Options:
     cpu_moe: bool = False  # --cpu-moe: every layer's expert tensors stay on the CPU
     n_cpu_moe: int = 0  # -ncmoe N: the first N layers' expert tensors stay on the CPU
     no_kv_offload: bool = False  # KV cache on the CPU even for GPU layers
+    no_op_offload: bool = False  # never stream CPU weights to a GPU for prompt batches
     # -c: llama.cpp defaults to the model's training context, which for current models is 128K
     # and would size a huge KV cache by surprise; llmx defaults to 4096. 0 = the model's own.
     ctx_size: int = 4096
@@ -123,6 +124,8 @@ class Options:
             out += ["-ncmoe", str(self.n_cpu_moe)]
         if self.no_kv_offload:
             out.append("--no-kv-offload")
+        if self.no_op_offload:
+            out.append("--no-op-offload")
         return out
 
 
@@ -141,6 +144,7 @@ def _normalized(o: Options) -> dict[str, Any]:
         "cpu_moe": bool(o.cpu_moe),
         "n_cpu_moe": _count("n_cpu_moe", o.n_cpu_moe),
         "no_kv_offload": bool(o.no_kv_offload),
+        "no_op_offload": bool(o.no_op_offload),
         "ctx_size": _count("ctx_size", o.ctx_size),
         "cache_type_k": _choice("cache_type_k", o.cache_type_k, CACHE_TYPES),
         "cache_type_v": _choice("cache_type_v", o.cache_type_v, CACHE_TYPES),
@@ -289,6 +293,7 @@ _ARGUMENTS: list[tuple[tuple[str, ...], str, str | None, str, dict[str, Any]]] =
     (("-cmoe", "--cpu-moe"), "cpu_moe", None, "keep all MoE expert tensors on the CPU", _FLAG),
     (("-ncmoe", "--n-cpu-moe"), "n_cpu_moe", "N", "keep the first N layers' MoE experts on the CPU", {}),
     (("-nkvo", "--no-kv-offload"), "no_kv_offload", None, "keep the KV cache on the CPU", _FLAG),
+    (("-nopo", "--no-op-offload"), "no_op_offload", None, "CPU layers' prompts stay on the CPU", _FLAG),
     (("-c", "--ctx-size"), "ctx_size", "N", "context length (default 4096; 0: the model's own)", {}),
     (("-ctk", "--cache-type-k"), "cache_type_k", "TYPE", f"K cache type: {', '.join(CACHE_TYPES)}", {}),
     (("-ctv", "--cache-type-v"), "cache_type_v", "TYPE", "V cache type (default f16)", {}),

@@ -16,6 +16,7 @@ import torch
 
 from llmx.models.common import Model, Step
 from llmx.runtime.cache import KVCache
+from llmx.runtime.offload import WeightStreamer, offload_threshold
 
 GRAPH_BUCKET = 256  # tokens: a decode graph attends over the cache rounded up to this
 
@@ -60,11 +61,43 @@ class Executor:
     embed_device: torch.device
     head_device: torch.device
     use_graphs: bool = True
+    op_offload: bool = True
     _segments: list[Segment] = field(init=False)
+    _graphable: list[bool] = field(init=False)
     _graphs: dict[tuple[int, int], _Graph] = field(default_factory=dict, init=False)
+    _streamer: WeightStreamer | None = field(default=None, init=False)
+    _offload_from: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._segments = segments(self.layer_devices, self.head_device)
+        self._graphable = [self._all_on(seg) for seg in self._segments]
+        gpus = [d for d in (*self.layer_devices, self.head_device) if d.type == "cuda"]
+        if self.op_offload and gpus and any(d.type == "cpu" for d in self.layer_devices):
+            self._streamer = WeightStreamer(gpus[0], self.model.layers)
+
+    def _all_on(self, seg: Segment) -> bool:
+        """Whether a segment's weights and KV all live on its device (then a CUDA graph can hold it)."""
+        for i in seg.layers:
+            if self.cache.k[i].device != seg.device:
+                return False
+            for _, value in self.model.layers[i].items():
+                where = value.raw.device if hasattr(value, "raw") else getattr(value, "device", seg.device)
+                if where != seg.device:
+                    return False
+        return True
+
+    @property
+    def bytes_streamed(self) -> int:
+        """Weight bytes copied to a GPU for prompt processing (op offload) so far."""
+        return self._streamer.bytes_streamed if self._streamer else 0
+
+    def _offloads(self, seg: Segment, t: int) -> bool:
+        """Whether this CPU segment's prompt batch of `t` tokens runs on the GPU with streamed weights."""
+        if self._streamer is None or seg.device.type != "cpu" or not seg.layers or t < 2:
+            return False
+        if self._offload_from is None:
+            self._offload_from = offload_threshold(self.model.layers[seg.layers[0]], self._streamer.device)
+        return t >= self._offload_from
 
     def _run_segment(
         self, seg: Segment, x: torch.Tensor, step: Step, n_read: int, all_logits: bool = False
@@ -82,12 +115,37 @@ class Executor:
         positions = torch.arange(n_past, n_past + t)
         for k, seg in enumerate(self._segments):
             x = x.to(seg.device)
-            if t == 1 and self.use_graphs and seg.device.type == "cuda":
+            if t == 1 and self.use_graphs and seg.device.type == "cuda" and self._graphable[k]:
                 x = self._replay(k, seg, x, n_past)
+            elif self._offloads(seg, t):
+                x = self._run_streamed(seg, x.to(self._streamer.device), positions, n_past + t, all_logits)
             else:
                 step = Step(positions.to(seg.device), masked=t > 1)
                 x = self._run_segment(seg, x, step, n_past + t, all_logits)
         return x.float().cpu()
+
+    def _run_streamed(
+        self, seg: Segment, x: torch.Tensor, positions: torch.Tensor, n_read: int, all_logits: bool
+    ) -> torch.Tensor:
+        """A CPU segment computed on the streaming GPU: layer i+1 is copied while layer i computes."""
+        streamer, layers = self._streamer, self.model.layers
+        step = Step(positions.to(streamer.device), masked=True)
+        order = list(seg.layers)
+        pending = streamer.prefetch(order[0])
+        for n, i in enumerate(order):
+            group, ready = pending
+            if n + 1 < len(order):
+                pending = streamer.prefetch(order[n + 1])
+            torch.cuda.current_stream(streamer.device).wait_event(ready)
+            resident, layers[i] = layers[i], group  # the block reads its weights from model.layers
+            try:
+                x = self.model.block(i, x, step, self.cache.writer(i, step.positions, n_read))
+            finally:
+                layers[i] = resident
+        x = x.to(seg.device)
+        if not seg.with_head:
+            return x
+        return self.model.head(x if all_logits else x[-1:])
 
     # --- CUDA graphs ------------------------------------------------------------------------------
 

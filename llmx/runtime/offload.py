@@ -1,0 +1,94 @@
+"""Op offload for prompts: stream CPU-resident layers to a GPU and compute them there.
+
+During decode a CPU layer's weights are used on the CPU (one token reads each weight once, and
+PCIe is slower than RAM). A prompt batch of T tokens does T times the arithmetic per weight byte,
+so past some T it is faster to copy the weights over PCIe and multiply on the GPU. The copies come
+from page-locked memory (made once, on first use) on a side stream, one layer ahead of the compute,
+so transfer and compute overlap. The threshold T is measured on this machine and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmx.bench.ceilings import cache_path
+from llmx.models.common import TensorGroup
+from llmx.quant.weight import QWeight, linear
+
+MEASURE_TOKENS = 64
+
+
+@dataclass
+class WeightStreamer:
+    """Copies one layer's tensors at a time from pinned host memory to `device`."""
+
+    device: torch.device
+    layers: list[TensorGroup]
+    bytes_streamed: int = 0
+    _pinned: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    _stream: torch.cuda.Stream | None = None
+
+    def _pinned_raw(self, layer: int, key: str, w: QWeight) -> torch.Tensor:
+        pinned = self._pinned.get((layer, key))
+        if pinned is None:
+            pinned = self._pinned[(layer, key)] = w.raw.pin_memory()
+        return pinned
+
+    def prefetch(self, layer: int) -> tuple[TensorGroup, torch.cuda.Event]:
+        """Start copying layer `layer` to the GPU; returns its GPU tensors and an event to wait on."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream, compute = self._stream, torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)  # buffers freed by the previous layer's compute are reusable
+        moved: dict[str, object] = {}
+        with torch.cuda.stream(stream):
+            for key, value in self.layers[layer].items():
+                if isinstance(value, QWeight) and value.raw.device.type == "cpu":
+                    raw = self._pinned_raw(layer, key, value).to(self.device, non_blocking=True)
+                    raw.record_stream(compute)  # allocated on the copy stream, used on the compute one
+                    moved[key] = QWeight(raw, value.qtype, value.shape, value.name)
+                    self.bytes_streamed += raw.nbytes
+                elif isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    moved[key] = t = value.to(self.device, non_blocking=True)
+                    t.record_stream(compute)
+                else:
+                    moved[key] = value
+            done = torch.cuda.Event()
+            done.record(stream)
+        return TensorGroup(f"blk.{layer}.", moved), done
+
+
+def offload_threshold(layer: TensorGroup, device: torch.device) -> int:
+    """Prompt tokens from which streaming a CPU layer to `device` beats computing it on the CPU.
+
+    Measured once per (CPU, GPU, thread count): the CPU's time per token for the layer's matrices at
+    MEASURE_TOKENS rows, against the time to copy the layer's bytes from pinned memory.
+    """
+    key = f"offload|{torch.cuda.get_device_name(device)}|{torch.get_num_threads()} threads"
+    path = cache_path().with_name("offload.json")
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    if key in cached:
+        return int(cached[key])
+    mats = [w for _, w in layer.items() if isinstance(w, QWeight)]
+    x = {w.shape[1]: torch.randn(MEASURE_TOKENS, w.shape[1]) for w in mats}
+    t0 = time.perf_counter()
+    for w in mats:
+        linear(x[w.shape[1]], w)
+    cpu_per_token = (time.perf_counter() - t0) / MEASURE_TOKENS
+    pinned = [w.raw.pin_memory() for w in mats]
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for p in pinned:
+        p.to(device, non_blocking=True)
+    torch.cuda.synchronize(device)
+    copy_seconds = time.perf_counter() - t0
+    threshold = max(2, math.ceil(copy_seconds / cpu_per_token))
+    cached[key] = threshold
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cached, indent=1))
+    return threshold
