@@ -19,10 +19,10 @@ from llmx.bench.tables import Column, human_bytes, human_count, mean_pm, number
 from llmx.plan.options import Options
 
 
-def placement_summary(opts: Options, n_offloaded: int | None, n_layer: int) -> str:
+def placement_summary(opts: Options, n_offloaded: int, n_layer: int) -> str:
     """The flags a user would type for this placement, and how many layers that put on GPUs."""
     flags = " ".join(opts.to_args()) or "default"
-    return flags if n_offloaded is None else f"{flags} ({n_offloaded}/{n_layer + 1} on GPU)"
+    return f"{flags} ({n_offloaded}/{n_layer + 1} layers on GPU)" if n_offloaded else flags
 
 
 def bench_row(
@@ -133,3 +133,13 @@ def memory_columns(gpus: list[str]) -> list[Column]:
     for dev in gpus:
         cols.append(Column(f"{dev} alloc", lambda r, d=dev: human_bytes(r["gpu_allocated"].get(d, 0))))
     return cols
+
+
+CEILING_COLUMNS = [
+    Column("device", lambda r: r["device"], right=False),
+    Column("name", lambda r: r["key"], right=False),
+    Column("memory GB/s", lambda r: number(r["mem_gbs"])),
+    Column("H2D pinned GB/s", lambda r: number(r["h2d_pinned_gbs"])),
+    Column("H2D pageable GB/s", lambda r: number(r["h2d_pageable_gbs"])),
+    Column("matmul TFLOP/s", lambda r: f"{number(r['matmul_tflops'], 2)} {r['matmul_dtype']}"),
+]

@@ -57,6 +57,15 @@ def json_text(data: Any) -> str:
     return json.dumps(plain(data), indent=2)
 
 
+def render(rows: Sequence[dict[str, Any]], output: str, columns: Sequence[Column]) -> str:
+    """Rows in one of llama-bench's `-o` formats: md (the columns), csv or json (every field)."""
+    if output == "json":
+        return json_text(rows)
+    if output == "csv":
+        return csv_text(rows).rstrip("\n")
+    return markdown(rows, columns)
+
+
 # --- cell formatters ---
 
 

@@ -1,0 +1,84 @@
+"""What a benchmark needs from a loaded model: where its bytes live and how fast those devices read.
+
+`llmx bench` and `llmx sweep-bench` load a model per placement, then ask this module for its
+roofline inputs: bytes read per generated token on each device (from the plan the loader
+executed), the measured bandwidth of those devices (from the ceilings cache, measured on first
+use), and the placement facts a result records.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmx.api import LoadedModel, load_with_options
+from llmx.bench.ceilings import ceilings_for
+from llmx.bench.floor import Roofline, TokenBytes, plan_token_bytes, roofline
+from llmx.bench.rows import placement_summary
+from llmx.plan.options import Options
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A loaded model with its per-token bytes and the bandwidth of the devices holding them."""
+
+    model: LoadedModel
+    token_bytes: TokenBytes
+    bandwidth_gbs: dict[str, float]
+    placement: dict[str, Any]  # devices, summary, plan, bandwidth_gbs, load_seconds, n_offloaded
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.file.tensors["token_embd.weight"].shape[0]
+
+    def roofline(self, n_depth: int, n_gen: int) -> Roofline:
+        """The floor of generating `n_gen` tokens after `n_depth` cached ones."""
+        return roofline(self.token_bytes, n_depth, n_gen, self.bandwidth_gbs)
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def load_for_bench(path: str | os.PathLike | None, opts: Options, progress: bool = True) -> BenchModel:
+    """Load `path` with `opts` and work out its roofline inputs (measuring missing ceilings)."""
+    progress_bar = None
+    if progress:
+        from llmx.commands.progress import load_progress
+
+        progress_bar = load_progress()
+    model = load_with_options(path, opts, progress=progress_bar)
+    plan = model.plan
+    mf = model.file
+    tb = plan_token_bytes(
+        plan,
+        ((t.name, t.nbytes) for t in mf.tensors.values()),
+        n_expert_used=int(mf.arch_key("expert_used_count", 0)),
+        n_expert=int(mf.arch_key("expert_count", 0)),
+    )
+    per_device = tb.at_depth(0)
+    devices = sorted((d for d, n in per_device.items() if n), key=per_device.__getitem__, reverse=True)
+    ceilings = ceilings_for(devices, notify=_note)
+    bandwidth = {d: c.mem_gbs for d, c in ceilings.items()}
+    placement = {
+        "devices": devices,
+        "summary": placement_summary(plan.options, plan.n_offloaded, plan.n_layer),
+        "n_offloaded": plan.n_offloaded,
+        "plan": plan.to_dict(),
+        "bandwidth_gbs": bandwidth,
+        "load_seconds": model.load_seconds,
+    }
+    return BenchModel(model, tb, bandwidth, placement)
+
+
+def free_memory() -> None:
+    """Return the memory of models no longer referenced before the next placement loads (GPU arenas
+    especially: the caching allocator would otherwise keep them for itself)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

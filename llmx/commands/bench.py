@@ -1,0 +1,108 @@
+"""`llmx bench`: llama-bench's table (pp/tg tokens/s per placement), with GB/s and % of the floor.
+
+llmx bench -m model.gguf -p 512 -n 128 -ngl 0,16,99 -ctk f16,q8_0 -o md
+llmx bench --ceilings          # measure and cache every device's bandwidth and matrix rate
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from llmx.bench.grid import int_list, option_grid
+from llmx.plan.options import add_options, options_from_args
+
+EPILOG = (
+    "Every placement option takes a comma list (or a range first-last+step) and gives one row per "
+    "combination, as in llama-bench; -ts separates GPUs with '/' (3/1,1/1) and -ot separates one "
+    "alternative's rules with ';'."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument(
+        "-m",
+        "--model",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="GGUF file; repeat for several (default: the embedded SmolLM2-135M)",
+    )
+    parser.add_argument(
+        "-p", "--n-prompt", default="512", metavar="N,...", help="prompt tokens (default 512)"
+    )
+    parser.add_argument(
+        "-n", "--n-gen", default="128", metavar="N,...", help="generated tokens (default 128)"
+    )
+    parser.add_argument(
+        "-d",
+        "--n-depth",
+        default="0",
+        metavar="N,...",
+        help="tokens already in the context before each test (default 0)",
+    )
+    parser.add_argument(
+        "-r",
+        "--repetitions",
+        type=int,
+        default=5,
+        metavar="N",
+        help="timed runs per test, after one warm-up run (default 5)",
+    )
+    parser.add_argument("-o", "--output", choices=("md", "csv", "json"), default="md", help="table format")
+    parser.add_argument(
+        "--ceilings",
+        action="store_true",
+        help="(re)measure and cache every device's bandwidth and matrix rate, and print them",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
+    add_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from llmx.bench.ceilings import ceilings_for, visible_devices
+    from llmx.bench.loaded import free_memory, load_for_bench
+    from llmx.bench.results import environment, model_info
+    from llmx.bench.rows import BENCH_COLUMNS, CEILING_COLUMNS, bench_row
+    from llmx.bench.runner import Speed, bench_tests, time_test
+    from llmx.bench.tables import markdown, render
+
+    if args.ceilings:
+        measured = ceilings_for(visible_devices(), remeasure=True, notify=lambda m: print(m, file=sys.stderr))
+        print(
+            markdown([asdict(c) | {"device": d} for d, c in measured.items()], CEILING_COLUMNS),
+            file=sys.stderr,
+        )
+        if args.model is None:
+            return 0
+    tests = bench_tests(int_list(args.n_prompt), int_list(args.n_gen), int_list(args.n_depth))
+    placements = [options_from_args(ns) for ns in option_grid(args)]
+    env = environment()
+    rows = []
+    for path in args.model or [None]:
+        for opts in placements:
+            if "ctx_size" not in opts.given:  # as llama-bench, a context just large enough for the tests
+                opts = opts.replace(ctx_size=max(t.n_ctx for t in tests))
+            bm = load_for_bench(path, opts)
+            info = model_info(bm.model.file)
+            bar = tqdm(
+                total=len(tests) * (args.repetitions + 1), desc="benchmarking", leave=False, disable=None
+            )
+            for test in tests:
+                samples = time_test(
+                    bm.model.engine, test, args.repetitions, bm.n_vocab, args.seed, bar.update
+                )
+                roof = bm.roofline(test.n_depth, test.n_gen) if test.n_gen else None
+                speed = Speed(test.n_tokens, tuple(samples))
+                rows.append(bench_row(env, info, opts, bm.placement, test, speed, roof))
+            bar.close()
+            bm = None  # drop the model before the next placement loads
+            free_memory()
+    print(render(rows, args.output, BENCH_COLUMNS))
+    return 0
