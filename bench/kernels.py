@@ -1,16 +1,17 @@
 """Triton kernel speed per GGML type against the GPU's measured ceilings.
 
 For each type and weight shape N x K (default: Llama-3-8B's FFN, 14336x4096 and 4096x14336) and
-each batch M: the median time of `triton_ops.linear`, as GB/s of weight bytes over the measured
-device-to-device copy bandwidth (GEMV, M <= 8: memory-bound), or as TFLOP/s over the measured bf16
-matmul rate (GEMM: compute-bound). GEMM rows also show dequantize-then-torch.matmul and a dense bf16
-torch.matmul of the same shape. The ceilings are measured in the same run: a copy of a 4 GB
-buffer (bytes read + written) and an 8192^3 bf16 matmul. triton.testing.do_bench clears the L2
-before every call, so each call reads its weight from HBM.
+each batch M, the median time of each kernel `triton_ops.linear` can run there (M <= 8: GEMV and
+GEMM; larger M: GEMM and dequantize + torch matmul), on `prepare`d weights; with GB/s of weight
+bytes over the measured device-to-device copy bandwidth (what bounds M <= 8) and TFLOP/s over the
+measured bf16 matmul rate (what bounds large M). At M = 512 a dense bf16 torch matmul of the same
+shape is timed too, and at M = 1 the GEMV on raw (not prepared) rows. The ceilings are measured in
+the same run: a copy of a 4 GB buffer (bytes read + written) and an 8192^3 bf16 matmul.
+triton.testing.do_bench clears the L2 before every call, so each call reads its weight from HBM.
 
-    python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,512] [--sweep] [--json PATH]
+    python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,16,512] [--sweep Q4_K] [--json PATH]
 
-`--sweep` also times a grid of GEMV launch shapes at M = 1 and 8 (how `default_gemv` was chosen).
+`--sweep` also times a grid of GEMV launch shapes at M = 1 (how `default_gemv` was chosen).
 Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT is set.
 """
 
@@ -21,6 +22,7 @@ import itertools
 import json
 import os
 import statistics
+from collections.abc import Iterator
 from functools import partial
 from types import SimpleNamespace
 
@@ -53,76 +55,68 @@ def make_weight(name: str, n: int, k: int) -> SimpleNamespace:
     qt = qtype(name)
     data = random_data(qt, n * k, 0.02, chunk_rng(0, qt.ggml_id, n))
     raw = torch.from_numpy(data).view(n, qt.row_bytes(k)).cuda()
-    return SimpleNamespace(raw=raw, qtype=qt, shape=(n, k), name=f"{name} {n}x{k}")
+    return SimpleNamespace(raw=raw, qtype=qt, shape=(n, k), name=f"{name} {n}x{k}", packed=None)
 
 
-def dequant_matmul(x: torch.Tensor, w: SimpleNamespace) -> torch.Tensor:
-    """The unfused alternative to the GEMM kernel: whole weight to bf16, then cuBLAS."""
-    return torch.nn.functional.linear(x, tops.dequantize(w, torch.bfloat16))
+def measure(w: SimpleNamespace, m: int, kernel: str, ceil: dict[str, float], **extra: object) -> dict:
+    """One timed row: kernel `kernel` on weight `w` with M = m bf16 inputs."""
+    n, k = w.shape
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    t = bench_ms(partial(tops.linear, x, w, kernel=kernel))
+    gbs, tflops = w.raw.numel() * w.raw.element_size() / t / 1e6, 2 * m * n * k / t / 1e9
+    frac = gbs / ceil["copy_gbs"] if m <= tops.GEMV_MAX_M else tflops / ceil["bf16_tflops"]
+    row = {"type": w.qtype.name, "n": n, "k": k, "m": m, "kernel": kernel, "ms": t, "gbs": gbs}
+    return row | {"tflops": tflops, "frac": frac} | extra
 
 
-def run(types: list[str], ms: list[int], ceil: dict[str, float]) -> list[dict]:
-    rows = []
+def run(types: list[str], ms: list[int], ceil: dict[str, float]) -> Iterator[dict]:
+    """Timed rows, yielded as they are measured (a long run that is cut short still reports)."""
     for name, (n, k) in itertools.product(types, SHAPES):
-        w = make_weight(name, n, k)
-        nbytes = w.raw.numel()
+        raw = make_weight(name, n, k)
+        w = tops.prepare(raw)
+        layout = "prepared" if w is not raw else "raw"
+        if w is not raw:
+            yield measure(raw, 1, "gemv", ceil, layout="raw")
         for m in ms:
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            t = bench_ms(partial(tops.linear, x, w))
-            row = {"type": name, "n": n, "k": k, "m": m, "ms": t, "weight_bytes": nbytes}
-            if m <= tops.GEMV_MAX_M:
-                row["gbs"] = nbytes / t / 1e6
-                row["frac"] = row["gbs"] / ceil["copy_gbs"]
-            else:
-                flop = 2 * m * n * k
-                row["tflops"] = flop / t / 1e9
-                row["frac"] = row["tflops"] / ceil["bf16_tflops"]
-                row["dequant_matmul_tflops"] = flop / bench_ms(partial(dequant_matmul, x, w)) / 1e9
-                dense = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
-                row["dense_bf16_tflops"] = (
-                    flop / bench_ms(partial(torch.nn.functional.linear, x, dense)) / 1e9
-                )
-            rows.append(row)
-        del w
-    return rows
+            # GEMM at M <= 8 only at 2 and 8: each M bucket costs an autotuning pass.
+            kernels = (
+                ("gemm", "dequant") if m > tops.GEMV_MAX_M else ("gemv", "gemm") if m in (2, 8) else ("gemv",)
+            )
+            for kern in kernels:
+                yield measure(w, m, kern, ceil, layout=layout)
+            if m >= 512:
+                dense = SimpleNamespace(raw=torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
+                dense.qtype, dense.shape, dense.name, dense.packed = qtype("BF16"), (n, k), "dense", None
+                yield measure(dense, m, "dense", ceil, layout="bf16") | {"type": name}
+        del raw, w
 
 
 def sweep(types: list[str]) -> list[dict]:
-    """GEMV time for a grid of launch shapes, M = 1 and 8."""
+    """GEMV time at M = 1 for a grid of launch shapes, on prepared weights."""
     rows = []
-    shapes = itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (4, 8))
-    grid = [tops.GemvConfig(bn, bk, nw) for bn, bk, nw in shapes]
-    for name, (n, k), m in itertools.product(types, SHAPES, (1, 8)):
-        w = make_weight(name, n, k)
-        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    grid = [tops.GemvConfig(*c) for c in itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4))]
+    for name, (n, k) in itertools.product(types, SHAPES):
+        w = tops.prepare(make_weight(name, n, k))
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         for cfg in grid:
-            if m == 8 and cfg.bn * cfg.bk > 2048:  # the [8, BN, BK] product would spill
-                continue
             t = bench_ms(partial(tops.linear, x, w, gemv=cfg))
-            row = {"type": name, "n": n, "k": k, "m": m, "ms": t, "gbs": w.raw.numel() / t / 1e6}
+            row = {"type": name, "n": n, "k": k, "m": 1, "ms": t, "gbs": w.raw.numel() / t / 1e6}
             rows.append(row | cfg.__dict__)
     return rows
 
 
-def table(rows: list[dict], ceil: dict[str, float]) -> str:
-    out = [
-        f"Ceilings: copy {ceil['copy_gbs']:.0f} GB/s (read+write), "
-        f"bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s",
-        "",
-        "| type | N x K | M | time µs | GB/s (weights) | TFLOP/s | fraction of ceiling "
-        "| dequant+matmul TFLOP/s | dense bf16 TFLOP/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        head = f"| {r['type']} | {r['n']}x{r['k']} | {r['m']} | {r['ms'] * 1e3:.1f} |"
-        if "gbs" in r:
-            out.append(f"{head} {r['gbs']:.0f} | | {r['frac']:.0%} of copy | | |")
-        else:
-            out.append(
-                f"{head} | {r['tflops']:.0f} | {r['frac']:.0%} of bf16 | "
-                f"{r['dequant_matmul_tflops']:.0f} | {r['dense_bf16_tflops']:.0f} |"
-            )
-    return "\n".join(out)
+TABLE_HEAD = (
+    "| type | N x K | M | kernel | layout | time µs | GB/s (weights) | TFLOP/s | fraction of ceiling |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def table_row(r: dict) -> str:
+    ceiling = "copy" if r["m"] <= tops.GEMV_MAX_M else "bf16"
+    return (
+        f"| {r['type']} | {r['n']}x{r['k']} | {r['m']} | {r['kernel']} | {r['layout']} | "
+        f"{r['ms'] * 1e3:.1f} | {r['gbs']:.0f} | {r['tflops']:.1f} | {r['frac']:.0%} of {ceiling} |"
+    )
 
 
 def sweep_table(rows: list[dict]) -> str:
@@ -143,23 +137,28 @@ def sweep_table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(tops.GROUP))
-    ap.add_argument("--m", default="1,2,4,8,512")
+    ap.add_argument("--m", default="1,2,4,8,16,512")
     ap.add_argument("--sweep", default="", help="types whose GEMV launch shapes to sweep, e.g. Q4_K,Q8_0")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    path = args.json or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else None)
     gpu = torch.cuda.get_device_name()
     ceil = ceilings()
     result: dict = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "ceilings": ceil}
+    print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s (read+write), ", end="")
+    print(f"bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s\n")
     if args.sweep:
         result["sweep"] = sweep(args.sweep.split(","))
-        print(sweep_table(result["sweep"]), flush=True)
-    result["rows"] = run(args.types.split(","), [int(m) for m in args.m.split(",")], ceil)
-    print(f"\n{gpu}, torch {torch.__version__}, triton {triton.__version__}\n")
-    print(table(result["rows"], ceil))
-    path = args.json or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else None)
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        print(sweep_table(result["sweep"]) + "\n", flush=True)
+    print(TABLE_HEAD, flush=True)
+    result["rows"] = []
+    for row in run(args.types.split(","), [int(m) for m in args.m.split(",")], ceil):
+        result["rows"].append(row)
+        print(table_row(row), flush=True)
+        if path:  # rewritten after every row, so a run that is cut short keeps what it measured
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

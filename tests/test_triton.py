@@ -22,6 +22,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("LLMX_TRITON_AUTOTUNE", "0")  # one GEMM config: compiling all is minutes
 pytest.importorskip("triton")
 
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -42,7 +43,23 @@ class Weight:
     """The fields of llmx.quant.weight.QWeight that the kernels read."""
 
     def __init__(self, raw: torch.Tensor, qt: QType, shape: tuple[int, int]) -> None:
-        self.raw, self.qtype, self.shape, self.name = raw, qt, shape, "test"
+        self.raw, self.qtype, self.shape, self.name, self.packed = raw, qt, shape, "test", None
+
+
+@pytest.fixture(params=["raw", "prepared"])
+def layout(request: pytest.FixtureRequest) -> str:
+    """Rows as in the GGUF, or repacked by triton_ops.prepare (for the types it repacks)."""
+    return request.param
+
+
+def laid_out(w: Weight, name: str, layout: str) -> Weight:
+    if layout == "raw":
+        return w
+    if name not in tops.SPLIT_FIELDS:
+        pytest.skip(f"prepare leaves {name} as it is")
+    packed = tops.prepare(w)
+    assert packed.raw.shape == w.raw.shape and packed.packed is tops.SPLIT
+    return packed
 
 
 def random_weight(name: str, n: int, k: int, seed: int) -> tuple[Weight, np.ndarray]:
@@ -72,12 +89,15 @@ def rel_err(out: torch.Tensor, ref: np.ndarray) -> float:
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
-def check_linear(w: Weight, ref_w: np.ndarray, m: int, dtype: torch.dtype, seed: int) -> None:
+def check_linear(
+    w: Weight, ref_w: np.ndarray, m: int, dtype: torch.dtype, seed: int, kernel: str | None = None
+) -> None:
     n, k = w.shape
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    out = tops.linear(x.to(DEVICE), w)
+    out = tops.linear(x.to(DEVICE), w, kernel=kernel)
     assert out.shape == (m, n) and out.dtype == dtype
-    tol = TOL[dtype] if m <= tops.GEMV_MAX_M else GEMM_TOL[dtype]
+    fp32_path = kernel == "gemv" or (kernel is None and m <= tops.GEMV_MAX_M)
+    tol = TOL[dtype] if fp32_path else GEMM_TOL[dtype]
     assert rel_err(out, x.double().numpy() @ ref_w.T) < tol
 
 
@@ -85,14 +105,16 @@ def check_linear(w: Weight, ref_w: np.ndarray, m: int, dtype: torch.dtype, seed:
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_dequantize_is_exact(name: str) -> None:
+def test_dequantize_is_exact(name: str, layout: str) -> None:
     w, ref = random_weight(name, 5, width(name, 3), seed=1)
+    w = laid_out(w, name, layout)
     assert np.array_equal(tops.dequantize(w).cpu().numpy(), ref.astype(np.float32))
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_embedding_reads_the_chosen_rows(name: str) -> None:
+def test_embedding_reads_the_chosen_rows(name: str, layout: str) -> None:
     w, ref = random_weight(name, 7, width(name, 2), seed=2)
+    w = laid_out(w, name, layout)
     ids = torch.tensor([[6, 0, 3], [3, 3, 1]])
     out = tops.embedding(ids.to(DEVICE), w)
     assert out.shape == (2, 3, w.shape[1])
@@ -101,9 +123,10 @@ def test_embedding_reads_the_chosen_rows(name: str) -> None:
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_gemv(name: str, m: int) -> None:
+def test_gemv(name: str, m: int, layout: str) -> None:
     # N = 9 is not a multiple of the rows per program; 3 blocks are not a multiple of BK.
-    check_linear(*random_weight(name, 9, width(name, 3), seed=10 + m), m, torch.float32, seed=m)
+    w, ref = random_weight(name, 9, width(name, 3), seed=10 + m)
+    check_linear(laid_out(w, name, layout), ref, m, torch.float32, seed=m)
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -113,9 +136,18 @@ def test_gemv_fp16(name: str) -> None:
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gemm(name: str, dtype: torch.dtype) -> None:
+def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
     # M = 17 and N = 33 leave partial tiles in both directions.
-    check_linear(*random_weight(name, 33, width(name, 3), seed=30), 17, dtype, seed=30)
+    w, ref = random_weight(name, 33, width(name, 3), seed=30)
+    check_linear(laid_out(w, name, layout), ref, 17, dtype, seed=30, kernel="gemm")
+
+
+@pytest.mark.parametrize("kernel", ["gemm", "dequant"])
+def test_forced_kernels(kernel: str) -> None:
+    w, ref = random_weight("Q6_K", 10, 512, seed=35)
+    check_linear(w, ref, 2, torch.float16, seed=35, kernel=kernel)
+    with pytest.raises(LlmxError, match="at most 8 rows"):
+        tops.linear(torch.zeros(9, 512, device=DEVICE), w, kernel="gemv")
 
 
 def test_leading_dims_and_float_weights() -> None:
@@ -150,15 +182,20 @@ def large_weight(name: str) -> tuple[Weight, np.ndarray]:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name", TYPES)
-def test_gpu_dequantize_large(name: str) -> None:
+def test_gpu_dequantize_large(name: str, layout: str) -> None:
     w, ref = large_weight(name)
+    w = laid_out(w, name, layout)
     assert np.array_equal(tops.dequantize(w).cpu().numpy(), ref.astype(np.float32))
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 100])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_linear_large(name: str, m: int, dtype: torch.dtype) -> None:
-    check_linear(*large_weight(name), m, dtype, seed=m)
+@pytest.mark.parametrize(
+    ("m", "dtype"),
+    [(1, torch.bfloat16), (1, torch.float32), (2, torch.float16), (5, torch.bfloat16), (8, torch.float32)]
+    + [(40, torch.bfloat16), (100, torch.bfloat16), (100, torch.float16)],
+)
+def test_gpu_linear_large(name: str, m: int, dtype: torch.dtype, layout: str) -> None:
+    w, ref = large_weight(name)
+    check_linear(laid_out(w, name, layout), ref, m, dtype, seed=m)

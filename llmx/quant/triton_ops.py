@@ -4,18 +4,26 @@ Weights stay as the uint8 rows of the GGUF file; the kernels (`llmx.quant.triton
 blocks in registers. triton is imported on first use, so importing this module costs nothing on
 CPU-only installs. Under TRITON_INTERPRET=1 the same code runs on CPU tensors (the tests do that).
 
-Which kernel runs:
-- M <= 8 rows of x: GEMV, fp32 FMAs on the unpacked codes, one program per few weight rows;
+Which kernel runs (`linear`, by M = rows of x; the thresholds are measured, bench/RESULTS.md):
+- M <= GEMV_MAX_M: "gemv", fp32 FMAs on the unpacked codes, one program per few weight rows;
   memory-bound, so its speed is the weight bytes over HBM bandwidth.
-- M > 8: GEMM, tiles dequantized into registers and multiplied with tl.dot on the tensor cores,
-  autotuned per (type, M bucket, N, K).
+- up to DEQUANT_MATMUL_MIN_M: "gemm", tiles dequantized in registers and multiplied with tl.dot on
+  the tensor cores, autotuned per (type, M bucket, N, K).
+- larger M: "dequant", the whole weight dequantized to x's dtype, then torch's matmul (cuBLAS):
+  once M is large the one extra pass over the weight costs less than the fused kernel's unpacking
+  per output tile. It needs a transient N x K buffer of x's dtype.
+
+`prepare(w)` is an optional one-time repack at load for the types whose fp16 block scales leave
+their codes 2-byte aligned (Q4_0, Q8_0, Q6_K, ...): the same bytes, each row's scales moved after
+its block bodies, so codes load as 16-byte vectors. Every kernel reads both layouts exactly.
 
 Output dtype is x's dtype; accumulation is always float32. GEMM multiplies in x's dtype (fp16 or
-bf16 weights tiles; tf32 for float32 x).
+bf16 weight tiles; tf32 for float32 x).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from functools import cache
@@ -35,7 +43,27 @@ GROUP = {
     "IQ4_NL": 32, "IQ4_XS": 32,
 }  # fmt: skip
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# Types `prepare` repacks: (bytes a block, fp16 fields a block, fields at the block's start?).
+# The unpack helpers read the same facts (their `block_parts` calls); the tests check they agree.
+SPLIT_FIELDS = {
+    "Q4_0": (18, 1, True), "Q4_1": (20, 2, True), "Q5_0": (22, 1, True), "Q5_1": (24, 2, True),
+    "Q8_0": (34, 1, True), "IQ4_NL": (18, 1, True),
+    "Q2_K": (84, 2, False), "Q3_K": (110, 1, False), "Q6_K": (210, 1, False),
+}  # fmt: skip
+KERNELS = ("gemv", "gemm", "dequant")
 GEMV_MAX_M = 8
+DEQUANT_MATMUL_MIN_M = 64
+
+
+@dataclass(frozen=True)
+class SplitFields:
+    """QWeight.packed marker: rows are in `prepare`'s layout (bodies first, then fp16 fields)."""
+
+    def describe(self) -> str:
+        return "fp16 block scales moved to row ends (Triton, 16-byte aligned codes)"
+
+
+SPLIT = SplitFields()
 
 
 @dataclass(frozen=True)
@@ -55,11 +83,13 @@ def supports(w: QWeight) -> bool:
 # --- public API ---------------------------------------------------------------------------------
 
 
-def linear(x: torch.Tensor, w: QWeight, gemv: GemvConfig | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: QWeight, kernel: str | None = None, gemv: GemvConfig | None = None
+) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) @ W.T for W [N, K] -> [..., N] in x's dtype.
 
-    M (the product of x's leading dims) <= 8 runs the GEMV kernel, larger M the GEMM kernel.
-    `gemv` overrides the GEMV launch shape (benchmarks sweep it); None picks the default.
+    The kernel is chosen by M (the product of x's leading dims), see the module docstring;
+    `kernel` (one of KERNELS) forces one and `gemv` the GEMV launch shape, for benchmarks.
     """
     n, k = w.shape
     if x.shape[-1] != k:
@@ -70,26 +100,31 @@ def linear(x: torch.Tensor, w: QWeight, gemv: GemvConfig | None = None) -> torch
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    choice = kernel or ("gemv" if m <= GEMV_MAX_M else "gemm" if m < DEQUANT_MATMUL_MIN_M else "dequant")
+    if choice == "dequant":
+        return torch.nn.functional.linear(x, dequantize(w, x.dtype))
+    if choice == "gemv" and m > GEMV_MAX_M:
+        raise LlmxError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows of x, got {m}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    raw, name = _raw(w)
-    kern = _kernels()
-    if m <= GEMV_MAX_M:
+    raw, name, packed = _raw(w)
+    lut = _lut(raw.device)
+    strides = (x2.stride(0), raw.stride(0), out.stride(0))
+    if choice == "gemv":
         bm = 1 << (m - 1).bit_length()
         cfg = gemv or default_gemv(name, bm)
-        kern.gemv_kernel[(_cdiv(n, cfg.bn),)](
-            x2, raw, _lut(raw.device), out, m, n, k, x2.stride(0), raw.stride(0), out.stride(0),
-            QT=name, G=GROUP[name], BM=bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps,
+        _kernels().gemv_kernel[(_cdiv(n, cfg.bn),)](
+            x2, raw, lut, out, m, n, k, *strides,
+            QT=name, PACKED=packed, G=GROUP[name], BM=bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps,
         )  # fmt: skip
-    else:
+    elif choice == "gemm":
         m_bucket = min(1 << (m - 1).bit_length(), 4096)
 
         def grid(meta: dict[str, Any]) -> tuple[int]:
             return (_cdiv(m, meta["BM"]) * _cdiv(n, meta["BN"]),)
 
-        _gemm()[grid](
-            x2, raw, _lut(raw.device), out, m, n, k, x2.stride(0), raw.stride(0), out.stride(0), m_bucket,
-            QT=name, G=GROUP[name],
-        )  # fmt: skip
+        _gemm()[grid](x2, raw, lut, out, m, n, k, *strides, m_bucket, QT=name, PACKED=packed, G=GROUP[name])
+    else:
+        raise LlmxError(f"unknown kernel {choice!r}; choose one of {', '.join(KERNELS)}")
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -104,11 +139,11 @@ def embedding(ids: torch.Tensor, w: QWeight, dtype: torch.dtype = torch.float32)
     flat = ids.reshape(-1).to(device=w.raw.device, dtype=torch.int64)
     out = torch.empty((flat.numel(), k), dtype=dtype, device=w.raw.device)
     if flat.numel():
-        raw, name = _raw(w)
+        raw, name, packed = _raw(w)
         br, bk = 4, 512
         _kernels().dequant_kernel[(_cdiv(flat.numel(), br), _cdiv(k, bk))](
             raw, _lut(raw.device), flat, out, flat.numel(), n, k, raw.stride(0), out.stride(0),
-            QT=name, G=GROUP[name], BR=br, BK=bk, num_warps=4,
+            QT=name, PACKED=packed, G=GROUP[name], BR=br, BK=bk, num_warps=4,
         )  # fmt: skip
     return out.reshape(*ids.shape, k)
 
@@ -118,20 +153,45 @@ def dequantize(w: QWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return embedding(torch.arange(w.shape[0], device=w.raw.device), w, dtype)
 
 
+def prepare(w: QWeight) -> QWeight:
+    """`w` with its rows repacked for these kernels where that helps, else `w` itself.
+
+    For the SPLIT_FIELDS types each row of blocks [fields | body] (or [body | fields]) becomes
+    [body 0 | body 1 | ... | fields of block 0 | fields of block 1 | ...]: the same bytes in the
+    same row width, so sizes and offsets elsewhere do not change. Costs one copy of the tensor.
+    """
+    if w.qtype.name not in SPLIT_FIELDS or w.packed is SPLIT:
+        return w
+    raw, _, _ = _raw(w)
+    nbytes, nf, fields_first = SPLIT_FIELDS[w.qtype.name]
+    blocks = raw.reshape(raw.shape[0], -1, nbytes)
+    cut = 2 * nf if fields_first else nbytes - 2 * nf
+    head, tail = blocks[:, :, :cut], blocks[:, :, cut:]
+    body, fields = (tail, head) if fields_first else (head, tail)
+    packed = torch.cat([body.reshape(raw.shape[0], -1), fields.reshape(raw.shape[0], -1)], dim=1)
+    out = copy.copy(w)
+    out.raw, out.packed = packed, SPLIT
+    return out
+
+
 # --- launch details -----------------------------------------------------------------------------
 
 
 def default_gemv(name: str, bm: int) -> GemvConfig:
-    """GEMV launch shape for type `name` and BM input rows (measured on an H200, bench/RESULTS.md)."""
-    return GemvConfig(bn=4 if bm <= 2 else 2, bk=512, num_warps=4)
+    """GEMV launch shape for type `name` and BM input rows (measured on an H200, bench/RESULTS.md).
+
+    Two warps over 4 rows x 512 weights give each thread 32 codes a step (fewer and the per-group
+    scale and reduction work dominates) while leaving N/4 programs to hide memory latency.
+    """
+    return GemvConfig(bn=4, bk=512 if bm == 1 else 256, num_warps=2)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _raw(w: QWeight) -> tuple[torch.Tensor, str]:
-    """The raw [N, row_bytes] uint8 rows of `w`, checked, and its type name."""
+def _raw(w: QWeight) -> tuple[torch.Tensor, str, bool]:
+    """The raw [N, row_bytes] uint8 rows of `w`, checked; its type name; whether `prepare`d."""
     name = w.qtype.name
     if name not in GROUP:
         raise LlmxError(f"{_label(w)} has no Triton kernel; types with one: {', '.join(GROUP)}")
@@ -141,7 +201,7 @@ def _raw(w: QWeight) -> tuple[torch.Tensor, str]:
         raise LlmxError(f"{_label(w)}: raw blocks must be uint8 [{n}, row bytes] with contiguous rows")
     if raw.shape[1] != w.qtype.row_bytes(k):
         raise LlmxError(f"{_label(w)}: {raw.shape[1]} bytes a row, {k} weights need {w.qtype.row_bytes(k)}")
-    return raw, name
+    return raw, name, w.packed is SPLIT
 
 
 def _label(w: QWeight) -> str:
@@ -167,6 +227,7 @@ def _lut(device: torch.device) -> torch.Tensor:
 def _gemm() -> Any:
     """The GEMM kernel, autotuned on first use per (type, M bucket, N, K, dtypes)."""
     import triton
+    import triton.testing
 
     def config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
         return triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
@@ -174,14 +235,24 @@ def _gemm() -> Any:
     if _interpreting():
         # The interpreter cannot time configs; small tiles keep it quick.
         configs = [config(16, 32, 64, 4, 1)]
+    elif os.environ.get("LLMX_TRITON_AUTOTUNE", "1") == "0":
+        configs = [config(64, 128, 64, 4, 4)]  # one compile per type: for tests
     else:
         configs = [
             config(128, 128, 64, 8, 3),
             config(128, 256, 64, 8, 3),
             config(64, 128, 64, 4, 4),
             config(128, 128, 128, 8, 3),
+            config(16, 64, 128, 4, 3),  # small M: more programs, less padding
+            config(32, 128, 64, 4, 3),
         ]
-    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K", "QT"])(_kernels().gemm_kernel)
+
+    def bench(fn: Any, quantiles: Any) -> Any:
+        # Short timings: tuning runs once per (type, M bucket, N, K), inside the first call.
+        return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+    key = ["M_BUCKET", "N", "K", "QT", "PACKED"]
+    return triton.autotune(configs=configs, key=key, do_bench=bench)(_kernels().gemm_kernel)
 
 
 def _interpreting() -> bool:

@@ -34,3 +34,30 @@ def code_f32(v, BIAS: tl.constexpr):
 def nibbles(w_ptr, off, shift):
     """4-bit codes: (byte at `off`) >> `shift` & 15, as int32."""
     return (u8(w_ptr, off) >> shift) & 15
+
+
+@triton.jit
+def block_parts(
+    row_off, blk, K,
+    ELEMS: tl.constexpr, BYTES: tl.constexpr, NF: tl.constexpr, FIELDS_FIRST: tl.constexpr,
+    PACKED: tl.constexpr,
+):  # fmt: skip
+    """Byte offsets (body, fields) of blocks `blk` in rows starting at `row_off`.
+
+    A block of ELEMS weights and BYTES bytes is NF fp16 fields (its scales; first or last in the
+    block) and a body (codes and sub-block scales). Raw GGUF rows keep each block whole, so with
+    18-, 34- or 210-byte blocks the codes are only 2-byte aligned; rows repacked by
+    `triton_ops.prepare` (PACKED) hold every body first, then every block's fields, so bodies
+    start on 16-byte boundaries and load as 16-byte vectors.
+    """
+    BODY: tl.constexpr = BYTES - 2 * NF
+    if PACKED:
+        body = row_off + blk * BODY
+        fields = row_off + (K // ELEMS) * BODY + blk * (2 * NF)
+    elif FIELDS_FIRST:
+        fields = row_off + blk * BYTES
+        body = fields + 2 * NF
+    else:
+        body = row_off + blk * BYTES
+        fields = body + BODY
+    return body, fields

@@ -11,21 +11,21 @@ first, and a 6-bit scale ls: low 4 bits from scales_l[j//2] (nibble j%2), high 2
 import triton
 import triton.language as tl
 
-from llmx.quant.triton.bits import f16, nibbles, u8
+from llmx.quant.triton.bits import block_parts, f16, nibbles, u8
 
 
 @triton.jit
-def _lookup(w_ptr, blk, QS: tl.constexpr, lut_ptr):
-    """[R, S, 32] values of the 16 nibble-packed bytes at blk + QS, Q4_0 order."""
+def _lookup(w_ptr, start, QS: tl.constexpr, lut_ptr):
+    """[R, S, 32] values of the 16 nibble-packed bytes at start + QS, Q4_0 order."""
     l = tl.arange(0, 32)[None, None, :]
-    return tl.load(lut_ptr + nibbles(w_ptr, blk[:, :, None] + QS + l % 16, 4 * (l // 16)))
+    return tl.load(lut_ptr + nibbles(w_ptr, start[:, :, None] + QS + l % 16, 4 * (l // 16)))
 
 
 @triton.jit
-def iq4_nl(w_ptr, row_off, sb, lut_ptr):
-    blk = row_off + sb * 18
-    d = f16(w_ptr, blk)
-    return _lookup(w_ptr, blk, 2, lut_ptr), d, tl.zeros_like(d)
+def iq4_nl(w_ptr, row_off, sb, K, PACKED: tl.constexpr, lut_ptr):
+    body, fields = block_parts(row_off, sb, K, 32, 18, 1, True, PACKED)
+    d = f16(w_ptr, fields)
+    return _lookup(w_ptr, body, 0, lut_ptr), d, tl.zeros_like(d)
 
 
 @triton.jit

@@ -17,30 +17,30 @@ from llmx.quant.triton import iq, kquants, legacy
 
 
 @triton.jit
-def unpack(QT: tl.constexpr, w_ptr, row_off, sb, lut_ptr):
+def unpack(QT: tl.constexpr, w_ptr, row_off, sb, K, PACKED: tl.constexpr, lut_ptr):
     """Codes q [R, S, G] and per-group a, b [R, S] (weight = a*q + b) of type QT; see legacy.py."""
     if QT == "Q4_0":
-        q, a, b = legacy.q4_0(w_ptr, row_off, sb)
+        q, a, b = legacy.q4_0(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q4_1":
-        q, a, b = legacy.q4_1(w_ptr, row_off, sb)
+        q, a, b = legacy.q4_1(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q5_0":
-        q, a, b = legacy.q5_0(w_ptr, row_off, sb)
+        q, a, b = legacy.q5_0(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q5_1":
-        q, a, b = legacy.q5_1(w_ptr, row_off, sb)
+        q, a, b = legacy.q5_1(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q8_0":
-        q, a, b = legacy.q8_0(w_ptr, row_off, sb)
+        q, a, b = legacy.q8_0(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q2_K":
-        q, a, b = kquants.q2_k(w_ptr, row_off, sb)
+        q, a, b = kquants.q2_k(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q3_K":
-        q, a, b = kquants.q3_k(w_ptr, row_off, sb)
+        q, a, b = kquants.q3_k(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q4_K":
         q, a, b = kquants.q4_k(w_ptr, row_off, sb)
     elif QT == "Q5_K":
         q, a, b = kquants.q5_k(w_ptr, row_off, sb)
     elif QT == "Q6_K":
-        q, a, b = kquants.q6_k(w_ptr, row_off, sb)
+        q, a, b = kquants.q6_k(w_ptr, row_off, sb, K, PACKED)
     elif QT == "IQ4_NL":
-        q, a, b = iq.iq4_nl(w_ptr, row_off, sb, lut_ptr)
+        q, a, b = iq.iq4_nl(w_ptr, row_off, sb, K, PACKED, lut_ptr)
     else:
         tl.static_assert(QT == "IQ4_XS", "no Triton unpack helper for this GGML type")
         q, a, b = iq.iq4_xs(w_ptr, row_off, sb, lut_ptr)
@@ -56,41 +56,46 @@ def _row_offsets(rows, N, swn):
 @triton.jit
 def gemv_kernel(
     x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sxm, swn, som,
-    QT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    QT: tl.constexpr, PACKED: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):  # fmt: skip
     """One program: BN output rows for all M (<= BM) inputs, walking K in BK steps.
 
     Each group's dot product sum_l q_l x_l is taken on the codes, then scaled once by a and
     offset by b * sum_l x_l (llama.cpp's mmvq does the same), so the per-weight work is one
-    unpack and one FMA per input row.
+    unpack and one FMA per input row. Input rows are a static loop, not a tensor dimension: a
+    [BM, BN, S, G] product would need its operands re-laid out through shared memory.
     """
     S: tl.constexpr = BK // G
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     row_off = _row_offsets(rn, N, swn)
-    rm = tl.arange(0, BM)[:, None, None]
-    g = tl.arange(0, G)[None, None, :]
+    rm = tl.arange(0, BM)[:, None]
     n_groups = K // G
-    acc = tl.zeros([BM, BN, S], tl.float32)
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc1 = tl.zeros([BN, S], tl.float32)  # M = 1 sums per group, reduced once after the loop
     for k0 in range(0, K, BK):
         sb = k0 // G + tl.arange(0, S)
-        q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], lut_ptr)
-        x_mask = (rm < M) & (sb < n_groups)[None, :, None]
-        x = tl.load(x_ptr + rm * sxm + sb[None, :, None] * G + g, mask=x_mask, other=0.0).to(tl.float32)
-        dots = tl.sum(q[None, :, :, :] * x[:, None, :, :], axis=3)  # [BM, BN, S]
-        x_sums = tl.sum(x, axis=2)[:, None, :]  # [BM, 1, S]
-        acc += a[None, :, :] * dots + b[None, :, :] * x_sums
-    out = tl.sum(acc, axis=2)  # [BM, BN]
-    o_ptr = out_ptr + tl.arange(0, BM)[:, None] * som + rn[None, :]
-    tl.store(
-        o_ptr, out.to(out_ptr.dtype.element_ty), mask=(tl.arange(0, BM)[:, None] < M) & (rn[None, :] < N)
-    )
+        q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], K, PACKED, lut_ptr)
+        x_off = sb[:, None] * G + tl.arange(0, G)[None, :]  # [S, G]
+        for m in tl.static_range(BM):
+            x_ok = (sb < n_groups)[:, None] & (tl.full([1, 1], m, tl.int32) < M)
+            x = tl.load(x_ptr + m * sxm + x_off, mask=x_ok, other=0.0).to(tl.float32)
+            part = a * tl.sum(q * x[None, :, :], axis=2) + b * tl.sum(x, axis=1)[None, :]  # [BN, S]
+            if BM == 1:
+                acc1 += part
+            else:
+                acc += tl.where(rm == m, tl.sum(part, axis=1)[None, :], 0.0)
+    if BM == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]
+    o_ptr = out_ptr + rm * som + rn[None, :]
+    tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=(rm < M) & (rn[None, :] < N))
 
 
 @triton.jit
 def gemm_kernel(
     x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sxm, swn, som, M_BUCKET,
-    QT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    QT: tl.constexpr, PACKED: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One program: a BM x BN output tile. Weight tiles are dequantized to x's dtype for tl.dot.
 
@@ -114,7 +119,7 @@ def gemm_kernel(
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         sb = k0 // G + tl.arange(0, S)
-        q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], lut_ptr)
+        q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], K, PACKED, lut_ptr)
         rk = k0 + tl.arange(0, BK)
         x = tl.load(
             x_ptr + rm[:, None] * sxm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
@@ -128,7 +133,7 @@ def gemm_kernel(
 @triton.jit
 def dequant_kernel(
     w_ptr, lut_ptr, ids_ptr, out_ptr, R, N, K, swn, so,
-    QT: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+    QT: tl.constexpr, PACKED: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """One program: BR selected rows x BK weights. Bit-exact with gguf-py when out is float32."""
     S: tl.constexpr = BK // G
@@ -137,7 +142,7 @@ def dequant_kernel(
     row_off = _row_offsets(ids, N, swn)
     n_groups = K // G
     sb = tl.program_id(1) * S + tl.arange(0, S)
-    q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], lut_ptr)
+    q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], K, PACKED, lut_ptr)
     w = a[:, :, None] * q + b[:, :, None]
     k = sb[None, :, None] * G + tl.arange(0, G)[None, None, :]
     r3 = r[:, None, None]

@@ -16,14 +16,14 @@ Layouts (ggml-common.h block_q*_K), w = weight j*G + l of the super-block:
 import triton
 import triton.language as tl
 
-from llmx.quant.triton.bits import code_f32, f16, nibbles, u8
+from llmx.quant.triton.bits import block_parts, code_f32, f16, nibbles, u8
 
 
 @triton.jit
-def _two_bit_codes(w_ptr, blk, j, QS: tl.constexpr):
-    """[R, S, 16] 2-bit codes of groups `j` (16 weights) of the super-blocks at `blk`, qs at QS."""
+def _two_bit_codes(w_ptr, body, j, QS: tl.constexpr):
+    """[R, S, 16] 2-bit codes of groups `j` (16 weights) of the super-block bodies at `body`, qs at QS."""
     l = tl.arange(0, 16)[None, None, :]
-    off = blk + QS + 32 * (j // 8) + 16 * (j % 2)
+    off = body + QS + 32 * (j // 8) + 16 * (j % 2)
     return (u8(w_ptr, off[:, :, None] + l) >> (2 * ((j % 8) // 2))[:, :, None]) & 3
 
 
@@ -45,27 +45,27 @@ def _scale_min_k4(w_ptr, blk, j):
 
 
 @triton.jit
-def q2_k(w_ptr, row_off, sb):
-    blk = row_off + (sb // 16) * 84
+def q2_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
+    body, fields = block_parts(row_off, sb // 16, K, 256, 84, 2, False, PACKED)
     j = sb % 16
-    s = u8(w_ptr, blk + j)
-    a = f16(w_ptr, blk + 80) * (s & 15).to(tl.float32)
-    b = -(f16(w_ptr, blk + 82) * (s >> 4).to(tl.float32))
-    return code_f32(_two_bit_codes(w_ptr, blk, j, 16), 0), a, b
+    s = u8(w_ptr, body + j)
+    a = f16(w_ptr, fields) * (s & 15).to(tl.float32)
+    b = -(f16(w_ptr, fields + 2) * (s >> 4).to(tl.float32))
+    return code_f32(_two_bit_codes(w_ptr, body, j, 16), 0), a, b
 
 
 @triton.jit
-def q3_k(w_ptr, row_off, sb):
-    blk = row_off + (sb // 16) * 110
+def q3_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
+    body, fields = block_parts(row_off, sb // 16, K, 256, 110, 1, False, PACKED)
     j = sb % 16
     l = tl.arange(0, 16)[None, None, :]
-    hoff = blk + 16 * (j % 2)
+    hoff = body + 16 * (j % 2)
     h = (u8(w_ptr, hoff[:, :, None] + l) >> (j // 2)[:, :, None]) & 1
     # A set hmask bit means the code is used as is; a clear one subtracts 4.
-    q = code_f32(_two_bit_codes(w_ptr, blk, j, 32) | (h << 2), 4)
-    sc_lo = (u8(w_ptr, blk + 96 + j % 8) >> (4 * (j // 8))) & 15
-    sc_hi = (u8(w_ptr, blk + 104 + j % 4) >> (2 * (j // 4))) & 3
-    a = f16(w_ptr, blk + 108) * ((sc_lo | (sc_hi << 4)) - 32).to(tl.float32)
+    q = code_f32(_two_bit_codes(w_ptr, body, j, 32) | (h << 2), 4)
+    sc_lo = (u8(w_ptr, body + 96 + j % 8) >> (4 * (j // 8))) & 15
+    sc_hi = (u8(w_ptr, body + 104 + j % 4) >> (2 * (j // 4))) & 3
+    a = f16(w_ptr, fields) * ((sc_lo | (sc_hi << 4)) - 32).to(tl.float32)
     return q, a, tl.zeros_like(a)
 
 
@@ -93,16 +93,16 @@ def q5_k(w_ptr, row_off, sb):
 
 
 @triton.jit
-def q6_k(w_ptr, row_off, sb):
-    blk = row_off + (sb // 16) * 210
+def q6_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
+    body, fields = block_parts(row_off, sb // 16, K, 256, 210, 1, False, PACKED)
     j = sb % 16
     half = j // 8
     r = j % 8
     l = tl.arange(0, 16)[None, None, :]
-    lo_off = blk + 64 * half + 16 * (r % 4)
+    lo_off = body + 64 * half + 16 * (r % 4)
     lo = nibbles(w_ptr, lo_off[:, :, None] + l, (4 * (r // 4))[:, :, None])
-    hi_off = blk + 128 + 32 * half + 16 * (r % 2)
+    hi_off = body + 128 + 32 * half + 16 * (r % 2)
     hi = (u8(w_ptr, hi_off[:, :, None] + l) >> (2 * (r // 2))[:, :, None]) & 3
-    sc = (u8(w_ptr, blk + 192 + j) ^ 0x80) - 128  # int8 scale
-    a = f16(w_ptr, blk + 208) * sc.to(tl.float32)
+    sc = (u8(w_ptr, body + 192 + j) ^ 0x80) - 128  # int8 scale
+    a = f16(w_ptr, fields) * sc.to(tl.float32)
     return code_f32(lo | (hi << 4), 32), a, tl.zeros_like(a)
