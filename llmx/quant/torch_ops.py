@@ -47,13 +47,22 @@ class Codes:
         return w.view(rows, k)
 
 
+# What one type's unpacker returns for blocks [n, block_bytes]:
+# code int8 [n, block_elems], scale float32 [n, groups per block], offset (same) or None
+Unpacked = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+Unpack = Callable[[torch.Tensor], Unpacked]
+
+
 @dataclass(frozen=True)
 class CodeSpec:
-    """How to unpack one type: blocks [n, block_bytes] -> Codes of [n, block_elems]; codes lie in [lo, hi]."""
+    """How one type unpacks, its scale group (weights per scale), its code range [lo, hi] and whether
+    it has an offset (a per-group minimum)."""
 
-    unpack: Callable[[torch.Tensor], Codes]
+    unpack: Unpack
+    group: int
     lo: int
     hi: int
+    has_offset: bool
 
 
 CODES: dict[int, CodeSpec] = {}  # GGML type id -> its unpacker
@@ -65,10 +74,10 @@ def codes(raw: torch.Tensor, qt: QType) -> Codes:
     if spec is None:
         raise LlmxError(f"no torch unpacker for GGML type {qt.name}")
     rows, row_bytes = raw.shape
-    c = spec.unpack(raw.reshape(-1, qt.block_bytes))
+    code, scale, offset = spec.unpack(raw.reshape(-1, qt.block_bytes))
     k = row_bytes // qt.block_bytes * qt.block_elems
-    offset = None if c.offset is None else c.offset.reshape(rows, -1)
-    return Codes(c.code.reshape(rows, k), c.scale.reshape(rows, -1), offset, c.group)
+    offset = None if offset is None else offset.reshape(rows, -1)
+    return Codes(code.reshape(rows, k), scale.reshape(rows, -1), offset, spec.group)
 
 
 def dequantize(raw: torch.Tensor, qt: QType) -> torch.Tensor:
@@ -92,9 +101,9 @@ def embedding_rows(raw: torch.Tensor, qt: QType, n_cols: int, ids: torch.Tensor)
     return out
 
 
-def _spec(name: str, lo: int, hi: int) -> Callable[[Callable[[torch.Tensor], Codes]], Callable]:
-    def register(fn: Callable[[torch.Tensor], Codes]) -> Callable[[torch.Tensor], Codes]:
-        CODES[BY_NAME[name].ggml_id] = CodeSpec(fn, lo, hi)
+def _spec(name: str, group: int, lo: int, hi: int, has_offset: bool = False) -> Callable[[Unpack], Unpack]:
+    def register(fn: Unpack) -> Unpack:
+        CODES[BY_NAME[name].ggml_id] = CodeSpec(fn, group, lo, hi, has_offset)
         return fn
 
     return register
@@ -151,79 +160,79 @@ def _levels(idx: torch.Tensor) -> torch.Tensor:
 # --- legacy 32-weight blocks ---------------------------------------------------------------------
 
 
-@_spec("Q4_0", -8, 7)
-def _q4_0(b: torch.Tensor) -> Codes:
-    return Codes(_signed(_nibbles(b[:, 2:18], 16), 8), _f16(b, 0), None, 32)
+@_spec("Q4_0", 32, -8, 7)
+def _q4_0(b: torch.Tensor) -> Unpacked:
+    return _signed(_nibbles(b[:, 2:18], 16), 8), _f16(b, 0), None
 
 
-@_spec("Q4_1", 0, 15)
-def _q4_1(b: torch.Tensor) -> Codes:
-    return Codes(_nibbles(b[:, 4:20], 16).to(torch.int8), _f16(b, 0), _f16(b, 2), 32)
+@_spec("Q4_1", 32, 0, 15, has_offset=True)
+def _q4_1(b: torch.Tensor) -> Unpacked:
+    return _nibbles(b[:, 4:20], 16).to(torch.int8), _f16(b, 0), _f16(b, 2)
 
 
-@_spec("Q5_0", -16, 15)
-def _q5_0(b: torch.Tensor) -> Codes:
+@_spec("Q5_0", 32, -16, 15)
+def _q5_0(b: torch.Tensor) -> Unpacked:
     q = _nibbles(b[:, 6:22], 16) | (_le_bits(b[:, 2:6]) << 4)
-    return Codes(_signed(q, 16), _f16(b, 0), None, 32)
+    return _signed(q, 16), _f16(b, 0), None
 
 
-@_spec("Q5_1", 0, 31)
-def _q5_1(b: torch.Tensor) -> Codes:
+@_spec("Q5_1", 32, 0, 31, has_offset=True)
+def _q5_1(b: torch.Tensor) -> Unpacked:
     q = _nibbles(b[:, 8:24], 16) | (_le_bits(b[:, 4:8]) << 4)
-    return Codes(q.to(torch.int8), _f16(b, 0), _f16(b, 2), 32)
+    return q.to(torch.int8), _f16(b, 0), _f16(b, 2)
 
 
-@_spec("Q8_0", -128, 127)
-def _q8_0(b: torch.Tensor) -> Codes:
-    return Codes(b[:, 2:34].contiguous().view(torch.int8), _f16(b, 0), None, 32)
+@_spec("Q8_0", 32, -128, 127)
+def _q8_0(b: torch.Tensor) -> Unpacked:
+    return b[:, 2:34].contiguous().view(torch.int8), _f16(b, 0), None
 
 
-@_spec("IQ4_NL", -127, 113)
-def _iq4_nl(b: torch.Tensor) -> Codes:
-    return Codes(_levels(_nibbles(b[:, 2:18], 16)), _f16(b, 0), None, 32)
+@_spec("IQ4_NL", 32, -127, 113)
+def _iq4_nl(b: torch.Tensor) -> Unpacked:
+    return _levels(_nibbles(b[:, 2:18], 16)), _f16(b, 0), None
 
 
 # --- K-quants ------------------------------------------------------------------------------------
 
 
-@_spec("Q2_K", 0, 3)
-def _q2_k(b: torch.Tensor) -> Codes:
+@_spec("Q2_K", 16, 0, 3, has_offset=True)
+def _q2_k(b: torch.Tensor) -> Unpacked:
     sc = b[:, 0:16]
     scale = _f16(b, 80) * (sc & 0x0F).float()
     offset = -(_f16(b, 82) * (sc >> 4).float())
-    return Codes(_crumbs(b[:, 16:80], 32).to(torch.int8), scale, offset, 16)
+    return _crumbs(b[:, 16:80], 32).to(torch.int8), scale, offset
 
 
-@_spec("Q3_K", -4, 3)
-def _q3_k(b: torch.Tensor) -> Codes:
+@_spec("Q3_K", 16, -4, 3)
+def _q3_k(b: torch.Tensor) -> Unpacked:
     packed = b[:, 96:108]
     sc = _signed(_nibbles(packed[:, 0:8], 8) | (_crumbs(packed[:, 8:12], 4) << 4), 32)
     minus4 = ((_bit_planes(b[:, 0:32]) ^ 1) << 2).to(torch.int8)
-    return Codes(_crumbs(b[:, 32:96], 32).to(torch.int8) - minus4, _f16(b, 108) * sc.float(), None, 16)
+    return _crumbs(b[:, 32:96], 32).to(torch.int8) - minus4, _f16(b, 108) * sc.float(), None
 
 
-@_spec("Q4_K", 0, 15)
-def _q4_k(b: torch.Tensor) -> Codes:
+@_spec("Q4_K", 32, 0, 15, has_offset=True)
+def _q4_k(b: torch.Tensor) -> Unpacked:
     sc, mn = _k_scale_min(b[:, 4:16])
     code = _nibbles(b[:, 16:144], 32).to(torch.int8)
-    return Codes(code, _f16(b, 0) * sc, -(_f16(b, 2) * mn), 32)
+    return code, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
 
 
-@_spec("Q5_K", 0, 31)
-def _q5_k(b: torch.Tensor) -> Codes:
+@_spec("Q5_K", 32, 0, 31, has_offset=True)
+def _q5_k(b: torch.Tensor) -> Unpacked:
     sc, mn = _k_scale_min(b[:, 4:16])
     code = (_nibbles(b[:, 48:176], 32) | (_bit_planes(b[:, 16:48]) << 4)).to(torch.int8)
-    return Codes(code, _f16(b, 0) * sc, -(_f16(b, 2) * mn), 32)
+    return code, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
 
 
-@_spec("Q6_K", -32, 31)
-def _q6_k(b: torch.Tensor) -> Codes:
+@_spec("Q6_K", 16, -32, 31)
+def _q6_k(b: torch.Tensor) -> Unpacked:
     code = _signed(_nibbles(b[:, 0:128], 64) | (_crumbs(b[:, 128:192], 32) << 4), 32)
     scale = _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()
-    return Codes(code, scale, None, 16)
+    return code, scale, None
 
 
-@_spec("IQ4_XS", -127, 113)
-def _iq4_xs(b: torch.Tensor) -> Codes:
+@_spec("IQ4_XS", 32, -127, 113)
+def _iq4_xs(b: torch.Tensor) -> Unpacked:
     sc = _signed(_nibbles(b[:, 4:8], 1) | (_crumbs(b[:, 2:4], 1) << 4), 32)
-    return Codes(_levels(_nibbles(b[:, 8:136], 16)), _f16(b, 0) * sc.float(), None, 32)
+    return _levels(_nibbles(b[:, 8:136], 16)), _f16(b, 0) * sc.float(), None
