@@ -1,0 +1,267 @@
+"""CPU repacking (llmx's `-rtr`) and the fused CPU GEMV that runs on the packed form.
+
+At load, a matrix's GGUF blocks become `PackedCodes`: the `torch_ops.Codes` form
+`w = scale * code + offset` per group, with the codes stored densely (4-bit codes two to a byte,
+wider ones as int8) and float32 scales/offsets. Nothing is rounded: every scale and offset is the
+float32 value the reference computes, so results are exact up to float32 summation order.
+
+Kernels:
+- `gemv` (one row of x, i.e. decode): written in torch below, compiled ahead of time by
+  AOTInductor into one vectorized OpenMP loop per code width. The packages are built once per
+  machine and torch version in a subprocess (~1 min; cached under LLMX_CACHE_DIR, default
+  ~/.cache/llmx), so the serving process never imports the compiler and pays ~7 us per call.
+  Without a working C++ toolchain the same torch code runs eagerly: slower, same results.
+- `dequantize_into` (many rows of x, i.e. prompts): eager in-place unpacking of a chunk of rows
+  into a reused float32 buffer, followed by a dense `torch.mm` in the caller.
+
+4-bit layout (that of GGUF's legacy blocks): per group of g weights, byte j holds code j in its low
+nibble and code j + g/2 in its high nibble. Stored codes are `code - lo`, so they are unsigned,
+and `lo * scale` is folded into the offset.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import inspect
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmx.quant import QType
+from llmx.quant import torch_ops as T
+
+PACK_ROWS = 1024  # rows unpacked at a time while packing: bounds the temporary memory
+
+
+@dataclass
+class PackedCodes:
+    """W [N, K] as `scale * code + offset` per group of weights along K (G groups of g).
+
+    codes:  uint8 [N, G, g/2], two 4-bit codes per byte; or int8 [N, G, g]
+    scale:  float32 [N, G]
+    offset: float32 [N, G]; None only for int8 codes of types without an offset
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.codes.dtype == torch.uint8 else 8
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[-1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.offset is None else self.offset.nbytes
+        return self.codes.nbytes + self.scale.nbytes + extra
+
+    def rows(self, r0: int, r1: int) -> PackedCodes:
+        """Rows r0..r1 of W (views, no copy)."""
+        off = None if self.offset is None else self.offset[r0:r1]
+        return PackedCodes(self.codes[r0:r1], self.scale[r0:r1], off)
+
+    def describe(self) -> str:
+        codes = "4-bit codes" if self.bits == 4 else "int8 codes"
+        offset = "" if self.offset is None else " + offset"
+        return f"{codes}, f32 scale{offset} per {self.group} (exact)"
+
+
+def packable(qt: QType, shape: tuple[int, ...]) -> bool:
+    """Whether a weight of type `qt` and `shape` can be packed: a matrix of a type with affine codes."""
+    return qt.ggml_id in T.CODES and len(shape) == 2
+
+
+def pack(raw: torch.Tensor, qt: QType) -> PackedCodes:
+    """Raw GGUF rows [N, row_bytes] (uint8, CPU) -> PackedCodes, unpacked PACK_ROWS rows at a time."""
+    spec = T.CODES[qt.ggml_id]
+    four_bit = spec.hi - spec.lo <= 15
+    shift = spec.lo if four_bit else 0
+    n_groups = raw.shape[1] // qt.block_bytes * qt.block_elems // spec.group
+    codes = torch.empty(raw.shape[0], n_groups, spec.group // 2 if four_bit else spec.group,
+                        dtype=torch.uint8 if four_bit else torch.int8)  # fmt: skip
+    scale = torch.empty(raw.shape[0], n_groups)
+    offset = torch.empty_like(scale) if four_bit or spec.has_offset else None
+    for r0 in range(0, raw.shape[0], PACK_ROWS):
+        c = T.codes(raw[r0 : r0 + PACK_ROWS].contiguous(), qt)
+        r1 = r0 + c.code.shape[0]
+        grouped = c.code.view(r1 - r0, n_groups, spec.group)
+        if four_bit:
+            u = (grouped - shift).to(torch.uint8).view(r1 - r0, n_groups, 2, spec.group // 2)
+            torch.bitwise_or(u[:, :, 0], u[:, :, 1] << 4, out=codes[r0:r1])
+        else:
+            codes[r0:r1] = grouped
+        scale[r0:r1] = c.scale
+        if offset is not None:
+            base = c.offset if c.offset is not None else torch.zeros_like(c.scale)
+            offset[r0:r1] = base + shift * c.scale
+    return PackedCodes(codes, scale, offset)
+
+
+# --- kernels: the torch code is the spec; `gemv` is its compiled form ---------------------------------
+
+
+def gemv_torch(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+) -> torch.Tensor:
+    """x [1, G, g] float32 @ W^T -> [1, N]: per group, scale * (codes . x) (+ offset * sum(x))."""
+    s = scale.unsqueeze(-1)
+    if codes.dtype == torch.uint8:  # 4-bit: low nibbles meet the first half of each group of x
+        half = codes.shape[-1]
+        y = ((codes & 0x0F).float() * s * x[:, None, :, :half]).sum((-1, -2))
+        y = y + ((codes >> 4).float() * s * x[:, None, :, half:]).sum((-1, -2))
+    else:
+        y = (codes.float() * s * x[:, None]).sum((-1, -2))
+    if offset is not None:
+        y = y + (offset * x.sum(-1)[:, None]).sum(-1)
+    return y
+
+
+def dequantize_into(pk: PackedCodes, out: torch.Tensor) -> torch.Tensor:
+    """Packed rows -> `out` float32 [rows, K], in place (equal to the reference up to one rounding)."""
+    n, g, width = pk.codes.shape
+    if pk.bits == 4:
+        halves = out.view(n, g, 2, width)
+        halves[:, :, 0].copy_(pk.codes & 0x0F)
+        halves[:, :, 1].copy_(pk.codes >> 4)
+    else:
+        out.view(n, g, width).copy_(pk.codes)
+    w = out.view(n, g, -1).mul_(pk.scale.unsqueeze(-1))
+    if pk.offset is not None:
+        w.add_(pk.offset.unsqueeze(-1))
+    return out
+
+
+Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+_VARIANTS = ("u4_offset", "i8", "i8_offset")  # what pack() produces: 4-bit codes always have an offset
+_RUNNERS: list[dict[str, Runner]] = []  # the compiled kernels by variant, once loaded ({}: none, run eagerly)
+
+
+def gemv(x: torch.Tensor, pk: PackedCodes) -> torch.Tensor:
+    """x [1, K] float32 (contiguous) @ W^T -> [1, N], with the compiled kernel when there is one."""
+    args = [x.view(1, pk.scale.shape[1], -1), pk.codes, pk.scale]
+    if pk.offset is not None:
+        args.append(pk.offset)
+    run = compiled_kernels().get(_variant(pk))
+    if run is None or min(pk.codes.shape[:2]) < 2:  # the packages are exported for sizes >= 2
+        return gemv_torch(args[0], pk.codes, pk.scale, pk.offset)
+    return run(args)[0]
+
+
+def compiled_kernels() -> dict[str, Runner]:
+    """The compiled GEMV kernels by variant, loaded (built first if needed) once per process."""
+    if not _RUNNERS:
+        _RUNNERS.append(_load_or_build())
+    return _RUNNERS[0]
+
+
+def _variant(pk: PackedCodes) -> str:
+    return "u4_offset" if pk.bits == 4 else ("i8_offset" if pk.offset is not None else "i8")
+
+
+class _Gemv(torch.nn.Module):
+    """What AOTInductor exports: gemv_torch without offsets ..."""
+
+    def forward(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return gemv_torch(x, codes, scale, None)
+
+
+class _GemvOffset(torch.nn.Module):
+    """... and with them."""
+
+    def forward(
+        self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+    ) -> torch.Tensor:
+        return gemv_torch(x, codes, scale, offset)
+
+
+def _cache_dir() -> Path:
+    """Where the compiled packages live: keyed by torch version, CPU capability and the kernel source."""
+    source = inspect.getsource(gemv_torch) + inspect.getsource(_build)
+    tag = hashlib.sha256(source.encode()).hexdigest()[:12]
+    cpu = torch.backends.cpu.get_cpu_capability()
+    root = Path(os.environ.get("LLMX_CACHE_DIR", Path.home() / ".cache" / "llmx"))
+    return root / f"cpu-gemv-torch{torch.__version__}-{cpu}-{tag}"
+
+
+def _load_or_build() -> dict[str, Runner]:
+    folder = _cache_dir()
+    missing = [v for v in _VARIANTS if not (folder / f"{v}.pt2").exists()]
+    if missing:
+        print(
+            f"llmx: building CPU kernels {', '.join(missing)} once (about a minute) in {folder}",
+            file=sys.stderr,
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        # one subprocess per kernel, in parallel; the compiler never enters this process
+        build = [sys.executable, "-m", "llmx.quant.cpu_pack", str(folder)]
+        procs = [
+            subprocess.Popen([*build, v], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for v in missing
+        ]
+        errors = [p.communicate()[1] for p in procs if p.wait() != 0]
+        if errors:
+            last = (errors[0].decode(errors="replace").strip().splitlines() or ["?"])[-1]
+            warnings.warn(
+                f"llmx: CPU kernels could not be built ({last}); running them eagerly", stacklevel=3
+            )
+            return {}
+    load = torch._C._aoti.AOTIModelPackageLoader  # the C++ runner alone: no compiler in this process
+    return {v: load(str(folder / f"{v}.pt2"), "model", False, 1, -1).run for v in _VARIANTS}
+
+
+def _build(folder: Path, variant: str) -> None:
+    """Export gemv_torch for `variant` with dynamic N, G, g and compile it with AOTInductor (subprocess)."""
+    import torch._inductor.config as inductor_config  # only the build subprocess loads the compiler
+
+    inductor_config.aot_inductor.compile_wrapper_opt_level = "O0"  # the wrapper is glue; the kernel is -O3
+    four_bit, with_offset = variant.startswith("u4"), variant.endswith("offset")
+    n, g, width = 64, 4, 16
+    codes = torch.zeros(n, g, width, dtype=torch.uint8 if four_bit else torch.int8)
+    x = torch.zeros(1, g, 2 * width if four_bit else width)
+    dn, dg, dw = (torch.export.Dim(name, min=2, max=1 << 24) for name in ("n", "g", "w"))
+    args = (x, codes, torch.ones(n, g))
+    shapes = [{1: dg, 2: 2 * dw if four_bit else dw}, {0: dn, 1: dg, 2: dw}, {0: dn, 1: dg}]
+    if with_offset:
+        args, shapes = (*args, torch.ones(n, g)), [*shapes, {0: dn, 1: dg}]
+    module = _GemvOffset() if with_offset else _Gemv()
+    program = torch.export.export(module, args, dynamic_shapes=tuple(shapes))
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        package = Path(tmp) / f"{variant}.pt2"
+        torch._inductor.aoti_compile_and_package(program, package_path=str(package))
+        os.replace(package, folder / f"{variant}.pt2")  # atomic: a concurrent loader sees all or nothing
+
+
+# --- giving back the pages of the file --------------------------------------------------------------
+
+_MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages (clean file pages are dropped, never lost)
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Ask the kernel to reclaim the whole pages under CPU tensor `t` (e.g. raw blocks already repacked).
+
+    The data stays valid: a later read faults it back in from the page cache or the file. This keeps
+    the bytes of a repacked, mmap-backed weight from counting twice in the process's memory.
+    """
+    start = t.data_ptr()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_PAGEOUT)
+
+
+if __name__ == "__main__":
+    _build(Path(sys.argv[1]), sys.argv[2])

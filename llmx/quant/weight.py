@@ -1,0 +1,152 @@
+"""QWeight, the one weight object of the runtime, and `linear`, the one place that picks a kernel.
+
+A QWeight keeps a tensor's GGUF bytes as they are (uint8 rows of blocks, or a float tensor for
+F32/F16/BF16) on its device. `linear(x, w)` chooses the kernel from (type, device, M):
+
+- CUDA:  `llmx.quant.triton_ops.linear` (fused dequant GEMV/GEMM); "emulated" if Triton is missing;
+- CPU, repacked at load (`prepare_cpu`): the packed form's own matmul (see `cpu_pack.py`);
+- CPU otherwise: "dequant", rows dequantized a chunk at a time into float32 and multiplied densely;
+- "emulated": the whole weight dequantized, then one dense float32 matmul; the numerics reference,
+  forced for every call with LLMX_KERNEL=emulated (or per call with `kernel="emulated"`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from llmx.errors import LlmxError
+from llmx.quant import QType
+from llmx.quant import cpu_pack as P
+from llmx.quant import torch_ops as T
+
+KERNELS = ("auto", "packed", "dequant", "emulated")
+KERNEL = os.environ.get("LLMX_KERNEL", "auto")  # read once; `linear(..., kernel=)` overrides per call
+if KERNEL not in KERNELS:
+    raise LlmxError(f"LLMX_KERNEL={KERNEL!r} is not one of {', '.join(KERNELS)}")
+GEMV_MAX_M = 4  # rows of x up to which the fused GEMV beats dequantize + dense matmul (bench/cpu_matmul.py)
+DEQUANT_CHUNK_BYTES = 1 << 20  # float32 rows per dequant chunk: ~1 MiB, so they stay in L2 for the matmul
+
+
+@dataclass
+class QWeight:
+    """A weight as stored in the GGUF, on its device.
+
+    raw:    uint8 [rows, row_bytes] raw blocks, or a float tensor of `shape` for F32/F16/BF16
+    qtype:  its GGML type
+    shape:  logical row-major shape; (out_features, in_features) for a matrix
+    packed: a CPU form built once at load by `prepare_cpu` (cpu_pack.PackedCodes), or None
+    """
+
+    raw: torch.Tensor
+    qtype: QType
+    shape: tuple[int, ...]
+    name: str = ""
+    packed: P.PackedCodes | None = None
+
+    def describe(self) -> str:
+        """How this weight is computed on the CPU, for the load report: "Q4_1 -> 4-bit codes, ..."."""
+        if self.packed is None:
+            return f"{self.qtype.name} (dequantized per chunk)"
+        return f"{self.qtype.name} -> {self.packed.describe()}"
+
+
+def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tensor:
+    """x [..., in] float32 @ W^T for W [out, in] -> [..., out] float32, computed on W's device.
+
+    `kernel` forces one of KERNELS for this call (tests, benchmarks); None uses LLMX_KERNEL.
+    """
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise LlmxError(f"{w.name or 'weight'} {w.shape} cannot multiply x of shape {tuple(x.shape)}")
+    choice = kernel or KERNEL
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if choice == "emulated":
+        y = x2 @ dequantize(w).t()
+    elif w.raw.device.type == "cuda":
+        y = _cuda(x2, w)
+    elif w.packed is not None and choice in ("auto", "packed"):
+        y = _packed_matmul(x2.contiguous(), w.packed)
+    elif choice == "packed":
+        raise LlmxError(f"{w.name or 'weight'} ({w.qtype.name}) has no packed CPU form; see prepare_cpu")
+    else:
+        y = _dequant_matmul(x2, w)
+    return y.reshape(*lead, n)
+
+
+def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """Rows `ids` (integer, any shape) of the table W [rows, cols] -> float32 [*ids.shape, cols]."""
+    cols = w.shape[-1]
+    if w.raw.is_floating_point():
+        return w.raw[ids.to(w.raw.device)].float()
+    return T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
+
+
+def dequantize(w: QWeight) -> torch.Tensor:
+    """The whole weight as float32 of `w.shape`, on its device (bit-exact with gguf-py)."""
+    return T.dequantize(w.raw, w.qtype).reshape(w.shape)
+
+
+def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
+    """Build the CPU packed form once at load when the type allows it; the raw bytes stay for `embedding`.
+
+    After repacking, the raw bytes' pages are handed back to the kernel (a tied embedding table reads
+    its rows back on demand), so an mmap-backed weight does not count twice in the process's memory.
+    """
+    if not repack or w.raw.device.type != "cpu" or not P.packable(w.qtype, w.shape):
+        return w
+    w.packed = P.pack(w.raw, w.qtype)
+    P.release_pages(w.raw)
+    P.compiled_kernels()  # load (or build once) the GEMV kernels now rather than at the first token
+    return w
+
+
+def _packed_matmul(x2: torch.Tensor, pk: P.PackedCodes) -> torch.Tensor:
+    """x2 [M, K] @ W^T from the packed form: the fused GEMV per row for few rows, else dense chunks."""
+    if x2.shape[0] <= GEMV_MAX_M:
+        return torch.cat([P.gemv(x2[i : i + 1], pk) for i in range(x2.shape[0])])
+    n, k = pk.scale.shape[0], x2.shape[1]
+    rows = max(16, DEQUANT_CHUNK_BYTES // (4 * k))
+    buf = _scratch(rows * k)
+    out_t = torch.empty(n, x2.shape[0])  # y^T, so that each chunk of rows is a contiguous slice
+    x_t = x2.t()
+    for r0 in range(0, n, rows):
+        chunk = pk.rows(r0, r0 + rows)
+        w = P.dequantize_into(chunk, buf[: chunk.codes.shape[0] * k].view(-1, k))
+        torch.mm(w, x_t, out=out_t[r0 : r0 + rows])
+    return out_t.t()
+
+
+_SCRATCH: list[torch.Tensor] = []  # one reused float32 buffer: fresh large allocations page-fault every call
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    if not _SCRATCH or _SCRATCH[0].numel() < numel:
+        _SCRATCH[:] = [torch.empty(numel)]
+    return _SCRATCH[0]
+
+
+def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x2 [M, K] @ W^T with W dequantized a chunk of rows at a time: [M, N] float32."""
+    n, k = w.shape
+    if w.qtype.name == "F32":
+        return x2 @ w.raw.t()
+    # y^T, so that each chunk of rows is a contiguous slice
+    out_t = torch.empty(n, x2.shape[0], dtype=torch.float32, device=x2.device)
+    rows = max(16, DEQUANT_CHUNK_BYTES // (4 * k))
+    x_t = x2.t()
+    for r0 in range(0, n, rows):
+        torch.mm(T.dequantize(w.raw[r0 : r0 + rows], w.qtype), x_t, out=out_t[r0 : r0 + rows])
+    return out_t.t()
+
+
+def _cuda(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """The Triton kernels, or the emulated path where Triton cannot be imported."""
+    try:
+        from llmx.quant import triton_ops
+    except ImportError:
+        return x2 @ dequantize(w).t()
+    return triton_ops.linear(x2, w)
