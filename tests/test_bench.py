@@ -7,12 +7,14 @@ import json
 
 import pytest
 
+from llmx import cli
 from llmx.bench.floor import Roofline, floor_seconds, mean_depth, plan_token_bytes, roofline, token_bytes
 from llmx.bench.grid import expand, int_list, option_grid
 from llmx.bench.plot import plot_sweeps
 from llmx.bench.rows import BENCH_COLUMNS, SWEEP_COLUMNS, bench_row, sweep_row
 from llmx.bench.runner import BenchTest, Speed, bench_tests, time_test
 from llmx.bench.sweep import sweep
+from llmx.bench.synth import synthesize
 from llmx.bench.tables import csv_text, json_text, markdown
 from llmx.errors import LlmxError
 from llmx.plan.devices import parse_devices
@@ -260,3 +262,84 @@ def test_sweep_plot_is_a_valid_png(tmp_path):
         image.verify()
         assert image.size[0] > 500
     assert "S_TG t/s" in markdown(rows, SWEEP_COLUMNS)
+
+
+# --- the commands, end to end on a tiny synthetic model ---
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """SmolLM2's shape with two layers: real widths, a real 49152-token vocabulary, 36 MB."""
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    return synthesize("smollm2-135m", "Q4_0", path, n_layer=2, progress=False).path
+
+
+@pytest.fixture
+def quick_ceilings(tmp_path, monkeypatch):
+    """Ceilings cached in a temporary file and measured on small buffers, so tests stay fast."""
+    from llmx.bench import ceilings
+
+    monkeypatch.setattr(ceilings, "cache_path", lambda: tmp_path / "ceilings.json")
+    quick = ceilings.measure_cpu(size_bytes=32 << 20, matmul_n=128, reps=1)
+    monkeypatch.setattr(ceilings, "measure", lambda device: quick)
+    return quick
+
+
+def run_cli(capsys, *argv: str) -> tuple[str, str]:
+    assert cli.main(list(argv)) == 0
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
+def test_bench_json_has_a_row_per_placement_and_test_with_llama_bench_fields(
+    tiny_model, quick_ceilings, capsys
+):
+    out, _ = run_cli(capsys, "bench", "-m", str(tiny_model), "-p", "16", "-n", "4", "-r", "2",
+                     "-ctk", "f16,bf16", "-o", "json")  # fmt: skip
+    rows = json.loads(out)
+    assert [(r["test"], r["type_k"]) for r in rows] == [("pp16", "f16"), ("tg4", "f16"), ("pp16", "bf16"),
+                                                       ("tg4", "bf16")]  # fmt: skip
+    for row in rows:
+        assert all(field in row for field in LLAMA_BENCH_FIELDS)
+        assert len(row["samples_ts"]) == 2 and row["avg_ts"] > 0
+        assert row["devices"] == ["cpu"] and row["bandwidth_gbs"]["cpu"] == pytest.approx(
+            quick_ceilings.mem_gbs
+        )
+        assert row["plan"]["tensors"]["blk.1.ffn_down.weight"] == "cpu"
+        assert row["environment"]["llmx_version"] and row["environment"]["torch"]
+    tg = rows[1]
+    assert tg["floor_ts"] > 0 and tg["pct_floor"] == pytest.approx(100 * tg["avg_ts"] / tg["floor_ts"])
+    assert tg["gbs"] == pytest.approx(tg["bytes_per_token"] * tg["avg_ts"] / 1e9)
+    assert rows[0]["pct_floor"] is None
+
+
+def test_bench_markdown_by_default_and_ceilings_on_request(tiny_model, quick_ceilings, capsys):
+    out, err = run_cli(capsys, "bench", "-m", str(tiny_model), "-p", "8", "-n", "2", "-r", "1", "--ceilings")
+    assert "memory GB/s" in err and "matmul TFLOP/s" in err
+    header, _, pp, tg = out.splitlines()
+    assert "% of floor" in header and "pp8" in pp and "tg2" in tg and "%" in tg.split("|")[-3]
+
+
+def test_sweep_bench_json_then_plot_of_two_results(tiny_model, quick_ceilings, capsys, tmp_path):
+    out, err = run_cli(
+        capsys, "sweep-bench", "-m", str(tiny_model), "-c", "64", "-ub", "16", "-n", "2", "-o", "json"
+    )
+    result = json.loads(out)
+    assert [r["n_kv"] for r in result["rows"]] == [0, 16, 32, 48]
+    assert all(r["floor_tg"] > 0 and r["rss_bytes"] > 0 for r in result["rows"])
+    assert result["environment"]["cpu"] and result["placement"]["plan"]["ctx"] >= 64
+    saved = tmp_path / "run.json"
+    saved.write_text(out)
+    png = tmp_path / "curves.png"
+    run_cli(capsys, "sweep-bench", "--plot", str(png), str(saved), str(saved))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_bench_table_with_memory_columns(tiny_model, quick_ceilings, capsys):
+    out, _ = run_cli(
+        capsys, "sweep-bench", "-m", str(tiny_model), "-c", "32", "-ub", "16", "-n", "2", "--mem"
+    )
+    header = out.splitlines()[0]
+    for name in ("PP", "TG", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "% of floor", "RSS"):
+        assert f" {name} " in header
+    assert len(out.splitlines()) == 4

@@ -175,3 +175,18 @@ def test_an_interrupted_write_leaves_no_file(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         write_gguf(tmp_path / "x.gguf", "llama", {}, tensors, failing_fill, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_llmx_runs_a_synthetic_model_with_finite_logits_and_its_vocabulary(tiny_gguf):
+    import torch
+
+    from llmx.api import load
+
+    model = load(tiny_gguf.path, ctx_size=128)
+    ids = model.encode("Hello world, synthetic models speak nonsense fluently.")
+    assert model.tokenizer.decode(ids[1:]) == "Hello world, synthetic models speak nonsense fluently."
+    logits = model.engine.prefill(ids)
+    assert logits.shape == (49152,) and torch.isfinite(logits).all()
+    for _ in range(4):
+        logits = model.engine.decode(int(logits.argmax()))
+        assert torch.isfinite(logits).all() and logits.std() > 0

@@ -21,7 +21,6 @@ import psutil
 import torch
 from gguf import LlamaFileType
 
-import llmx
 from llmx.bench.ceilings import cpu_name
 from llmx.errors import LlmxError
 from llmx.gguf import ModelFile
@@ -38,7 +37,7 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 def git_commit() -> str | None:
     """The commit llmx runs from, with '+dirty' when tracked files changed; None outside a checkout."""
-    src = Path(llmx.__file__).resolve().parent
+    src = Path(__file__).resolve().parent
     commit = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=src)
     if commit is None:
         return None
@@ -67,7 +66,7 @@ def environment() -> dict[str, Any]:
         )
     driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if gpus else None
     return {
-        "llmx_version": llmx.__version__,
+        "llmx_version": _version("llmx"),
         "llmx_commit": git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,

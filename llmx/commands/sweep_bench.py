@@ -89,8 +89,10 @@ def sweep_run(args: argparse.Namespace) -> dict:
     bm = load_for_bench(args.model, opts)
     ub = opts.n_ubatch
     n_gen = ub // 4 if args.n_gen is None else args.n_gen
+    # The planner pads the cache to whole 256-token cells, as llama.cpp does; sweep the -c asked for.
+    n_ctx = min(opts.ctx_size or bm.model.engine.n_ctx, bm.model.engine.n_ctx)
     rows = []
-    for window in sweep(bm.model.engine, bm.model.engine.n_ctx, ub, n_gen, bm.n_vocab, args.seed):
+    for window in sweep(bm.model.engine, n_ctx, ub, n_gen, bm.n_vocab, args.seed):
         rows.append(sweep_row(window, bm.roofline(window["n_kv"], n_gen) if n_gen else None))
         print(
             f"N_KV {window['n_kv']:>7}: PP {window['speed_pp']:9.2f} t/s, TG {window['speed_tg']:8.2f} t/s",
@@ -103,7 +105,7 @@ def sweep_run(args: argparse.Namespace) -> dict:
         "environment": environment(),
         "model": info,
         "placement": bm.placement,
-        "n_ctx": bm.model.engine.n_ctx,
+        "n_ctx": n_ctx,
         "n_ubatch": ub,
         "n_gen": n_gen,
         "rows": rows,
