@@ -1,0 +1,130 @@
+"""`linear` on the CPU, every path, against a float64 dequantize-then-matmul reference.
+
+Tolerance: float32 summation error only, |y - y_ref| <= 1e-5 * (|x| @ |W|^T) elementwise (the sum of
+magnitudes bounds the rounding of any summation order; a bf16 shortcut would miss it by ~100x).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+import torch
+from test_quant import QUANT_TYPES, random_blocks
+
+from llmx.errors import LlmxError
+from llmx.quant import BY_NAME, cpu_pack, reference
+from llmx.quant.weight import QWeight, dequantize, embedding, linear, prepare_cpu
+
+RTOL = 1e-5
+
+
+def quant_weight(name: str, n: int, k: int, seed: int = 0) -> tuple[QWeight, np.ndarray]:
+    """A random [n, k] QWeight of type `name` (packed for the CPU) and its float64 dequantization."""
+    qt = BY_NAME[name]
+    data = random_blocks(qt, rows=n, blocks_per_row=k // qt.block_elems, seed=seed)
+    w = prepare_cpu(QWeight(torch.from_numpy(data), qt, (n, k), f"test.{name}"))
+    return w, reference.dequantize(data, qt).astype(np.float64)
+
+
+def assert_matmul_close(y: torch.Tensor, x: torch.Tensor, w64: np.ndarray) -> None:
+    x64 = x.double().numpy().reshape(-1, w64.shape[1])
+    ref = x64 @ w64.T
+    bound = RTOL * (np.abs(x64) @ np.abs(w64).T) + 1e-30
+    err = np.abs(y.double().numpy().reshape(ref.shape) - ref)
+    assert (err <= bound).all(), f"worst error / bound = {(err / bound).max():.3g}"
+
+
+@pytest.mark.parametrize("name", QUANT_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("kernel", ["auto", "dequant", "emulated"])
+def test_linear_matches_float64_reference(name, m, kernel):
+    w, w64 = quant_weight(name, n=80, k=512)
+    assert w.packed is not None
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    y = linear(x, w, kernel=kernel)
+    assert y.shape == (m, 80) and y.dtype == torch.float32
+    assert_matmul_close(y, x, w64)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q8_0", "Q6_K", "Q5_1"])
+def test_compiled_gemv_equals_its_torch_spec(name):
+    w, w64 = quant_weight(name, n=96, k=768, seed=2)
+    pk = w.packed
+    x = torch.randn(1, 768)
+    spec = cpu_pack.gemv_torch(x.view(1, pk.scale.shape[1], -1), pk.codes, pk.scale, pk.offset)
+    diff = (cpu_pack.gemv(x, pk) - spec).abs().double().numpy()
+    assert (diff <= 2 * RTOL * (np.abs(x.double().numpy()) @ np.abs(w64).T)).all()
+
+
+def test_compiled_kernels_are_available():
+    """This machine has a C++ toolchain, so the AOTInductor packages must load (else decode is slow)."""
+    assert set(cpu_pack.compiled_kernels()) == {"u4_offset", "i8", "i8_offset"}
+
+
+def test_packed_dequantize_matches_reference():
+    for name in QUANT_TYPES:
+        w, w64 = quant_weight(name, n=16, k=256, seed=6)
+        out = cpu_pack.dequantize_into(w.packed, torch.empty(16, 256))
+        np.testing.assert_allclose(out.numpy(), w64, rtol=1e-6, atol=1e-6 * np.abs(w64).max(), err_msg=name)
+
+
+def test_tiny_shapes_fall_back_to_the_torch_spec():
+    w, w64 = quant_weight("Q4_0", n=1, k=32)  # a single row and a single group
+    x = torch.randn(2, 32)
+    assert_matmul_close(linear(x, w), x, w64)
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+def test_float_weights(name):
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
+    raw = torch.randn(40, 64).to(dtype)
+    w = prepare_cpu(QWeight(raw, BY_NAME[name], (40, 64)))
+    assert w.packed is None
+    x = torch.randn(5, 64)
+    for kernel in ("auto", "emulated"):
+        assert_matmul_close(linear(x, w, kernel=kernel), x, raw.double().numpy())
+    assert torch.equal(embedding(torch.tensor([3, 1]), w), raw[[3, 1]].float())
+
+
+def test_leading_dims_and_shape_errors():
+    w, w64 = quant_weight("Q4_1", n=32, k=64)
+    x = torch.randn(2, 3, 64)
+    y = linear(x, w)
+    assert y.shape == (2, 3, 32)
+    assert_matmul_close(y, x, w64)
+    with pytest.raises(LlmxError, match="cannot multiply"):
+        linear(torch.randn(1, 65), w)
+    with pytest.raises(LlmxError, match="no packed CPU form"):
+        linear(x, QWeight(w.raw, w.qtype, w.shape, "unpacked"), kernel="packed")
+
+
+def test_embedding_and_dequantize_read_the_raw_blocks_exactly():
+    w, w64 = quant_weight("Q8_0", n=50, k=64)
+    ids = torch.tensor([[4, 49], [0, 4]])
+    np.testing.assert_array_equal(embedding(ids, w).numpy(), w64[ids.numpy()].astype(np.float32))
+    np.testing.assert_array_equal(dequantize(w).numpy(), w64.astype(np.float32))
+
+
+def test_describe_names_the_packed_form():
+    assert (
+        quant_weight("Q4_1", 16, 64)[0].describe() == "Q4_1 -> 4-bit codes, f32 scale + offset per 32 (exact)"
+    )
+    assert quant_weight("Q6_K", 16, 256)[0].describe() == "Q6_K -> int8 codes, f32 scale per 16 (exact)"
+    assert (
+        QWeight(torch.zeros(2, 18, dtype=torch.uint8), BY_NAME["Q4_0"], (2, 32)).describe().endswith("chunk)")
+    )
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_released_pages_read_back_unchanged(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 5 * mmap.PAGESIZE, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8)[100:])
+    before = view.clone()
+    cpu_pack.release_pages(view)
+    assert torch.equal(view, before)
