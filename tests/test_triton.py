@@ -96,7 +96,7 @@ def check_linear(
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
     out = tops.linear(x.to(DEVICE), w, kernel=kernel)
     assert out.shape == (m, n) and out.dtype == dtype
-    fp32_path = kernel == "gemv" or (kernel is None and m <= tops.GEMV_MAX_M)
+    fp32_path = (kernel or tops.pick_kernel(w.qtype.name, m)) == "gemv"
     tol = TOL[dtype] if fp32_path else GEMM_TOL[dtype]
     assert rel_err(out, x.double().numpy() @ ref_w.T) < tol
 
@@ -126,7 +126,7 @@ def test_embedding_reads_the_chosen_rows(name: str, layout: str) -> None:
 def test_gemv(name: str, m: int, layout: str) -> None:
     # N = 9 is not a multiple of the rows per program; 3 blocks are not a multiple of BK.
     w, ref = random_weight(name, 9, width(name, 3), seed=10 + m)
-    check_linear(laid_out(w, name, layout), ref, m, torch.float32, seed=m)
+    check_linear(laid_out(w, name, layout), ref, m, torch.float32, seed=m, kernel="gemv")
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -140,6 +140,13 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
     # M = 17 and N = 33 leave partial tiles in both directions.
     w, ref = random_weight(name, 33, width(name, 3), seed=30)
     check_linear(laid_out(w, name, layout), ref, 17, dtype, seed=30, kernel="gemm")
+
+
+def test_kernel_choice() -> None:
+    assert [tops.pick_kernel("Q4_K", m) for m in (1, 4, 5, 15, 16)] == ["gemv"] * 2 + ["gemm"] * 2 + [
+        "dequant"
+    ]
+    assert [tops.pick_kernel("IQ4_XS", m) for m in (8, 9)] == ["gemv", "dequant"]
 
 
 @pytest.mark.parametrize("kernel", ["gemm", "dequant"])

@@ -4,14 +4,15 @@ Weights stay as the uint8 rows of the GGUF file; the kernels (`llmx.quant.triton
 blocks in registers. triton is imported on first use, so importing this module costs nothing on
 CPU-only installs. Under TRITON_INTERPRET=1 the same code runs on CPU tensors (the tests do that).
 
-Which kernel runs (`linear`, by M = rows of x; the thresholds are measured, bench/RESULTS.md):
-- M <= GEMV_MAX_M: "gemv", fp32 FMAs on the unpacked codes, one program per few weight rows;
-  memory-bound, so its speed is the weight bytes over HBM bandwidth.
-- up to DEQUANT_MATMUL_MIN_M: "gemm", tiles dequantized in registers and multiplied with tl.dot on
-  the tensor cores, autotuned per (type, M bucket, N, K).
+Which kernel runs (`pick_kernel`, by type and M = rows of x; measured on an H200, bench/RESULTS.md):
+- M <= 4 (IQ4 types: 8): "gemv", fp32 FMAs on the unpacked codes, one program per few weight
+  rows; its time grows with M, since every input row costs an FMA per weight.
+- M < DEQUANT_MATMUL_MIN_M: "gemm", tiles dequantized in registers and multiplied with tl.dot on
+  the tensor cores, autotuned per (type, M bucket, N, K); its time is flat in M up to its tile.
+  Not for IQ4 types, whose per-code table lookups make it slower than the next path.
 - larger M: "dequant", the whole weight dequantized to x's dtype, then torch's matmul (cuBLAS):
-  once M is large the one extra pass over the weight costs less than the fused kernel's unpacking
-  per output tile. It needs a transient N x K buffer of x's dtype.
+  faster here than the fused GEMM from M = 16 on (2.5-4x at M = 512, where it reaches about half
+  the bf16 matrix rate). It needs a transient N x K buffer of x's dtype.
 
 `prepare(w)` is an optional one-time repack at load for the types whose fp16 block scales leave
 their codes 2-byte aligned (Q4_0, Q8_0, Q6_K, ...): the same bytes, each row's scales moved after
@@ -51,8 +52,8 @@ SPLIT_FIELDS = {
     "Q2_K": (84, 2, False), "Q3_K": (110, 1, False), "Q6_K": (210, 1, False),
 }  # fmt: skip
 KERNELS = ("gemv", "gemm", "dequant")
-GEMV_MAX_M = 8
-DEQUANT_MATMUL_MIN_M = 64
+GEMV_MAX_M = 8  # the GEMV kernel's limit (a static loop over input rows)
+DEQUANT_MATMUL_MIN_M = 16
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,6 @@ class GemvConfig:
     num_warps: int
 
 
-def supports(w: QWeight) -> bool:
-    """Whether these kernels can run weight `w` (its type has an unpack helper, or is a float)."""
-    return w.qtype.name in GROUP or w.qtype.name in FLOAT_TYPES
-
-
 # --- public API ---------------------------------------------------------------------------------
 
 
@@ -100,7 +96,7 @@ def linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    choice = kernel or ("gemv" if m <= GEMV_MAX_M else "gemm" if m < DEQUANT_MATMUL_MIN_M else "dequant")
+    choice = kernel or pick_kernel(w.qtype.name, m)
     if choice == "dequant":
         return torch.nn.functional.linear(x, dequantize(w, x.dtype))
     if choice == "gemv" and m > GEMV_MAX_M:
@@ -177,12 +173,27 @@ def prepare(w: QWeight) -> QWeight:
 # --- launch details -----------------------------------------------------------------------------
 
 
+def pick_kernel(name: str, m: int) -> str:
+    """The fastest kernel measured for type `name` at M rows of x (see the module docstring)."""
+    iq4 = name.startswith("IQ4")
+    if m <= (GEMV_MAX_M if iq4 else 4):
+        return "gemv"
+    return "dequant" if iq4 or m >= DEQUANT_MATMUL_MIN_M else "gemm"
+
+
+# Best M = 1 launch shapes of an H200 sweep (bench/kernels.py --sweep) on both Llama-3-8B FFN shapes.
+_GEMV_M1 = {"Q8_0": GemvConfig(2, 512, 2), "Q6_K": GemvConfig(2, 512, 2), "Q4_K": GemvConfig(8, 1024, 4)}
+
+
 def default_gemv(name: str, bm: int) -> GemvConfig:
-    """GEMV launch shape for type `name` and BM input rows (measured on an H200, bench/RESULTS.md).
+    """GEMV launch shape for type `name` and BM input rows.
 
     Two warps over 4 rows x 512 weights give each thread 32 codes a step (fewer and the per-group
-    scale and reduction work dominates) while leaving N/4 programs to hide memory latency.
+    scale and reduction work dominates) while leaving N/4 programs to hide memory latency; the
+    swept types use their measured best at M = 1.
     """
+    if bm == 1 and name in _GEMV_M1:
+        return _GEMV_M1[name]
     return GemvConfig(bn=4, bk=512 if bm == 1 else 256, num_warps=2)
 
 
