@@ -27,6 +27,7 @@ import hashlib
 import inspect
 import mmap
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -189,12 +190,24 @@ class _GemvOffset(torch.nn.Module):
 
 
 def _cache_dir() -> Path:
-    """Where the compiled packages live: keyed by torch version, CPU capability and the kernel source."""
-    source = inspect.getsource(gemv_torch) + inspect.getsource(_build)
-    tag = hashlib.sha256(source.encode()).hexdigest()[:12]
+    """Where the compiled packages live: keyed by torch version, the CPU's features (they are built with
+    -march=native) and the kernel source, so that any change means a fresh build."""
     cpu = torch.backends.cpu.get_cpu_capability()
+    flags = next(
+        (ln for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("flags")), platform.processor()
+    )
+    tag = hashlib.sha256(
+        (inspect.getsource(gemv_torch) + inspect.getsource(_build) + flags).encode()
+    ).hexdigest()
     root = Path(os.environ.get("LLMX_CACHE_DIR", Path.home() / ".cache" / "llmx"))
-    return root / f"cpu-gemv-torch{torch.__version__}-{cpu}-{tag}"
+    return root / f"cpu-gemv-torch{torch.__version__}-{cpu}-{tag[:12]}"
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
 
 
 def _load_or_build() -> dict[str, Runner]:

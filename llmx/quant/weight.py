@@ -26,7 +26,7 @@ KERNELS = ("auto", "packed", "dequant", "emulated")
 KERNEL = os.environ.get("LLMX_KERNEL", "auto")  # read once; `linear(..., kernel=)` overrides per call
 if KERNEL not in KERNELS:
     raise LlmxError(f"LLMX_KERNEL={KERNEL!r} is not one of {', '.join(KERNELS)}")
-GEMV_MAX_M = 4  # rows of x up to which the fused GEMV beats dequantize + dense matmul (bench/cpu_matmul.py)
+GEMV_MAX_M = 8  # rows of x up to which the fused GEMV beats dequantize + dense matmul (bench/cpu_matmul.py)
 DEQUANT_CHUNK_BYTES = 1 << 20  # float32 rows per dequant chunk: ~1 MiB, so they stay in L2 for the matmul
 
 
