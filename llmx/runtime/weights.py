@@ -63,7 +63,21 @@ def _finish(
     if len(shape) == 1:
         return raw.float().reshape(shape).clone() if raw.device.type == "cpu" else raw.float()
     w = QWeight(raw, qt, shape, name)
-    return prepare_cpu(w, repack=repack) if raw.device.type == "cpu" else w
+    if raw.device.type == "cpu":
+        return prepare_cpu(w, repack=repack)
+    return _prepare_cuda(w) if repack else w
+
+
+def _prepare_cuda(w: QWeight) -> QWeight:
+    """The Triton kernels' row layout (same bytes, same row width), written back into the arena so
+    the tensor keeps no allocation of its own; the repacked copy is temporary."""
+    from llmx.quant import triton_ops
+
+    prepared = triton_ops.prepare(w)
+    if prepared is not w:
+        w.raw.copy_(prepared.raw)
+        w.packed = prepared.packed
+    return w
 
 
 @dataclass(frozen=True)
