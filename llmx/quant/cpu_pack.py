@@ -33,7 +33,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,6 +56,13 @@ class PackedCodes:
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
+    _gemv: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, K] float32, contiguous -> x @ W^T [1, N] (the kernel is bound on first use)."""
+        if self._gemv is None:
+            self._gemv = bind_gemv(self)
+        return self._gemv(x)
 
     @property
     def bits(self) -> int:
@@ -151,15 +158,16 @@ _VARIANTS = ("u4_offset", "i8", "i8_offset")  # what pack() produces: 4-bit code
 _RUNNERS: list[dict[str, Runner]] = []  # the compiled kernels by variant, once loaded ({}: none, run eagerly)
 
 
-def gemv(x: torch.Tensor, pk: PackedCodes) -> torch.Tensor:
-    """x [1, K] float32 (contiguous) @ W^T -> [1, N], with the compiled kernel when there is one."""
-    args = [x.view(1, pk.scale.shape[1], -1), pk.codes, pk.scale]
-    if pk.offset is not None:
-        args.append(pk.offset)
+def bind_gemv(pk: PackedCodes) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [1, K] float32 (contiguous) -> x @ W^T [1, N]: the compiled kernel bound to `pk`'s tensors,
+    or gemv_torch where there is no kernel (no toolchain, or a dimension of 1, which the packages
+    are not exported for)."""
+    g = pk.scale.shape[1]
+    tensors = [pk.codes, pk.scale] + ([pk.offset] if pk.offset is not None else [])
     run = compiled_kernels().get(_variant(pk))
-    if run is None or min(pk.codes.shape[:2]) < 2:  # the packages are exported for sizes >= 2
-        return gemv_torch(args[0], pk.codes, pk.scale, pk.offset)
-    return run(args)[0]
+    if run is None or min(pk.codes.shape[:2]) < 2:
+        return lambda x: gemv_torch(x.view(1, g, -1), pk.codes, pk.scale, pk.offset)
+    return lambda x: run([x.view(1, g, -1), *tensors])[0]
 
 
 def compiled_kernels() -> dict[str, Runner]:

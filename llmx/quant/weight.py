@@ -106,8 +106,10 @@ def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
 
 def _packed_matmul(x2: torch.Tensor, pk: P.PackedCodes) -> torch.Tensor:
     """x2 [M, K] @ W^T from the packed form: the fused GEMV per row for few rows, else dense chunks."""
+    if x2.shape[0] == 1:
+        return pk.gemv(x2)
     if x2.shape[0] <= GEMV_MAX_M:
-        return torch.cat([P.gemv(x2[i : i + 1], pk) for i in range(x2.shape[0])])
+        return torch.cat([pk.gemv(x2[i : i + 1]) for i in range(x2.shape[0])])
     n, k = pk.scale.shape[0], x2.shape[1]
     rows = max(16, DEQUANT_CHUNK_BYTES // (4 * k))
     buf = _scratch(rows * k)
