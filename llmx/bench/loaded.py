@@ -28,6 +28,7 @@ class BenchModel:
     """A loaded model with its per-token bytes and the bandwidth of the devices holding them."""
 
     model: LoadedModel
+    options: Options  # as planned and loaded (after --fit, when it chose the placement)
     token_bytes: TokenBytes
     bandwidth_gbs: dict[str, float]
     placement: dict[str, Any]  # devices, summary, plan, bandwidth_gbs, load_seconds, n_offloaded
@@ -73,7 +74,7 @@ def load_for_bench(path: str | os.PathLike | None, opts: Options, progress: bool
         "bandwidth_gbs": bandwidth,
         "load_seconds": model.load_seconds,
     }
-    return BenchModel(model, tb, bandwidth, placement)
+    return BenchModel(model, plan.options, tb, bandwidth, placement)
 
 
 def free_memory() -> None:

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from llmx.bench.rows import BENCH_COLUMNS, CEILING_COLUMNS, bench_row
     from llmx.bench.runner import Speed, bench_tests, time_test
     from llmx.bench.tables import markdown, render
+    from llmx.errors import LlmxError
 
     if args.ceilings:
         measured = ceilings_for(visible_devices(), remeasure=True, notify=lambda m: print(m, file=sys.stderr))
@@ -82,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None:
             return 0
     tests = bench_tests(int_list(args.n_prompt), int_list(args.n_gen), int_list(args.n_depth))
+    if not tests or args.repetitions < 1:
+        raise LlmxError("nothing to measure: give -p or -n above 0 and -r of at least 1")
     placements = [options_from_args(ns) for ns in option_grid(args)]
     env = environment()
     rows = []
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 )
                 roof = bm.roofline(test.n_depth, test.n_gen) if test.n_gen else None
                 speed = Speed(test.n_tokens, tuple(samples))
-                rows.append(bench_row(env, info, opts, bm.placement, test, speed, roof))
+                rows.append(bench_row(env, info, bm.options, bm.placement, test, speed, roof))
             bar.close()
             bm = None  # drop the model before the next placement loads
             free_memory()
