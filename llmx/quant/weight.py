@@ -13,6 +13,8 @@ F32/F16/BF16) on its device. `linear(x, w)` chooses the kernel from (type, devic
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +29,7 @@ KERNEL = os.environ.get("LLMX_KERNEL", "auto")  # read once; `linear(..., kernel
 if KERNEL not in KERNELS:
     raise LlmxError(f"LLMX_KERNEL={KERNEL!r} is not one of {', '.join(KERNELS)}")
 GEMV_MAX_M = 8  # rows of x up to which the fused GEMV beats dequantize + dense matmul (bench/cpu_matmul.py)
-DEQUANT_CHUNK_BYTES = 1 << 20  # float32 rows per dequant chunk: ~1 MiB, so they stay in L2 for the matmul
+DEQUANT_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time: big enough for mm, small enough for L3
 
 
 @dataclass
@@ -106,43 +108,51 @@ def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
 
 def _packed_matmul(x2: torch.Tensor, pk: P.PackedCodes) -> torch.Tensor:
     """x2 [M, K] @ W^T from the packed form: the fused GEMV per row for few rows, else dense chunks."""
-    if x2.shape[0] == 1:
+    m, k = x2.shape
+    if m == 1:
         return pk.gemv(x2)
-    if x2.shape[0] <= GEMV_MAX_M:
-        return torch.cat([pk.gemv(x2[i : i + 1]) for i in range(x2.shape[0])])
-    n, k = pk.scale.shape[0], x2.shape[1]
-    rows = max(16, DEQUANT_CHUNK_BYTES // (4 * k))
-    buf = _scratch(rows * k)
-    out_t = torch.empty(n, x2.shape[0])  # y^T, so that each chunk of rows is a contiguous slice
-    x_t = x2.t()
-    for r0 in range(0, n, rows):
-        chunk = pk.rows(r0, r0 + rows)
-        w = P.dequantize_into(chunk, buf[: chunk.codes.shape[0] * k].view(-1, k))
-        torch.mm(w, x_t, out=out_t[r0 : r0 + rows])
-    return out_t.t()
-
-
-_SCRATCH: list[torch.Tensor] = []  # one reused float32 buffer: fresh large allocations page-fault every call
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    if not _SCRATCH or _SCRATCH[0].numel() < numel:
-        _SCRATCH[:] = [torch.empty(numel)]
-    return _SCRATCH[0]
+    if m <= GEMV_MAX_M:
+        return torch.cat([pk.gemv(x2[i : i + 1]) for i in range(m)])
+    buf = _scratch(min(pk.scale.shape[0], _chunk_rows(k)) * k)
+    return _chunked_matmul(
+        x2,
+        pk.scale.shape[0],
+        lambda r0, r1: P.dequantize_into(pk.rows(r0, r1), buf[: (r1 - r0) * k].view(-1, k)),
+    )
 
 
 def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """x2 [M, K] @ W^T with W dequantized a chunk of rows at a time: [M, N] float32."""
-    n, k = w.shape
+    """x2 [M, K] @ W^T with W dequantized from its raw blocks a chunk of rows at a time."""
     if w.qtype.name == "F32":
         return x2 @ w.raw.t()
-    # y^T, so that each chunk of rows is a contiguous slice
-    out_t = torch.empty(n, x2.shape[0], dtype=torch.float32, device=x2.device)
-    rows = max(16, DEQUANT_CHUNK_BYTES // (4 * k))
+    return _chunked_matmul(x2, w.shape[0], lambda r0, r1: T.dequantize(w.raw[r0:r1], w.qtype))
+
+
+def _chunked_matmul(x2: torch.Tensor, n: int, rows_of_w: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """x2 [M, K] @ W^T -> [M, N], where rows_of_w(r0, r1) is W[r0:r1] in float32."""
+    step = _chunk_rows(x2.shape[1])
+    out_t = torch.empty(
+        n, x2.shape[0], device=x2.device
+    )  # y^T: each chunk of W's rows writes a contiguous slice
     x_t = x2.t()
-    for r0 in range(0, n, rows):
-        torch.mm(T.dequantize(w.raw[r0 : r0 + rows], w.qtype), x_t, out=out_t[r0 : r0 + rows])
-    return out_t.t()
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        torch.mm(rows_of_w(r0, r1), x_t, out=out_t[r0:r1])
+    return out_t.t().contiguous()
+
+
+def _chunk_rows(k: int) -> int:
+    return max(16, DEQUANT_CHUNK_BYTES // (4 * k))
+
+
+_SCRATCH = threading.local()  # a reused float32 buffer per thread: fresh large allocations page-fault
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(numel)
+    return buf
 
 
 def _cuda(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
