@@ -131,9 +131,8 @@ def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
 def _chunked_matmul(x2: torch.Tensor, n: int, rows_of_w: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """x2 [M, K] @ W^T -> [M, N], where rows_of_w(r0, r1) is W[r0:r1] in float32."""
     step = _chunk_rows(x2.shape[1])
-    out_t = torch.empty(
-        n, x2.shape[0], device=x2.device
-    )  # y^T: each chunk of W's rows writes a contiguous slice
+    # y^T, so that each chunk of W's rows writes a contiguous slice
+    out_t = torch.empty(n, x2.shape[0], device=x2.device)
     x_t = x2.t()
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
