@@ -248,6 +248,7 @@ def _build(folder: Path, variant: str) -> None:
     import torch._inductor.config as inductor_config  # only the build subprocess loads the compiler
 
     inductor_config.aot_inductor.compile_wrapper_opt_level = "O0"  # the wrapper is glue; the kernel is -O3
+    inductor_config.cpp.enable_floating_point_contract_flag = "fast"  # FMAs: ~5% faster, still float32 sums
     four_bit, with_offset = variant.startswith("u4"), variant.endswith("offset")
     n, g, width = 64, 4, 16
     codes = torch.zeros(n, g, width, dtype=torch.uint8 if four_bit else torch.int8)
