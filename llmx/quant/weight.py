@@ -66,12 +66,12 @@ def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tens
     choice = kernel or KERNEL
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if choice == "emulated":
+    if w.packed is not None and choice in ("auto", "packed"):  # only CPU weights are packed: test it first
+        y = _packed_matmul(x2.contiguous(), w.packed)
+    elif choice == "emulated":
         y = x2 @ dequantize(w).t()
     elif w.raw.device.type == "cuda":
         y = _cuda(x2, w)
-    elif w.packed is not None and choice in ("auto", "packed"):
-        y = _packed_matmul(x2.contiguous(), w.packed)
     elif choice == "packed":
         raise LlmxError(f"{w.name or 'weight'} ({w.qtype.name}) has no packed CPU form; see prepare_cpu")
     else:
