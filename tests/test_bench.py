@@ -203,6 +203,13 @@ def test_sweep_times_each_window_and_drops_the_generated_tokens():
         list(sweep(engine, n_ctx=8, n_ubatch=16, n_gen=4, n_vocab=100))
 
 
+def test_sweep_of_a_single_window_fills_the_whole_context():
+    engine = CountingEngine()
+    rows = list(sweep(engine, n_ctx=16, n_ubatch=16, n_gen=4, n_vocab=100))
+    assert [r["n_kv"] for r in rows] == [0]
+    assert max(c[1] + (c[2] if c[0] == "prefill" else 1) for c in engine.calls if c[0] != "reset") == 16
+
+
 # --- rows, tables, plot ---
 
 ENV = {"llmx_commit": "abc", "cpu": "BenchTest CPU", "gpus": []}

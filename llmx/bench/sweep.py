@@ -42,6 +42,7 @@ def sweep(
     # Warm-up, not reported: the first decode and the first full ubatch compile and capture.
     engine.reset()
     engine.decode(0)
+    engine.reset()  # a full-context ubatch must still fit
     engine.prefill(random_tokens(rng, n_ubatch, n_vocab))
     engine.reset()
     for n_kv in range(0, n_ctx - n_ubatch + 1, n_ubatch):
