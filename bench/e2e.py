@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from llmx import cli
-from llmx.bench.rows import BENCH_COLUMNS
+from llmx.bench.rows import bench_columns
 from llmx.bench.synth import synthesize
 from llmx.bench.tables import markdown
 
@@ -94,7 +94,7 @@ def main() -> None:
         rows = run_suite(args.suite)
     else:
         rows = [row for f in args.files for row in json.loads(f.read_text())]
-    print(markdown(rows, BENCH_COLUMNS))
+    print(markdown(rows, bench_columns(rows)))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from llmx import cli
 from llmx.bench.floor import Roofline, floor_seconds, mean_depth, plan_token_bytes, roofline, token_bytes
 from llmx.bench.grid import expand, int_list, option_grid
 from llmx.bench.plot import plot_sweeps
-from llmx.bench.rows import BENCH_COLUMNS, SWEEP_COLUMNS, bench_row, sweep_row
+from llmx.bench.rows import BENCH_COLUMNS, SWEEP_COLUMNS, bench_columns, bench_row, sweep_row
 from llmx.bench.runner import BenchTest, Speed, bench_tests, time_test
 from llmx.bench.sweep import sweep
 from llmx.bench.synth import synthesize
@@ -249,6 +249,17 @@ def test_bench_markdown_has_every_column():
     assert "1.00 GiB" in pp and "1.00 B" in pp and "pp512" in pp and "512.00 ± 0.00" in pp
     assert "tg128" in tg and "5.00 ± 0.00" in tg and "50%" in tg
     assert len({len(line) for line in text.splitlines()}) == 1  # aligned
+
+
+def test_settings_that_vary_between_rows_get_a_column():
+    roof = Roofline(bytes_per_token=10**9, floor_seconds=0.1)
+    rows = [
+        bench_row(ENV, MODEL, Options(threads=t), PLACEMENT, BenchTest(0, 8), Speed(8, (1.0,)), roof)
+        for t in (1, 2)
+    ]
+    headers = [c.header for c in bench_columns(rows)]
+    assert headers.index("threads") == headers.index("test") - 1
+    assert "type_k" not in headers and "threads" not in [c.header for c in bench_columns(rows[:1])]
 
 
 def test_bench_csv_has_a_column_per_field():

@@ -103,6 +103,30 @@ BENCH_COLUMNS = [
 ]
 
 
+# Runtime settings that `placement` does not show, by llama-bench field and column name: a column
+# appears when its value differs between rows (`-t 1,2`, `-ctk f16,q8_0`, ...), as in llama-bench.
+VARYING_FIELDS = {
+    "n_threads": "threads",
+    "type_k": "type_k",
+    "type_v": "type_v",
+    "n_batch": "n_batch",
+    "n_ubatch": "n_ubatch",
+    "flash_attn": "fa",
+    "use_mmap": "mmap",
+}
+
+
+def bench_columns(rows: list[dict[str, Any]]) -> list[Column]:
+    """BENCH_COLUMNS plus a column, before `test`, for each runtime setting that varies between rows."""
+    extra = [
+        Column(header, lambda r, f=field: str(r[f]))
+        for field, header in VARYING_FIELDS.items()
+        if len({str(r[field]) for r in rows}) > 1
+    ]
+    at = next(i for i, c in enumerate(BENCH_COLUMNS) if c.header == "test")
+    return BENCH_COLUMNS[:at] + extra + BENCH_COLUMNS[at:]
+
+
 def sweep_row(row: Mapping[str, Any], roof: Roofline | None) -> dict[str, Any]:
     """A sweep window with its generation roofline at that depth."""
     speed = row["speed_tg"]

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from llmx.bench.ceilings import ceilings_for, visible_devices
     from llmx.bench.loaded import free_memory, load_for_bench
     from llmx.bench.results import environment, model_info
-    from llmx.bench.rows import BENCH_COLUMNS, CEILING_COLUMNS, bench_row
+    from llmx.bench.rows import CEILING_COLUMNS, bench_columns, bench_row
     from llmx.bench.runner import Speed, bench_tests, time_test
     from llmx.bench.tables import markdown, render
     from llmx.errors import LlmxError
@@ -107,5 +107,5 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
             bm = None  # drop the model before the next placement loads
             free_memory()
-    print(render(rows, args.output, BENCH_COLUMNS))
+    print(render(rows, args.output, bench_columns(rows)))
     return 0
