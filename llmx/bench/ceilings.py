@@ -67,7 +67,8 @@ def device_key(device: str) -> str:
     """Cache key of an engine device string ('cpu', 'cuda:1')."""
     dev = torch.device(device)
     if dev.type == "cpu":
-        return f"{cpu_name()} ({torch.get_num_threads()} threads)"
+        n = torch.get_num_threads()
+        return f"{cpu_name()} ({n} thread{'s' if n > 1 else ''})"
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     raise LlmxError(f"no ceiling measurement for device {device!r}; llmx measures cpu and cuda devices")
