@@ -239,8 +239,47 @@ def _load_or_build() -> dict[str, Runner]:
                 f"llmx: CPU kernels could not be built ({last}); running them eagerly", stacklevel=3
             )
             return {}
+    if not _verified(folder):
+        warnings.warn(
+            "llmx: the compiled CPU kernels do not run with this torch; running them eagerly", stacklevel=3
+        )
+        return {}
+    return {v: _runner(folder, v) for v in _VARIANTS}
+
+
+def _runner(folder: Path, variant: str) -> Runner:
     load = torch._C._aoti.AOTIModelPackageLoader  # the C++ runner alone: no compiler in this process
-    return {v: load(str(folder / f"{v}.pt2"), "model", False, 1, -1).run for v in _VARIANTS}
+    return load(str(folder / f"{variant}.pt2"), "model", False, 1, -1).run
+
+
+def _verified(folder: Path) -> bool:
+    """Whether the packages load and run: tried once in a subprocess (some torch builds crash in the
+    package loader, which must not take the serving process down), the verdict kept beside them."""
+    marker = folder / "verified"
+    if not marker.exists():
+        check = subprocess.run(
+            [sys.executable, "-m", "llmx.quant.cpu_pack", str(folder), "--check"], capture_output=True
+        )
+        marker.write_text("ok" if check.returncode == 0 else "crashes")
+    return marker.read_text() == "ok"
+
+
+def _check(folder: Path) -> None:
+    """Run every variant once on a small packed matrix against the eager kernel (the subprocess side)."""
+    rng = torch.Generator().manual_seed(0)
+    for variant in _VARIANTS:
+        four_bit, with_offset = variant.startswith("u4"), variant.endswith("offset")
+        n, g, width = 8, 3, 16
+        codes = torch.randint(0, 255, (n, g, width), generator=rng, dtype=torch.uint8)
+        codes = codes if four_bit else codes.view(torch.int8)
+        scale, offset = (
+            torch.rand(n, g, generator=rng),
+            torch.rand(n, g, generator=rng) if with_offset else None,
+        )
+        x = torch.randn(1, g, 2 * width if four_bit else width, generator=rng)
+        args = [x, codes, scale] + ([offset] if offset is not None else [])
+        got = _runner(folder, variant)(args)[0]
+        assert torch.allclose(got, gemv_torch(x, codes, scale, offset), atol=1e-4), variant
 
 
 def _build(folder: Path, variant: str) -> None:
@@ -286,4 +325,4 @@ def release_pages(t: torch.Tensor) -> None:
 
 
 if __name__ == "__main__":
-    _build(Path(sys.argv[1]), sys.argv[2])
+    _check(Path(sys.argv[1])) if sys.argv[2] == "--check" else _build(Path(sys.argv[1]), sys.argv[2])
