@@ -66,12 +66,12 @@ def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tens
     choice = kernel or KERNEL
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if w.packed is not None and choice in ("auto", "packed"):  # only CPU weights are packed: test it first
-        y = _packed_matmul(x2.contiguous(), w.packed)
-    elif choice == "emulated":
+    if choice == "emulated":
         y = x2 @ dequantize(w).t()
     elif w.raw.device.type == "cuda":
         y = _cuda(x2, w)
+    elif w.packed is not None and choice in ("auto", "packed"):
+        y = _packed_matmul(x2.contiguous(), w.packed)
     elif choice == "packed":
         raise LlmxError(f"{w.name or 'weight'} ({w.qtype.name}) has no packed CPU form; see prepare_cpu")
     else:
@@ -84,12 +84,25 @@ def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
     cols = w.shape[-1]
     if w.raw.is_floating_point():
         return w.raw[ids.to(w.raw.device)].float()
+    if _triton_layout(w):
+        from llmx.quant import triton_ops
+
+        return triton_ops.embedding(ids.to(w.raw.device), w)
     return T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
 
 
 def dequantize(w: QWeight) -> torch.Tensor:
     """The whole weight as float32 of `w.shape`, on its device (bit-exact with gguf-py)."""
+    if _triton_layout(w):
+        from llmx.quant import triton_ops
+
+        return triton_ops.dequantize(w)
     return T.dequantize(w.raw, w.qtype).reshape(w.shape)
+
+
+def _triton_layout(w: QWeight) -> bool:
+    """A CUDA weight whose rows `triton_ops.prepare` rearranged: only Triton's kernels read it."""
+    return w.raw.device.type == "cuda" and w.packed is not None
 
 
 def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
