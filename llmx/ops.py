@@ -42,8 +42,8 @@ def linear(x: torch.Tensor, w: QWeight | RowSplit) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., E] scaled to unit root-mean-square, then by `weight` [E]."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    """x [..., E] scaled to unit root-mean-square, then by `weight` [E] (brought to x: a few KB)."""
+    return F.rms_norm(x, (x.shape[-1],), weight.to(x.device), eps)
 
 
 def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor:

@@ -71,4 +71,7 @@ def test_prefill_equals_token_by_token_decode(model, ref):
     batched = model.engine.prefill(ids, all_logits=True)
     model.engine.reset()
     stepwise = torch.stack([model.engine.forward([t])[-1] for t in ids])
-    assert (batched - stepwise).abs().max().item() < 1e-3
+    # One row takes the fused GEMV, many rows dequantize + matmul: the same exact weights summed in a
+    # different float32 order, which 30 layers amplify to ~1e-2 on logits of magnitude ~20.
+    assert (batched - stepwise).abs().max().item() < MAX_ABS_DIFF
+    assert torch.equal(batched.argmax(-1), stepwise.argmax(-1))

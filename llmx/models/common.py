@@ -157,7 +157,7 @@ class Model:
     def _proj(w: TensorGroup, name: str, h: torch.Tensor) -> torch.Tensor:
         y = linear(h, getattr(w, name))
         bias = w.optional(f"{name}_bias")
-        return y if bias is None else y + bias
+        return y if bias is None else y + bias.to(y.device)
 
     def self_attention(
         self,
