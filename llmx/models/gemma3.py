@@ -5,9 +5,10 @@
     h   = x + post_attn_norm(W_o · attn(q, k, v))
     y   = h + post_ffw_norm(W_down · (gelu(W_gate · norm(h)) * W_up · norm(h)))
 
-Every `sliding_window_pattern`-th layer is global (full context, the file's RoPE base); the others
-see the last `sliding_window` tokens and rotate with base 10000. The GGUF converter already stores
-Gemma's norm weights as (1 + w), so the norms are plain RMSNorms here.
+Every `sliding_window_pattern`-th layer is global (full context, the file's RoPE base and scaling);
+the others see the last `sliding_window` tokens and rotate with base 10000, unscaled. Queries are
+scaled by 1/sqrt(query_pre_attn_scalar) instead of 1/sqrt(head_dim) (see `query_scale`). The GGUF
+converter already stores Gemma's norm weights as (1 + w), so the norms are plain RMSNorms here.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Any, Self
 
 import torch
 
-from llmx.models.common import Config, Model, Step
-from llmx.ops import Rope, gelu_tanh, linear, rms_norm
+from llmx.models.common import Config, Model, Step, TensorGroup
+from llmx.ops import gelu_tanh, linear, rms_norm
 
 LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
 
 
 @dataclass(frozen=True)
@@ -42,28 +44,32 @@ class Gemma3Config(Config):
     def is_global(self, layer: int) -> bool:
         return self.sliding_window == 0 or (layer + 1) % self.sliding_window_pattern == 0
 
+    @property
+    def query_scale(self) -> float:
+        """1/sqrt(query_pre_attn_scalar), which the GGUF does not store: Gemma 3 27B (62 layers) uses
+        n_embd / n_head = 168 where its head_dim is 128; every other size uses head_dim. This is
+        llama.cpp's rule (llama-model.cpp, LLM_ARCH_GEMMA3: f_attention_scale by model type)."""
+        scalar = self.n_embd // self.n_head if self.n_layer == GEMMA3_27B_LAYERS else self.head_dim
+        return 1.0 / math.sqrt(scalar)
+
 
 class Gemma3(Model):
     config_class = Gemma3Config
     neox_rope = True
     config: Gemma3Config
 
-    def __init__(self, config, top, layers) -> None:
+    def __init__(self, config: Gemma3Config, top: TensorGroup, layers: list[TensorGroup]) -> None:
         super().__init__(config, top, layers)
         self.local_rope = replace(self.rope, base=LOCAL_ROPE_BASE, scale=1.0)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return super().embed(ids) * math.sqrt(self.config.n_embd)
 
-    def rope_for(self, layer: int) -> Rope:
-        return self.rope if self.config.is_global(layer) else self.local_rope
-
     def block(self, i: int, x: torch.Tensor, step: Step, cache_kv) -> torch.Tensor:
         w, eps, c = self.layers[i], self.config.norm_eps, self.config
-        window = None if c.is_global(i) else c.sliding_window
-        attn = self.self_attention(
-            w, rms_norm(x, w.attn_norm, eps), step, cache_kv, window=window, rope=self.rope_for(i)
-        )
+        rope, window = (self.rope, None) if c.is_global(i) else (self.local_rope, c.sliding_window)
+        h = rms_norm(x, w.attn_norm, eps)
+        attn = self.self_attention(w, h, step, cache_kv, rope=rope, window=window, scale=c.query_scale)
         x = x + rms_norm(linear(attn, w.attn_output), w.post_attention_norm, eps)
         h = rms_norm(x, w.ffn_norm, eps)
         ffn = linear(gelu_tanh(linear(h, w.ffn_gate)) * linear(h, w.ffn_up), w.ffn_down)
