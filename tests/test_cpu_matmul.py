@@ -63,6 +63,14 @@ def test_compiled_kernels_are_available():
     assert set(cpu_pack.compiled_kernels()) == {"u4_offset", "i8", "i8_offset"}
 
 
+def test_without_compiled_kernels_every_batch_is_dequantized(monkeypatch):
+    monkeypatch.setattr(cpu_pack, "_RUNNERS", [{}])  # as on a machine without a C++ toolchain
+    w, w64 = quant_weight("Q4_K", n=32, k=256)
+    assert w.packed.gemv is None
+    x = torch.randn(1, 256)
+    assert_matmul_close(linear(x, w), x, w64)
+
+
 def test_packed_dequantize_matches_reference():
     for name in QUANT_TYPES:
         w, w64 = quant_weight(name, n=16, k=256, seed=6)

@@ -6,11 +6,11 @@ wider ones as int8) and float32 scales/offsets. Nothing is rounded: every scale 
 float32 value the reference computes, so results are exact up to float32 summation order.
 
 Kernels:
-- `gemv` (one row of x, i.e. decode): written in torch below, compiled ahead of time by
-  AOTInductor into one vectorized OpenMP loop per code width. The packages are built once per
-  machine and torch version in a subprocess (~1 min; cached under LLMX_CACHE_DIR, default
-  ~/.cache/llmx), so the serving process never imports the compiler and pays ~7 us per call.
-  Without a working C++ toolchain the same torch code runs eagerly: slower, same results.
+- `gemv` (one row of x, i.e. decode): `gemv_torch` below, compiled ahead of time by AOTInductor
+  into one vectorized OpenMP loop per code width. The packages are built once per machine and
+  torch version in a subprocess (~1 min; cached under LLMX_CACHE_DIR, default ~/.cache/llmx), so
+  the serving process never imports the compiler and pays ~5-10 us per call. Without a working
+  C++ toolchain there is no GEMV and every batch takes the dequantize path (slower, same results).
 - `dequantize_into` (many rows of x, i.e. prompts): eager in-place unpacking of a chunk of rows
   into a reused float32 buffer, followed by a dense `torch.mm` in the caller.
 
@@ -56,13 +56,15 @@ class PackedCodes:
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
-    _gemv: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    _kernel: list[Gemv | None] = field(default_factory=list, repr=False, compare=False)  # [] until bound
 
-    def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """x [1, K] float32, contiguous -> x @ W^T [1, N] (the kernel is bound on first use)."""
-        if self._gemv is None:
-            self._gemv = bind_gemv(self)
-        return self._gemv(x)
+    @property
+    def gemv(self) -> Gemv | None:
+        """The compiled GEMV bound to this weight, x [1, K] float32 (contiguous) -> x @ W^T [1, N];
+        None without one (no C++ toolchain, or a dimension of 1, which the packages are not built for)."""
+        if not self._kernel:
+            self._kernel.append(bind_gemv(self))
+        return self._kernel[0]
 
     @property
     def bits(self) -> int:
@@ -154,19 +156,18 @@ def dequantize_into(pk: PackedCodes, out: torch.Tensor) -> torch.Tensor:
 
 
 Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+Gemv = Callable[[torch.Tensor], torch.Tensor]
 _VARIANTS = ("u4_offset", "i8", "i8_offset")  # what pack() produces: 4-bit codes always have an offset
-_RUNNERS: list[dict[str, Runner]] = []  # the compiled kernels by variant, once loaded ({}: none, run eagerly)
+_RUNNERS: list[dict[str, Runner]] = []  # the compiled kernels by variant, once loaded ({}: none)
 
 
-def bind_gemv(pk: PackedCodes) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x [1, K] float32 (contiguous) -> x @ W^T [1, N]: the compiled kernel bound to `pk`'s tensors,
-    or gemv_torch where there is no kernel (no toolchain, or a dimension of 1, which the packages
-    are not exported for)."""
-    g = pk.scale.shape[1]
-    tensors = [pk.codes, pk.scale] + ([pk.offset] if pk.offset is not None else [])
+def bind_gemv(pk: PackedCodes) -> Gemv | None:
+    """The compiled kernel for `pk`'s variant with its tensors bound, or None."""
     run = compiled_kernels().get(_variant(pk))
     if run is None or min(pk.codes.shape[:2]) < 2:
-        return lambda x: gemv_torch(x.view(1, g, -1), pk.codes, pk.scale, pk.offset)
+        return None
+    g = pk.scale.shape[1]
+    tensors = [pk.codes, pk.scale] + ([pk.offset] if pk.offset is not None else [])
     return lambda x: run([x.view(1, g, -1), *tensors])[0]
 
 

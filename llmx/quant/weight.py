@@ -120,12 +120,13 @@ def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
 
 
 def _packed_matmul(x2: torch.Tensor, pk: P.PackedCodes) -> torch.Tensor:
-    """x2 [M, K] @ W^T from the packed form: the fused GEMV per row for few rows, else dense chunks."""
+    """x2 [M, K] @ W^T from the packed form: the compiled GEMV per row for few rows, else dense chunks."""
     m, k = x2.shape
-    if m == 1:
-        return pk.gemv(x2)
-    if m <= GEMV_MAX_M:
-        return torch.cat([pk.gemv(x2[i : i + 1]) for i in range(m)])
+    gemv = pk.gemv
+    if gemv is not None and m == 1:
+        return gemv(x2)
+    if gemv is not None and m <= GEMV_MAX_M:
+        return torch.cat([gemv(x2[i : i + 1]) for i in range(m)])
     buf = _scratch(min(pk.scale.shape[0], _chunk_rows(k)) * k)
     return _chunked_matmul(
         x2,
