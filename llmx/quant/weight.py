@@ -4,10 +4,14 @@ A QWeight keeps a tensor's GGUF bytes as they are (uint8 rows of blocks, or a fl
 F32/F16/BF16) on its device. `linear(x, w)` chooses the kernel from (type, device, M):
 
 - CUDA:  `llmx.quant.triton_ops.linear` (fused dequant GEMV/GEMM); "emulated" if Triton is missing;
-- CPU, repacked at load (`prepare_cpu`): the packed form's own matmul (see `cpu_pack.py`);
-- CPU otherwise: "dequant", rows dequantized a chunk at a time into float32 and multiplied densely;
+- CPU, quantized matrices (repacked at load by `prepare_cpu`, see `cpu_pack.py`): up to GEMV_MAX_M
+  rows of x, the compiled GEMV on the packed codes, row by row; more rows (prompts), the packed
+  rows dequantized a chunk at a time into float32 and multiplied by MKL (`torch.mm`);
+- CPU otherwise (float types, LLMX_KERNEL=dequant): the same chunks, dequantized from the raw blocks;
 - "emulated": the whole weight dequantized, then one dense float32 matmul; the numerics reference,
   forced for every call with LLMX_KERNEL=emulated (or per call with `kernel="emulated"`).
+
+Every CPU path computes in float32 from the exact weights, so they differ only in summation order.
 """
 
 from __future__ import annotations
