@@ -8,7 +8,7 @@ Shapes: T = tokens in this step, H = query heads, Hk = KV heads, D = head dim, E
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,17 @@ import torch.nn.functional as F
 from llmx.quant import weight as qw
 from llmx.quant.weight import QWeight, embedding
 
-__all__ = ["Rope", "RowSplit", "attention", "embedding", "gelu_tanh", "linear", "rms_norm", "swiglu"]
+__all__ = [
+    "Rope",
+    "RowSplit",
+    "attention",
+    "causal_mask",
+    "embedding",
+    "gelu_tanh",
+    "linear",
+    "rms_norm",
+    "swiglu",
+]
 
 
 @dataclass
@@ -71,6 +81,11 @@ class Rope:
     scale: float = 1.0  # linear position scaling factor (1 = none)
     freq_factors: torch.Tensor | None = None
 
+    # per-device tables; init=False so that dataclasses.replace() gives a variant its own
+    _cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         exps = torch.arange(0, self.n_dims, 2, dtype=torch.float64, device=device) / self.n_dims
         inv = 1.0 / (self.base**exps)
@@ -78,10 +93,19 @@ class Rope:
             inv = inv / self.freq_factors.to(device=device, dtype=torch.float64)
         return inv
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, n_dims/2] for integer `positions` [T]."""
-        angles = positions.to(torch.float64)[:, None] / self.scale * self.inv_freq(positions.device)[None, :]
-        return angles.cos().float(), angles.sin().float()
+    def tables(self, positions: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, n_dims/2] for integer `positions` [T], all below `bound`.
+
+        Rows come from a per-device table of every position below a power of two >= bound, built
+        in float64 once (and again only when the context outgrows it), so a step costs two gathers.
+        """
+        cos, sin = self._cache.get(positions.device, (None, None))
+        if cos is None or cos.shape[0] < bound:
+            size = 1 << max(8, (bound - 1).bit_length())
+            pos = torch.arange(size, dtype=torch.float64, device=positions.device)
+            angles = pos[:, None] / self.scale * self.inv_freq(positions.device)[None, :]
+            cos, sin = self._cache[positions.device] = angles.cos().float(), angles.sin().float()
+        return cos[positions], sin[positions]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated by the angles of `tables` (cos/sin [T, n_dims/2])."""
@@ -100,17 +124,15 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_pos: torch.Tensor | None,
+    mask: torch.Tensor | None,
     scale: float | None = None,
-    window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal grouped-query attention of T queries over the N cached keys.
+    """Grouped-query attention of T queries over the N cached keys.
 
-    q [T, H, D]; k, v [N, Hk, D]: the cache's first N rows, this step's keys included. `q_pos` [T] are
-    the queries' positions: a key at position j is visible to a query at p when j <= p (and
-    j > p - window for sliding-window layers). `q_pos=None` means every key is visible (one decoded
-    token over exactly its past), which skips building a mask. Returns [T, H * D].
+    q [T, H, D]; k, v [N, Hk, D]: the cache's first N rows, this step's keys included. `mask` [T, N]
+    (True = visible) comes from `causal_mask`; None means every key is visible to every query.
+    Returns [T, H * D].
     """
     t, n_head, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -118,12 +140,6 @@ def attention(
     # on the CPU in float32, where half-precision math is slow.
     dtype = k.dtype if q.is_cuda else q.dtype
     qh, kh, vh = q.transpose(0, 1).to(dtype), k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype)
-    mask = None
-    if q_pos is not None:
-        k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
-        mask = k_pos <= q_pos[:, None]
-        if window is not None:
-            mask &= k_pos > q_pos[:, None] - window
     if softcap is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     else:  # logit soft-capping is outside SDPA's vocabulary: spell attention out
@@ -134,3 +150,13 @@ def attention(
             scores = scores.masked_fill(~mask, float("-inf"))
         out = scores.softmax(-1) @ vh
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
+
+
+def causal_mask(positions: torch.Tensor, n_keys: int, window: int | None = None) -> torch.Tensor:
+    """[T, N] visibility: key j is visible to a query at position p when j <= p (and j > p - window
+    for sliding-window layers)."""
+    k_pos = torch.arange(n_keys, device=positions.device)[None, :]
+    mask = k_pos <= positions[:, None]
+    if window is not None:
+        mask &= k_pos > positions[:, None] - window
+    return mask

@@ -6,13 +6,13 @@ runtime walks the blocks, moving the hidden state to each block's device; models
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self
 
 import torch
 
 from llmx.errors import LlmxError
-from llmx.ops import Rope, attention, embedding, linear, rms_norm
+from llmx.ops import Rope, attention, causal_mask, embedding, linear, rms_norm
 
 
 class TensorGroup:
@@ -96,15 +96,34 @@ class Config:
 
 @dataclass(frozen=True)
 class Step:
-    """Where a micro-batch sits in the sequence, on the device of the block being run.
+    """Where a micro-batch sits in the sequence, on the device of the blocks being run.
 
-    `positions` [T] are the tokens' positions. `masked` is False only when every cached key is
-    visible to every query (one token decoded over exactly its past), so attention can skip the mask;
-    inside a CUDA graph the cache is read in fixed-size buckets and the mask is always on.
+    `positions` [T] are the tokens' positions; attention reads the cache's first `n_read` rows.
+    `masked` is False only when every cached key is visible to every query (one token decoded over
+    exactly its past), so attention can skip the mask; inside a CUDA graph the cache is read in
+    fixed-size buckets and the mask is always on. RoPE tables and masks are made once per step and
+    shared by every layer.
     """
 
     positions: torch.Tensor
     masked: bool
+    n_read: int
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def rope(self, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("rope", id(rope))
+        if key not in self._memo:
+            self._memo[key] = rope.tables(self.positions, self.n_read)
+        return self._memo[key]
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """The attention mask over the `n_read` cached keys, or None when all are visible."""
+        if not self.masked and (window is None or self.n_read <= window):
+            return None
+        key = ("mask", window)
+        if key not in self._memo:
+            self._memo[key] = causal_mask(self.positions, self.n_read, window)
+        return self._memo[key]
 
 
 class Model:
@@ -173,11 +192,10 @@ class Model:
         rope = rope or self.rope
         q, k, v = self.qkv(w, h)
         q, k = self.qk_norm(w, q, k)
-        cos, sin = rope.tables(step.positions)
+        cos, sin = step.rope(rope)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         keys, values = cache_kv(k, v)
-        q_pos = step.positions if step.masked or (window is not None and keys.shape[0] > window) else None
-        return attention(q, keys, values, q_pos, window=window, **kw)
+        return attention(q, keys, values, step.mask(window), **kw)
 
     def qk_norm(self, w: TensorGroup, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head RMSNorm of queries and keys where the model has it (Qwen3, Gemma 3)."""

@@ -100,10 +100,10 @@ class Executor:
         return t >= self._offload_from
 
     def _run_segment(
-        self, seg: Segment, x: torch.Tensor, step: Step, n_read: int, all_logits: bool = False
+        self, seg: Segment, x: torch.Tensor, step: Step, all_logits: bool = False
     ) -> torch.Tensor:
         for i in seg.layers:
-            x = self.model.block(i, x, step, self.cache.writer(i, step.positions, n_read))
+            x = self.model.block(i, x, step, self.cache.writer(i, step.positions, step.n_read))
         if not seg.with_head:
             return x
         return self.model.head(x if all_logits else x[-1:])
@@ -120,8 +120,8 @@ class Executor:
             elif self._offloads(seg, t):
                 x = self._run_streamed(seg, x.to(self._streamer.device), positions, n_past + t, all_logits)
             else:
-                step = Step(positions.to(seg.device), masked=t > 1)
-                x = self._run_segment(seg, x, step, n_past + t, all_logits)
+                step = Step(positions.to(seg.device), masked=t > 1, n_read=n_past + t)
+                x = self._run_segment(seg, x, step, all_logits)
         return x.float().cpu()
 
     def _run_streamed(
@@ -129,7 +129,7 @@ class Executor:
     ) -> torch.Tensor:
         """A CPU segment computed on the streaming GPU: layer i+1 is copied while layer i computes."""
         streamer, layers = self._streamer, self.model.layers
-        step = Step(positions.to(streamer.device), masked=True)
+        step = Step(positions.to(streamer.device), masked=True, n_read=n_read)
         order = list(seg.layers)
         pending = streamer.prefetch(order[0])
         for n, i in enumerate(order):
@@ -139,7 +139,7 @@ class Executor:
             torch.cuda.current_stream(streamer.device).wait_event(ready)
             resident, layers[i] = layers[i], group  # the block reads its weights from model.layers
             try:
-                x = self.model.block(i, x, step, self.cache.writer(i, step.positions, n_read))
+                x = self.model.block(i, x, step, self.cache.writer(i, step.positions, step.n_read))
             finally:
                 layers[i] = resident
         x = x.to(seg.device)
@@ -162,15 +162,15 @@ class Executor:
     def _capture(self, seg: Segment, x: torch.Tensor, n_past: int, bucket: int) -> _Graph:
         x_in = x.clone()
         positions = torch.full((1,), n_past, dtype=torch.long, device=seg.device)
-        step = Step(positions, masked=True)
-        # Warm up outside the graph (Triton autotuning, lazy allocations), on a side stream as
-        # CUDA graph capture requires; it computes exactly what the replay will.
+        # Warm up outside the graph (Triton autotuning, lazy allocations, RoPE tables), on a side
+        # stream as CUDA graph capture requires; it computes exactly what the replay will. The
+        # capture gets a fresh Step so its per-step gathers are recorded, not reused.
         side = torch.cuda.Stream(seg.device)
         side.wait_stream(torch.cuda.current_stream(seg.device))
         with torch.cuda.stream(side):
-            self._run_segment(seg, x_in, step, bucket)
+            self._run_segment(seg, x_in, Step(positions, masked=True, n_read=bucket))
         torch.cuda.current_stream(seg.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            x_out = self._run_segment(seg, x_in, step, bucket)
+            x_out = self._run_segment(seg, x_in, Step(positions, masked=True, n_read=bucket))
         return _Graph(graph, x_in, positions, x_out)
