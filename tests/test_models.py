@@ -35,7 +35,9 @@ import llmx
 from llmx.api import LoadedModel
 from llmx.models.gemma3 import Gemma3Config
 
-F32_CACHE = dict(cache_type_k="f32", cache_type_v="f32")
+# A float32 KV cache, as the references have; one thread, because on a busy machine (tests run beside
+# other work) OpenMP workers waiting for each other cost far more than a second core brings.
+OPTIONS = dict(cache_type_k="f32", cache_type_v="f32", threads=1)
 
 
 def greedy(logits: torch.Tensor, history: Sequence[int]) -> int:
@@ -54,15 +56,15 @@ def prefill_vs_decode(model: LoadedModel, ids: list[int]) -> float:
 # --- Gemma 3 270M against the committed transformers reference -----------------------------------
 
 GEMMA_REF = Path(__file__).parent / "data" / "gemma3_logits.npz"
-# Max |ours - reference| over the reference's top-20 logits of every position; measured ~1e-4.
+# Max |ours - reference| over the reference's top-20 logits of every position; measured 5e-5.
 GEMMA_MAX_ABS_DIFF = 1e-3
-# Prefill (dequantized rows + dense matmul) against decode (fused GEMV); measured ~1e-5.
+# Prefill (dequantized rows + dense matmul) against decode (fused GEMV); measured <= 4e-5.
 PREFILL_DECODE_MAX_ABS_DIFF = 1e-3
 
 
 @pytest.fixture(scope="module")
 def gemma(gemma3_path) -> LoadedModel:
-    return llmx.load(gemma3_path, ctx_size=512, ubatch_size=64, **F32_CACHE)
+    return llmx.load(gemma3_path, ctx_size=512, ubatch_size=64, **OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -126,30 +128,30 @@ def test_gemma3_query_scale_follows_llama_cpp():
 # --- llmx run / llmx chat on Gemma 3 270M ---------------------------------------------------------
 
 
-def llmx_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    """Run the `llmx` command line in a fresh interpreter, as a user would."""
+def llmx_cli(command: str, model: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """Run `llmx COMMAND -m MODEL ARGS` greedily for 8 tokens in a fresh interpreter, as a user would."""
     return subprocess.run(
-        [sys.executable, "-m", "llmx.cli", *args],
+        [sys.executable, "-m", "llmx.cli", command, "-m", str(model), *args, "-n", "8", "--temp", "0",
+         "-c", "256", "-t", "1"],
         input=stdin,
         capture_output=True,
         text=True,
         cwd=Path(__file__).parent.parent,
         timeout=600,  # generous: a fresh interpreter may first compile the CPU kernels
         check=True,
-    )
+    )  # fmt: skip
 
 
 def test_llmx_run_on_gemma3(gemma3_path):
     prompt = "The capital of France is"
-    out = llmx_cli("run", "-m", str(gemma3_path), "-p", prompt, "-n", "8", "--temp", "0", "-c", "256")
+    out = llmx_cli("run", gemma3_path, "-p", prompt)
     assert out.stdout.startswith(prompt) and len(out.stdout.strip()) > len(prompt)
     assert "tokens per second" in out.stderr
 
 
 def test_llmx_chat_on_gemma3_uses_its_chat_template(gemma, gemma3_path):
     question = "What is the capital of France?"
-    out = llmx_cli("chat", "-m", str(gemma3_path), "-n", "8", "--temp", "0", "-c", "256",
-                   stdin=f"{question}\nAnd of Italy?\n\n")  # fmt: skip
+    out = llmx_cli("chat", gemma3_path, stdin=f"{question}\nAnd of Italy?\n\n")
     replies = out.stdout.splitlines()
     assert len(replies) == 2 and "tokens per second" in out.stderr
     # The first reply is the API's greedy answer to the same question in Gemma's turn markup.
@@ -160,8 +162,9 @@ def test_llmx_chat_on_gemma3_uses_its_chat_template(gemma, gemma3_path):
 
 # --- tiny random models against transformers, live ------------------------------------------------
 
-# Max |ours - transformers| over all logits of every position; measured <= 4e-5 for every model.
-TINY_MAX_ABS_DIFF = 1e-4
+# Max |ours - transformers| over all logits of every position; measured <= 1e-5 for F32 and Q8_0,
+# <= 1e-4 for Q4_K_M (whose random blocks make a few logits large).
+TINY_MAX_ABS_DIFF = 1e-3
 PROMPT_LENGTHS = (64, 72, 80, 96)  # all longer than the tiny Gemma 3's window of 8
 N_GREEDY = 32
 
@@ -198,16 +201,16 @@ class Tiny:
     ref: Reference
 
 
-@pytest.fixture(
-    scope="module",
-    params=[(arch, t) for arch in TINY_SHAPES for t in TYPES],
-    ids=lambda p: f"{p[0]}-{p[1]}",
-)
+def model_id(param: tuple[str, str]) -> str:
+    return "-".join(param)
+
+
+@pytest.fixture(scope="module", params=[(arch, t) for arch in TINY_SHAPES for t in TYPES], ids=model_id)
 def tiny(request, tmp_path_factory) -> Tiny:
     arch, type_name = request.param
     path = write_tiny(arch, type_name, tmp_path_factory.mktemp("tiny"))
     prompts = [random_prompt(n, seed=k) for k, n in enumerate(PROMPT_LENGTHS)]
-    model = llmx.load(path, ctx_size=256, ubatch_size=32, **F32_CACHE)  # prompts span several ubatches
+    model = llmx.load(path, ctx_size=256, ubatch_size=32, **OPTIONS)  # prompts span several ubatches
     return Tiny(arch, model, prompts, transformers_reference(path, prompts))
 
 
@@ -233,14 +236,13 @@ def test_tiny_logits_are_not_degenerate(tiny):
     logits = tiny.ref.logits[0]
     top2 = logits.topk(2, dim=-1).values
     assert logits.std() > 0.5
-    assert ((top2[:, 0] - top2[:, 1]) > 100 * TINY_MAX_ABS_DIFF).float().mean() > 0.9
+    assert ((top2[:, 0] - top2[:, 1]) > 10 * TINY_MAX_ABS_DIFF).float().mean() > 0.9
     assert len(set(logits.argmax(-1).tolist())) >= 5
 
 
+@pytest.mark.parametrize("tiny", [("gemma3", t) for t in TYPES], indirect=True, ids=model_id)
 def test_tiny_gemma3_slides_its_window(tiny):
-    if tiny.arch != "gemma3":
-        pytest.skip("only Gemma 3 has sliding-window layers")
-    # transformers read the window from the GGUF and alternates local and global layers as llmx does,
+    # transformers reads the window from the GGUF and alternates local and global layers as llmx does,
     # so the logit comparison above covers prompts far longer than the window.
     assert tiny.ref.config.sliding_window == SLIDING_WINDOW
     assert tiny.ref.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
