@@ -14,7 +14,7 @@ import torch
 from test_quant import QUANT_TYPES, random_blocks
 
 from llmx.errors import LlmxError
-from llmx.quant import BY_NAME, cpu_pack, reference
+from llmx.quant import BY_NAME, cpu_pack, reference, weight
 from llmx.quant.weight import QWeight, dequantize, embedding, linear, prepare_cpu
 
 RTOL = 1e-5
@@ -61,6 +61,14 @@ def test_compiled_gemv_equals_its_torch_spec(name):
 def test_compiled_kernels_are_available():
     """This machine has a C++ toolchain, so the AOTInductor packages must load (else decode is slow)."""
     assert set(cpu_pack.compiled_kernels()) == {"u4_offset", "i8", "i8_offset"}
+
+
+@pytest.mark.parametrize("kernel", ["auto", "dequant"])
+def test_many_dequant_chunks(monkeypatch, kernel):
+    monkeypatch.setattr(weight, "DEQUANT_CHUNK_BYTES", 16 * 4 * 256)  # 16 rows per chunk
+    w, w64 = quant_weight("Q5_K", n=72, k=256)
+    x = torch.randn(20, 256)
+    assert_matmul_close(linear(x, w, kernel=kernel), x, w64)
 
 
 def test_without_compiled_kernels_every_batch_is_dequantized(monkeypatch):

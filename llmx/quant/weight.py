@@ -149,6 +149,8 @@ def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
 def _chunked_matmul(x2: torch.Tensor, n: int, rows_of_w: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """x2 [M, K] @ W^T -> [M, N], where rows_of_w(r0, r1) is W[r0:r1] in float32."""
     step = _chunk_rows(x2.shape[1])
+    if step >= n:  # one chunk: no need for the transposed output
+        return x2 @ rows_of_w(0, n).t()
     # y^T, so that each chunk of W's rows writes a contiguous slice
     out_t = torch.empty(n, x2.shape[0], device=x2.device)
     x_t = x2.t()
