@@ -16,7 +16,7 @@ from test_quant import QUANT_TYPES, random_blocks
 
 from llmx.errors import LlmxError
 from llmx.quant import BY_NAME, cpu_pack, reference, weight
-from llmx.quant.weight import QWeight, dequantize, embedding, linear, prepare_cpu
+from llmx.quant.weight import QWeight, dequantize, embedding, linear, linear_many, prepare_cpu
 
 RTOL = 1e-5
 
@@ -71,6 +71,30 @@ def test_many_dequant_chunks(monkeypatch, kernel):
     w, w64 = quant_weight("Q5_K", n=72, k=256)
     x = torch.randn(20, 256)
     assert_matmul_close(linear(x, w, kernel=kernel), x, w64)
+
+
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_linear_many_joins_alike_weights(m):
+    ws = [quant_weight("Q4_1", n, 128, seed=n) for n in (64, 32, 32)]
+    x = torch.randn(m, 128)
+    separate = [linear(x, w) for w, _ in ws]
+    joint = linear_many(x, [w for w, _ in ws])
+    assert ws[0][0].joined is not None and ws[0][0].joined is ws[2][0].joined
+    storage = {w.packed.codes.untyped_storage().data_ptr() for w, _ in ws}
+    assert len(storage) == 1  # row views of one concatenation: no extra copy kept
+    for y, y_alone, (w, w64) in zip(joint, separate, ws, strict=True):
+        assert_matmul_close(y, x, w64)
+        assert_matmul_close(linear(x, w), x, w64)  # each weight still works alone
+        torch.testing.assert_close(y, y_alone, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_many_falls_back_for_unlike_weights():
+    (a, a64), (b, b64) = quant_weight("Q4_1", 32, 64), quant_weight("Q8_0", 32, 64)
+    x = torch.randn(2, 64)
+    ya, yb = linear_many(x, [a, b])
+    assert a.joined is None
+    assert_matmul_close(ya, x, a64)
+    assert_matmul_close(yb, x, b64)
 
 
 def test_without_compiled_kernels_every_batch_is_dequantized(monkeypatch):

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,20 +43,36 @@ class QWeight:
     raw:    uint8 [rows, row_bytes] raw blocks, or a float tensor of `shape` for F32/F16/BF16
     qtype:  its GGML type
     shape:  logical row-major shape; (out_features, in_features) for a matrix
-    packed: a CPU form built once at load by `prepare_cpu` (cpu_pack.PackedCodes), or None
+    packed: a device form built once at load, or None: cpu_pack.PackedCodes from `prepare_cpu`,
+            triton_ops.SPLIT (raw rows rearranged) from `triton_ops.prepare`
+    joined: set by `linear_many` when it joined this weight's packed form with its siblings'
     """
 
     raw: torch.Tensor
     qtype: QType
     shape: tuple[int, ...]
     name: str = ""
-    packed: P.PackedCodes | None = None
+    packed: object | None = None
+    joined: Joined | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         """How this weight is computed on the CPU, for the load report: "Q4_1 -> 4-bit codes, ..."."""
-        if self.packed is None:
+        if not isinstance(self.packed, P.PackedCodes):
             return f"{self.qtype.name} (dequantized per chunk)"
         return f"{self.qtype.name} -> {self.packed.describe()}"
+
+
+@dataclass(eq=False)
+class Joined:
+    """Packed weights that multiply the same x, concatenated along N so that one kernel computes them.
+
+    members: the QWeights, in order; each one's `packed` is now a row view of `packed`
+    sizes:   their output features, to split the joined result
+    """
+
+    members: tuple[QWeight, ...]
+    packed: P.PackedCodes
+    sizes: list[int]
 
 
 def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tensor:
@@ -74,13 +90,60 @@ def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tens
         y = x2 @ dequantize(w).t()
     elif w.raw.device.type == "cuda":
         y = _cuda(x2, w)
-    elif w.packed is not None and choice in ("auto", "packed"):
+    elif isinstance(w.packed, P.PackedCodes) and choice in ("auto", "packed"):
         y = _packed_matmul(x2.contiguous(), w.packed)
     elif choice == "packed":
         raise LlmxError(f"{w.name or 'weight'} ({w.qtype.name}) has no packed CPU form; see prepare_cpu")
     else:
         y = _dequant_matmul(x2, w)
     return y.reshape(*lead, n)
+
+
+def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = None) -> list[torch.Tensor]:
+    """[linear(x, w) for w in ws] (e.g. q/k/v, or gate/up), in one kernel call where possible.
+
+    CPU weights packed alike are joined on the first call (their packed forms become row views of
+    one concatenation: no extra memory), which saves a call per extra weight at every token. The
+    results are views of one [..., sum(out)] tensor.
+    """
+    joined = ws[0].joined
+    if (
+        joined is None
+        or len(joined.members) != len(ws)
+        or any(a is not b for a, b in zip(joined.members, ws, strict=False))
+    ):
+        joined = _join(ws)
+    if joined is None or (kernel or KERNEL) not in ("auto", "packed"):
+        return [linear(x, w, kernel) for w in ws]
+    k = ws[0].shape[1]
+    if x.shape[-1] != k:
+        raise LlmxError(f"{ws[0].name or 'weight'} {ws[0].shape} cannot multiply x of shape {tuple(x.shape)}")
+    y = _packed_matmul(x.reshape(-1, k).contiguous(), joined.packed)
+    return list(y.reshape(*x.shape[:-1], -1).split(joined.sizes, dim=-1))
+
+
+def _join(ws: Sequence[QWeight]) -> Joined | None:
+    """Concatenate the packed forms of `ws` along N, or None when they are not all packed alike."""
+    pks = [w.packed for w in ws]
+    if len(ws) < 2 or not all(isinstance(p, P.PackedCodes) for p in pks):
+        return None
+    first = pks[0]
+    alike = all(
+        p.codes.dtype == first.codes.dtype
+        and p.codes.shape[1:] == first.codes.shape[1:]
+        and (p.offset is None) == (first.offset is None)
+        for p in pks
+    )
+    if not alike:
+        return None
+    offsets = None if first.offset is None else torch.cat([p.offset for p in pks])
+    packed = P.PackedCodes(torch.cat([p.codes for p in pks]), torch.cat([p.scale for p in pks]), offsets)
+    joined = Joined(tuple(ws), packed, [p.codes.shape[0] for p in pks])
+    r0 = 0
+    for w, size in zip(ws, joined.sizes, strict=True):  # each weight keeps working alone, on views
+        w.packed, w.joined = packed.rows(r0, r0 + size), joined
+        r0 += size
+    return joined
 
 
 def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
