@@ -30,7 +30,7 @@ from llmx.gguf import open_gguf
 from llmx.models_on_disk import default_model_path
 from llmx.quant import reference
 from llmx.quant import torch_ops as T
-from llmx.quant.weight import QWeight, dequantize, linear, prepare_cpu
+from llmx.quant.weight import QWeight, dequantize, linear, linear_many, prepare_cpu
 from llmx.runtime.weights import host_view
 
 
@@ -110,16 +110,42 @@ def matrix_rows(weights: list[QWeight], ms: list[int], repeat: int) -> list[dict
 
 
 def forward_rows(weights: list[QWeight], head: QWeight, repeat: int, prompt: int) -> list[dict]:
-    """Time all matrices of one forward in sequence: decode (M = 1, head included) and a prompt."""
+    """Time all matrices of one forward in sequence: decode (M = 1, head included), the same with
+    each layer's q/k/v and gate/up joined by `linear_many`, and a prompt."""
+    calls = [[w] for w in [*weights, head]]
+    joined = _joined_calls(weights) + [[head]]
     rows = []
-    for label, m, mats in (("decode step", 1, [*weights, head]), (f"prompt of {prompt}", prompt, weights)):
-        xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in mats}}
+    for label, m, groups in (
+        ("decode step", 1, calls),
+        ("decode step, q/k/v + gate/up joined", 1, joined),
+        (f"prompt of {prompt}", prompt, calls[:-1]),
+    ):
+        xs = {k: torch.randn(m, k) for k in {g[0].shape[1] for g in groups}}
         ms_ = best_ms(
-            lambda mats=mats, xs=xs: [linear(xs[w.shape[1]], w) for w in mats], repeat if m == 1 else 2
+            lambda g=groups, xs=xs: [linear_many(xs[ws[0].shape[1]], ws) for ws in g], repeat if m == 1 else 2
         )
-        nbytes = sum(w.packed.nbytes if w.packed is not None else w.raw.nbytes for w in mats)
-        rows.append(dict(what=label, mats=len(mats), ms=ms_, tps=m * 1e3 / ms_, gbs=nbytes / ms_ / 1e6))
+        nbytes = sum(w.packed.nbytes if w.packed is not None else w.raw.nbytes for g in groups for w in g)
+        rows.append(dict(what=label, mats=len(groups), ms=ms_, tps=m * 1e3 / ms_, gbs=nbytes / ms_ / 1e6))
     return rows
+
+
+JOINS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # matrices of a layer that share x
+
+
+def _joined_calls(weights: list[QWeight]) -> list[list[QWeight]]:
+    """Each layer's matrices as calls: q/k/v together, gate/up together, the others alone."""
+    by_name = {w.name: w for w in weights}
+    calls, done = [], set()
+    for w in weights:
+        if w.name in done:
+            continue
+        layer, kind = w.name.removesuffix(".weight").rsplit(".", 1)
+        group = next(
+            (g for g in JOINS if kind in g and all(f"{layer}.{k}.weight" in by_name for k in g)), (kind,)
+        )
+        calls.append([by_name[f"{layer}.{k}.weight"] for k in group])
+        done.update(x.name for x in calls[-1])
+    return calls
 
 
 def load(path: str) -> tuple[list[QWeight], QWeight, int]:
@@ -165,7 +191,7 @@ MATRIX_COLUMNS = [
 ]
 FORWARD_COLUMNS = [
     Column("matmuls of", lambda r: r["what"], right=False),
-    Column("matrices", lambda r: str(r["mats"])),
+    Column("kernel calls", lambda r: str(r["mats"])),
     Column("ms", lambda r: f"{r['ms']:.2f}"),
     Column("tokens/s", lambda r: f"{r['tps']:.0f}"),
     Column("weight GB/s", lambda r: f"{r['gbs']:.1f}"),
