@@ -12,7 +12,8 @@ the best-of-R time of each way to compute x @ W^T on the CPU:
 
 "err" is max |y - y_ref| / max |y_ref| against float64 dequantize + matmul. Then the whole forward's
 matrices (every layer's, plus the output head) are timed in sequence at M = 1, a decode step's
-matmul time, and the layers' at M = 512, a prompt's. Weights stream from RAM as in real decoding.
+matmul time (one call per matrix, then with each layer's q/k/v and gate/up joined by `linear_many`),
+and the layers' at M = 512, a prompt's. Weights stream from RAM as in real decoding.
 
     python bench/cpu_matmul.py [--model PATH] [--threads 2] [--m 1,512] [--repeat 20]
 """
