@@ -220,32 +220,37 @@ def _read(path: str) -> str:
 
 
 def _load_or_build() -> dict[str, Runner]:
+    """The packages of every variant, built first if missing; {} (with a warning) when that fails,
+    in which case every batch takes the dequantize path."""
     folder = _cache_dir()
     missing = [v for v in _VARIANTS if not (folder / f"{v}.pt2").exists()]
-    if missing:
-        print(
-            f"llmx: building CPU kernels {', '.join(missing)} once (about a minute) in {folder}",
-            file=sys.stderr,
-        )
-        folder.mkdir(parents=True, exist_ok=True)
-        # one subprocess per kernel, in parallel; the compiler never enters this process
-        build = [sys.executable, "-m", "llmx.quant.cpu_pack", str(folder)]
-        procs = [
-            subprocess.Popen([*build, v], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for v in missing
-        ]
-        errors = [p.communicate()[1] for p in procs if p.wait() != 0]
-        if errors:
-            last = (errors[0].decode(errors="replace").strip().splitlines() or ["?"])[-1]
-            warnings.warn(
-                f"llmx: CPU kernels could not be built ({last}); running them eagerly", stacklevel=3
-            )
-            return {}
-    if not _verified(folder):
-        warnings.warn(
-            "llmx: the compiled CPU kernels do not run with this torch; running them eagerly", stacklevel=3
-        )
+    problem = _build_all(folder, missing) if missing else None
+    if problem is None and not _verified(folder):
+        problem = "they do not run with this torch"
+    if problem is not None:
+        warnings.warn(f"llmx: no compiled CPU kernels ({problem}); decoding will be slower", stacklevel=3)
         return {}
     return {v: _runner(folder, v) for v in _VARIANTS}
+
+
+def _build_all(folder: Path, variants: list[str]) -> str | None:
+    """Build `variants` into `folder`, one subprocess each, in parallel (the compiler never enters
+    this process); the reason it failed, or None."""
+    print(
+        f"llmx: building CPU kernels {', '.join(variants)} once (about a minute) in {folder}", file=sys.stderr
+    )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create {folder}: {e.strerror}; set LLMX_CACHE_DIR"
+    build = [sys.executable, "-m", "llmx.quant.cpu_pack", str(folder)]
+    procs = [
+        subprocess.Popen([*build, v], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for v in variants
+    ]
+    errors = [p.communicate()[1] for p in procs if p.wait() != 0]
+    if errors:
+        return (errors[0].decode(errors="replace").strip().splitlines() or ["the build failed"])[-1]
+    return None
 
 
 def _runner(folder: Path, variant: str) -> Runner:
