@@ -233,7 +233,9 @@ _SCRATCH = threading.local()  # a reused float32 buffer per thread: fresh large 
 def _scratch(numel: int) -> torch.Tensor:
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH.buf = torch.empty(numel)
+        # a normal tensor even when first needed under inference_mode: it is reused outside it too
+        with torch.inference_mode(False):
+            buf = _SCRATCH.buf = torch.empty(numel)
     return buf
 
 
