@@ -56,9 +56,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight.to(x.device), eps)
 
 
+def linear_many(x: torch.Tensor, ws: list[QWeight | RowSplit]) -> list[torch.Tensor]:
+    """[linear(x, w) for w in ws] for weights sharing an input (q/k/v, gate/up): one joined kernel
+    call where they live together on x's device, separate calls otherwise."""
+    if all(isinstance(w, QWeight) and w.raw.device == x.device for w in ws):
+        return qw.linear_many(x, ws)
+    return [linear(x, w) for w in ws]
+
+
 def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor:
     """The gated FFN of Llama-family models: down(silu(gate(x)) * up(x))."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    g, u = linear_many(x, [gate, up])
+    return linear(F.silu(g) * u, down)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

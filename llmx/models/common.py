@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Self
 import torch
 
 from llmx.errors import LlmxError
-from llmx.ops import Rope, attention, causal_mask, embedding, linear, rms_norm
+from llmx.ops import Rope, attention, causal_mask, embedding, linear, linear_many, rms_norm
 
 
 class TensorGroup:
@@ -169,14 +169,12 @@ class Model:
     def qkv(self, w: TensorGroup, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projections with optional biases, as [T, heads, D]."""
         c, t = self.config, h.shape[0]
-        q, k, v = (self._proj(w, name, h) for name in ("attn_q", "attn_k", "attn_v"))
+        names = ("attn_q", "attn_k", "attn_v")
+        q, k, v = (
+            y if (b := w.optional(f"{n}_bias")) is None else y + b.to(y.device)
+            for n, y in zip(names, linear_many(h, [getattr(w, n) for n in names]), strict=True)
+        )
         return q.view(t, c.n_head, c.head_dim), k.view(t, c.n_head_kv, c.head_dim), v.view(t, c.n_head_kv, -1)
-
-    @staticmethod
-    def _proj(w: TensorGroup, name: str, h: torch.Tensor) -> torch.Tensor:
-        y = linear(h, getattr(w, name))
-        bias = w.optional(f"{name}_bias")
-        return y if bias is None else y + bias.to(y.device)
 
     def self_attention(
         self,
