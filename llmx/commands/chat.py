@@ -9,7 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmx.commands.common import add_model_argument, add_sampling_arguments, print_timings, sampling_from_args
+from llmx.commands.common import (
+    add_model_argument,
+    add_sampling_arguments,
+    print_load_report,
+    print_timings,
+    sampling_from_args,
+)
 from llmx.plan.options import add_options, options_from_args
 
 
@@ -26,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from llmx.text.tokenizer import StreamDecoder
 
     model = load_with_options(args.model, options_from_args(args), progress=load_progress())
+    print_load_report(model)
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     context: list[int] = []  # ids currently in the KV cache
     interactive = sys.stdin.isatty()

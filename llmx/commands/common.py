@@ -74,3 +74,32 @@ def print_timings(load_seconds: float, t: Timings, file=sys.stderr) -> None:
     print(f"\nllmx: {'load time':>16} = {load_seconds * 1000:10.2f} ms", file=file)
     print(line("prompt eval time", t.prompt_seconds, t.prompt_tokens), file=file)
     print(line("eval time", t.gen_seconds, t.gen_tokens), file=file)
+
+
+def print_load_report(model, file=sys.stderr) -> None:
+    """Where the weights went and how fast they got there: bytes and seconds per device, GB/s of GPU
+    uploads beside the pinned host-to-device ceiling when `llmx bench --ceilings` has measured it,
+    how CPU weights were prepared, and llama.cpp's `offloaded N/M layers to GPU` line."""
+    from llmx.bench.ceilings import device_key, load_cache
+
+    report, cached = model.report, load_cache()
+    for device, nbytes in report.bytes_per_device.items():
+        seconds = report.upload_seconds.get(device, 0.0)
+        if device == "cpu":
+            how = "read into memory" if model.options.no_mmap else "mapped, zero-copy"
+            print(f"llmx: load {device:8s} {nbytes / 2**30:7.3f} GiB {how}", file=file)
+            continue
+        rate = nbytes / seconds / 1e9 if seconds else 0.0
+        ceiling = cached.get(device_key(device))
+        vs = (
+            f" ({rate / ceiling.h2d_pinned_gbs:.0%} of pinned H2D)"
+            if ceiling and ceiling.h2d_pinned_gbs
+            else ""
+        )
+        print(
+            f"llmx: load {device:8s} {nbytes / 2**30:7.3f} GiB in {seconds:.2f} s = {rate:.1f} GB/s{vs}",
+            file=file,
+        )
+    for fmt, count in sorted(report.cpu_formats.items()):
+        print(f"llmx: cpu weights {count:4d} x {fmt}", file=file)
+    print(f"llmx: {model.plan.offloaded_line}", file=file)

@@ -8,6 +8,7 @@ import sys
 from llmx.commands.common import (
     add_model_argument,
     add_sampling_arguments,
+    print_load_report,
     print_timings,
     read_prompt,
     sampling_from_args,
@@ -34,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from llmx.commands.progress import load_progress
 
     model = load_with_options(args.model, options_from_args(args), progress=load_progress())
+    print_load_report(model)
     text = read_prompt(args)
     prompt = (
         model.chat_prompt([{"role": "user", "content": text}]) if args.conversation else model.encode(text)
