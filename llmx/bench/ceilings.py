@@ -16,7 +16,6 @@ its thread count since RAM bandwidth grows with threads. `llmx bench --ceilings`
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from llmx.cache_dir import cache_dir
 from llmx.errors import LlmxError
 
 CACHE_VERSION = 1
@@ -48,8 +48,7 @@ class Ceiling:
 
 
 def cache_path() -> Path:
-    root = os.environ.get("LLMX_CACHE_DIR") or Path.home() / ".cache" / "llmx"
-    return Path(root) / "ceilings.json"
+    return cache_dir() / "ceilings.json"
 
 
 def cpu_name() -> str:

@@ -86,9 +86,9 @@ _SIZE_ONLY = [
     ("IQ4_KS_R4", 344, 256, 136, "iq", 4),
 ]
 
-QTYPES: dict[int, QType] = {
-    row[1]: QType(*row) for row in _TABLE
-} | {row[1]: QType(*row[:5], False, *row[5:]) for row in _SIZE_ONLY}
+QTYPES: dict[int, QType] = {row[1]: QType(*row) for row in _TABLE} | {
+    row[1]: QType(*row[:5], False, *row[5:]) for row in _SIZE_ONLY
+}
 BY_NAME: dict[str, QType] = {q.name: q for q in QTYPES.values()}
 
 F32, F16, BF16 = BY_NAME["F32"], BY_NAME["F16"], BY_NAME["BF16"]

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from llmx.cache_dir import cache_dir
 from llmx.quant import QType
 from llmx.quant import torch_ops as T
 
@@ -208,7 +209,7 @@ def _cache_dir() -> Path:
     tag = hashlib.sha256(
         (inspect.getsource(gemv_torch) + inspect.getsource(_build) + flags).encode()
     ).hexdigest()
-    root = Path(os.environ.get("LLMX_CACHE_DIR", Path.home() / ".cache" / "llmx"))
+    root = cache_dir()
     return root / f"cpu-gemv-torch{torch.__version__}-{cpu}-{tag[:12]}"
 
 

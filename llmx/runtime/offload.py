@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmx.bench.ceilings import cache_path
+from llmx.cache_dir import cache_dir
 from llmx.models.common import TensorGroup
 from llmx.quant.weight import QWeight, linear
 
@@ -70,7 +70,7 @@ def offload_threshold(layer: TensorGroup, device: torch.device) -> int:
     MEASURE_TOKENS rows, against the time to copy the layer's bytes from pinned memory.
     """
     key = f"offload|{torch.cuda.get_device_name(device)}|{torch.get_num_threads()} threads"
-    path = cache_path().with_name("offload.json")
+    path = cache_dir() / "offload.json"
     cached = json.loads(path.read_text()) if path.exists() else {}
     if key in cached:
         return int(cached[key])
