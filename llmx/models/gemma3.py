@@ -20,7 +20,7 @@ from typing import Any, Self
 import torch
 
 from llmx.models.common import Config, Model, Step, TensorGroup
-from llmx.ops import gelu_tanh, linear, rms_norm
+from llmx.ops import gelu_tanh, linear, linear_many, rms_norm
 
 LOCAL_ROPE_BASE = 10000.0
 GEMMA3_27B_LAYERS = 62
@@ -72,7 +72,8 @@ class Gemma3(Model):
         attn = self.self_attention(w, h, step, cache_kv, rope=rope, window=window, scale=c.query_scale)
         x = x + rms_norm(linear(attn, w.attn_output), w.post_attention_norm, eps)
         h = rms_norm(x, w.ffn_norm, eps)
-        ffn = linear(gelu_tanh(linear(h, w.ffn_gate)) * linear(h, w.ffn_up), w.ffn_down)
+        gate, up = linear_many(h, [w.ffn_gate, w.ffn_up])
+        ffn = linear(gelu_tanh(gate) * up, w.ffn_down)
         return x + rms_norm(ffn, w.post_ffw_norm, eps)
 
 
