@@ -20,8 +20,10 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
 def assert_one_clear_line(rc: int, err: str, *needles: str) -> None:
     assert rc != 0
     assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
+    # A load report (lines starting "llmx:") may come first; the failure itself is one last line.
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("llmx: ")]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert err.rstrip().endswith(lines[0])
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
 

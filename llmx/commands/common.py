@@ -60,8 +60,9 @@ def read_prompt(args: argparse.Namespace) -> str:
     return args.prompt
 
 
-def print_timings(load_seconds: float, t: Timings, file=sys.stderr) -> None:
-    """The end-of-run summary in llama.cpp's shape."""
+def print_timings(load_seconds: float, t: Timings, file=None) -> None:
+    """The end-of-run summary in llama.cpp's shape (on stderr unless `file` is given)."""
+    file = file or sys.stderr
 
     def line(label: str, seconds: float, n: int) -> str:
         per = seconds * 1000 / n if n else 0.0
@@ -76,12 +77,13 @@ def print_timings(load_seconds: float, t: Timings, file=sys.stderr) -> None:
     print(line("eval time", t.gen_seconds, t.gen_tokens), file=file)
 
 
-def print_load_report(model, file=sys.stderr) -> None:
+def print_load_report(model, file=None) -> None:
     """Where the weights went and how fast they got there: bytes and seconds per device, GB/s of GPU
     uploads beside the pinned host-to-device ceiling when `llmx bench --ceilings` has measured it,
     how CPU weights were prepared, and llama.cpp's `offloaded N/M layers to GPU` line."""
     from llmx.bench.ceilings import device_key, load_cache
 
+    file = file or sys.stderr
     report, cached = model.report, load_cache()
     for device, nbytes in report.bytes_per_device.items():
         seconds = report.upload_seconds.get(device, 0.0)

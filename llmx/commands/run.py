@@ -34,9 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from llmx.api import load_with_options
     from llmx.commands.progress import load_progress
 
+    text = read_prompt(args)  # a bad prompt file fails before the model loads
     model = load_with_options(args.model, options_from_args(args), progress=load_progress())
     print_load_report(model)
-    text = read_prompt(args)
     prompt = (
         model.chat_prompt([{"role": "user", "content": text}]) if args.conversation else model.encode(text)
     )
