@@ -8,7 +8,7 @@ of each block; weights never move.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +92,7 @@ class Engine:
         prompt: Sequence[int],
         max_tokens: int,
         sample: Callable[[torch.Tensor, Sequence[int]], int],
-        stop_ids: set[int] = frozenset(),
+        stop_ids: Collection[int] = frozenset(),
     ) -> Iterator[int]:
         """Yield up to `max_tokens` new ids after `prompt` (appended to the current context).
 
