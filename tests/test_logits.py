@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from references import greedy, prefill_and_decode, top_logits_vs_reference, until_stop
 
 import llmx
 
@@ -33,10 +34,6 @@ def ref():
     return np.load(REF)
 
 
-def greedy(logits: torch.Tensor, history) -> int:
-    return int(logits.argmax())
-
-
 def test_reference_provenance(ref, smollm2_path):
     prov = json.loads(str(ref["provenance"]))
     assert prov["model"] == smollm2_path.name and prov["dtype"] == "float32"
@@ -44,33 +41,22 @@ def test_reference_provenance(ref, smollm2_path):
 
 @pytest.mark.parametrize("i", range(4))
 def test_logits_match_transformers(model, ref, i):
-    ids = ref[f"ids_{i}"].tolist()
-    assert len(ids) >= 64
-    model.engine.reset()
-    logits = model.engine.prefill(ids, all_logits=True)  # [T, vocab], in ubatch chunks of 32
-    top_ids = torch.from_numpy(ref[f"top_ids_{i}"]).long()
-    top_values = torch.from_numpy(ref[f"top_values_{i}"])
-    diff = (logits.gather(1, top_ids) - top_values).abs().max().item()
+    assert len(ref[f"ids_{i}"]) >= 64
+    diff, argmax_equal = top_logits_vs_reference(model, ref, i)  # prefill in ubatch chunks of 32
     assert diff < MAX_ABS_DIFF, f"max |logit difference| {diff:.4f}"
-    assert torch.equal(logits.argmax(-1), top_ids[:, 0]), "argmax differs from the reference"
+    assert argmax_equal, "argmax differs from the reference"
 
 
 @pytest.mark.parametrize("i", range(4))
 def test_greedy_continuation_matches_transformers(model, ref, i):
-    expected = ref[f"greedy_{i}"].tolist()
+    stop = model.tokenizer.stop_ids
     model.engine.reset()
-    # transformers stops at EOS; so does llmx (a stop id is not yielded), so compare the shared length.
-    out = list(model.engine.generate(ref[f"ids_{i}"].tolist(), 32, greedy, stop_ids=model.tokenizer.stop_ids))
-    assert out == [t for t in expected if t not in model.tokenizer.stop_ids][: len(out)]
-    assert len(out) == len([t for t in expected if t not in model.tokenizer.stop_ids])
+    out = list(model.engine.generate(ref[f"ids_{i}"].tolist(), 32, greedy, stop_ids=stop))
+    assert out == until_stop(ref[f"greedy_{i}"].tolist(), stop)
 
 
 def test_prefill_equals_token_by_token_decode(model, ref):
-    ids = ref["ids_0"].tolist()[:40]
-    model.engine.reset()
-    batched = model.engine.prefill(ids, all_logits=True)
-    model.engine.reset()
-    stepwise = torch.stack([model.engine.forward([t])[-1] for t in ids])
+    batched, stepwise = prefill_and_decode(model, ref["ids_0"].tolist()[:40])
     # One row takes the fused GEMV, many rows dequantize + matmul: the same exact weights summed in a
     # different float32 order, which 30 layers amplify to ~1e-2 on logits of magnitude ~20.
     assert (batched - stepwise).abs().max().item() < MAX_ABS_DIFF

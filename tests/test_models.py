@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from references import greedy, prefill_and_decode, top_logits_vs_reference, until_stop
 from tiny_models import SLIDING_WINDOW, TINY_SHAPES, TYPES, random_prompt, write_tiny
 from transformers import AutoModelForCausalLM
 
@@ -40,16 +40,9 @@ from llmx.models.gemma3 import Gemma3Config
 OPTIONS = dict(cache_type_k="f32", cache_type_v="f32", threads=1)
 
 
-def greedy(logits: torch.Tensor, history: Sequence[int]) -> int:
-    return int(logits.argmax())
-
-
 def prefill_vs_decode(model: LoadedModel, ids: list[int]) -> float:
     """Max |difference| between the logits of one batched prefill and of feeding `ids` one by one."""
-    model.engine.reset()
-    batched = model.engine.prefill(ids, all_logits=True)
-    model.engine.reset()
-    stepwise = torch.stack([model.engine.decode(t) for t in ids])
+    batched, stepwise = prefill_and_decode(model, ids)
     return (batched - stepwise).abs().max().item()
 
 
@@ -81,20 +74,16 @@ def test_gemma3_reference_provenance(gemma_ref, gemma3_path):
 def test_gemma3_logits_match_transformers(gemma, gemma_ref, i):
     ids = gemma_ref[f"ids_{i}"].tolist()
     assert len(ids) >= 64 and ids[0] == gemma.tokenizer.bos_id
-    gemma.engine.reset()
-    logits = gemma.engine.prefill(ids, all_logits=True)  # in ubatch chunks of 64
-    top_ids = torch.from_numpy(gemma_ref[f"top_ids_{i}"]).long()
-    diff = (logits.gather(1, top_ids) - torch.from_numpy(gemma_ref[f"top_values_{i}"])).abs().max().item()
+    diff, argmax_equal = top_logits_vs_reference(gemma, gemma_ref, i)  # prefill in ubatch chunks of 64
     assert diff < GEMMA_MAX_ABS_DIFF, f"max |logit difference| {diff:.2e}"
-    assert torch.equal(logits.argmax(-1), top_ids[:, 0]), "argmax differs from the reference"
+    assert argmax_equal, "argmax differs from the reference"
 
 
 @pytest.mark.parametrize("i", range(4))
 def test_gemma3_greedy_continuation_matches_transformers(gemma, gemma_ref, i):
     stop = gemma.tokenizer.stop_ids
     # transformers stops after EOS, llmx at it (a stop id is not yielded): compare up to the stop.
-    expected = gemma_ref[f"greedy_{i}"].tolist()
-    expected = expected[: next((k for k, t in enumerate(expected) if t in stop), len(expected))]
+    expected = until_stop(gemma_ref[f"greedy_{i}"].tolist(), stop)
     gemma.engine.reset()
     assert list(gemma.engine.generate(gemma_ref[f"ids_{i}"].tolist(), 32, greedy, stop_ids=stop)) == expected
 

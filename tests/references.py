@@ -1,0 +1,40 @@
+"""Comparisons against transformers' outputs shared by the model tests: top-k logits of a committed
+reference, greedy continuations up to the stop token, and batched prefill against token-by-token decode."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import numpy as np
+import torch
+
+from llmx.api import LoadedModel
+
+
+def greedy(logits: torch.Tensor, history: Sequence[int]) -> int:
+    return int(logits.argmax())
+
+
+def top_logits_vs_reference(model: LoadedModel, ref: np.lib.npyio.NpzFile, i: int) -> tuple[float, bool]:
+    """Prefill prompt `i` of a `scripts/make_logits_reference.py` file: the max |ours - reference| over the
+    reference's top-k ids at every position, and whether the argmax agrees at every position."""
+    model.engine.reset()
+    logits = model.engine.prefill(ref[f"ids_{i}"].tolist(), all_logits=True)  # [T, vocab]
+    top_ids = torch.from_numpy(ref[f"top_ids_{i}"]).long()
+    diff = (logits.gather(1, top_ids) - torch.from_numpy(ref[f"top_values_{i}"])).abs().max().item()
+    return diff, torch.equal(logits.argmax(-1), top_ids[:, 0])
+
+
+def until_stop(expected: Sequence[int], stop: Collection[int]) -> list[int]:
+    """transformers' greedy ids up to (not including) the first stop id: llmx stops at it, unyielded."""
+    ids = list(expected)
+    return ids[: next((k for k, t in enumerate(ids) if t in stop), len(ids))]
+
+
+def prefill_and_decode(model: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [T, vocab] of one batched prefill of `ids`, and of feeding them one token at a time."""
+    model.engine.reset()
+    batched = model.engine.prefill(ids, all_logits=True)
+    model.engine.reset()
+    stepwise = torch.stack([model.engine.decode(t) for t in ids])
+    return batched, stepwise
