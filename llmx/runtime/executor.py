@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from llmx.models.common import Model, Step
+from llmx.ops import RowSplit
+from llmx.quant.weight import QWeight
 from llmx.runtime.cache import KVCache
 from llmx.runtime.offload import WeightStreamer, offload_threshold
 
@@ -41,6 +43,13 @@ def segments(layer_devices: list[torch.device], head_device: torch.device) -> li
     else:
         out.append(Segment(head_device, range(0), True))
     return out
+
+
+def _devices(value: QWeight | RowSplit | torch.Tensor) -> set[torch.device]:
+    """Every device a layer's tensor lives on (a row-split matrix spans several GPUs)."""
+    if isinstance(value, RowSplit):
+        return {p.raw.device for p in value.parts}
+    return {value.raw.device if isinstance(value, QWeight) else value.device}
 
 
 @dataclass
@@ -80,10 +89,8 @@ class Executor:
         for i in seg.layers:
             if self.cache.k[i].device != seg.device:
                 return False
-            for _, value in self.model.layers[i].items():
-                where = value.raw.device if hasattr(value, "raw") else getattr(value, "device", seg.device)
-                if where != seg.device:
-                    return False
+            if any(_devices(value) != {seg.device} for _, value in self.model.layers[i].items()):
+                return False
         return True
 
     @property
