@@ -82,6 +82,8 @@ def run(types: list[str], ms: list[int], ceil: dict[str, float]) -> Iterator[dic
             kernels = (
                 ("gemm", "dequant") if m > tops.GEMV_MAX_M else ("gemv", "gemm") if m in (2, 8) else ("gemv",)
             )
+            if tops.kernel_for(w, m) == "dot8":  # its time includes quantizing x
+                kernels = ("dot8", *kernels)
             for kern in kernels:
                 yield measure(w, m, kern, ceil, layout=layout)
             if m >= 512:
@@ -92,15 +94,26 @@ def run(types: list[str], ms: list[int], ceil: dict[str, float]) -> Iterator[dic
 
 
 def sweep(types: list[str]) -> list[dict]:
-    """GEMV time at M = 1 for a grid of launch shapes, on prepared weights."""
+    """Time at M = 1 of the kernel `linear` picks (dot8 or gemv) for a grid of launch shapes, on
+    prepared weights."""
     rows = []
-    grid = [tops.GemvConfig(*c) for c in itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4))]
     for name, (n, k) in itertools.product(types, SHAPES):
         w = tops.prepare(make_weight(name, n, k))
+        kernel = tops.kernel_for(w, 1)
+        steps = (256, 512, 1024, 2048) if kernel == "dot8" else (256, 512, 1024)
+        grid = [tops.GemvConfig(*c) for c in itertools.product((2, 4, 8, 16), steps, (2, 4, 8))]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         for cfg in grid:
-            t = bench_ms(partial(tops.linear, x, w, gemv=cfg))
-            row = {"type": name, "n": n, "k": k, "m": 1, "ms": t, "gbs": w.raw.numel() / t / 1e6}
+            t = bench_ms(partial(tops.linear, x, w, kernel=kernel, gemv=cfg))
+            row = {
+                "type": name,
+                "n": n,
+                "k": k,
+                "m": 1,
+                "kernel": kernel,
+                "ms": t,
+                "gbs": w.raw.numel() / t / 1e6,
+            }
             rows.append(row | cfg.__dict__)
     return rows
 
@@ -122,15 +135,17 @@ def table_row(r: dict) -> str:
 def sweep_table(rows: list[dict]) -> str:
     """The best and the median launch shape per (type, shape, M)."""
     out = [
-        "| type | N x K | M | best BN/BK/warps | best GB/s | median GB/s |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| type | N x K | M | kernel | best BN/BK/warps | best GB/s | median GB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for key, group in itertools.groupby(rows, lambda r: (r["type"], r["n"], r["k"], r["m"])):
+    for key, group in itertools.groupby(rows, lambda r: (r["type"], r["n"], r["k"], r["m"], r["kernel"])):
         group = list(group)
         best = max(group, key=lambda r: r["gbs"])
         med = statistics.median(r["gbs"] for r in group)
         cfg = f"{best['bn']}/{best['bk']}/{best['num_warps']}"
-        out.append(f"| {key[0]} | {key[1]}x{key[2]} | {key[3]} | {cfg} | {best['gbs']:.0f} | {med:.0f} |")
+        out.append(
+            f"| {key[0]} | {key[1]}x{key[2]} | {key[3]} | {key[4]} | {cfg} | {best['gbs']:.0f} | {med:.0f} |"
+        )
     return "\n".join(out)
 
 

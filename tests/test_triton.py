@@ -9,6 +9,9 @@ Tolerances, as ||out - ref|| / ||ref|| against float64 on the same dequantized w
 - GEMV, float32 x: 1e-5 (float32 sums over K);
 - fp16 output or fp16 GEMM operands: 2e-3; tf32 GEMM (float32 x on a GPU): 3e-3;
 - bf16 (GPU only: the interpreter cannot load bf16): 1.5e-2 (8-bit mantissa on weights and output).
+The integer-dot GEMV ("dot8") quantizes x to int8 per 32 values first: it is held to the same
+tolerances against x quantized by `quantized_x_ref` (numpy, written from llama.cpp's q8_1
+definition), and to DOT8_FLOAT_TOL against the float x.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ TYPES = list(tops.GROUP)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 GEMM_TOL = {torch.float32: 3e-3, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+DOT8_FLOAT_TOL = 2e-2  # int8 x (random normal x: about 0.8% measured)
+DOT8_TYPES = list(tops.DOT8_UNIT)
 
 
 class Weight:
@@ -89,6 +94,18 @@ def rel_err(out: torch.Tensor, ref: np.ndarray) -> float:
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
+def quantized_x_ref(x: np.ndarray) -> np.ndarray:
+    """x [M, K] float32 as the integer-dot GEMV sees it: per 32 values, d = max|x| / 127 and codes
+    round(x * 127 / max|x|) (halves away from zero), back in float64 as d * code."""
+    g = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(g).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0))
+    v = g * inv
+    codes = np.trunc(v + np.where(v >= 0, np.float32(0.5), np.float32(-0.5)))
+    return (codes.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
 def check_linear(
     w: Weight, ref_w: np.ndarray, m: int, dtype: torch.dtype, seed: int, kernel: str | None = None
 ) -> None:
@@ -96,9 +113,13 @@ def check_linear(
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
     out = tops.linear(x.to(DEVICE), w, kernel=kernel)
     assert out.shape == (m, n) and out.dtype == dtype
-    fp32_path = (kernel or tops.pick_kernel(w.qtype.name, m)) == "gemv"
-    tol = TOL[dtype] if fp32_path else GEMM_TOL[dtype]
-    assert rel_err(out, x.double().numpy() @ ref_w.T) < tol
+    chosen = tops.kernel_for(w, m, kernel)
+    tol = TOL[dtype] if chosen in ("gemv", "dot8") else GEMM_TOL[dtype]
+    exact = x.double().numpy()
+    if chosen == "dot8":
+        assert rel_err(out, exact @ ref_w.T) < DOT8_FLOAT_TOL
+        exact = quantized_x_ref(x.float().numpy())
+    assert rel_err(out, exact @ ref_w.T) < tol
 
 
 # --- small shapes: the CPU interpreter, or the GPU when there is one -------------------------------
@@ -142,10 +163,44 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
     check_linear(laid_out(w, name, layout), ref, 17, dtype, seed=30, kernel="gemm")
 
 
+@pytest.mark.parametrize("name", DOT8_TYPES)
+@pytest.mark.parametrize("m", [1, 3])
+def test_dot8(name: str, m: int) -> None:
+    # 4 super-blocks (16 blocks for Q8_0) with BK of 2 leave a partial step; N = 9 a partial program.
+    w, ref = random_weight(name, 9, 1024 if name != "Q8_0" else 512, seed=60 + m)
+    w = w if name == "Q4_K" else laid_out(w, name, "prepared")
+    assert tops.kernel_for(w, m) == "dot8"
+    check_linear(w, ref, m, torch.float32, seed=m, kernel="dot8")
+
+
+def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:
+    w4, ref4 = random_weight("Q4_K", 5, 512, seed=70)
+    w6, ref6 = random_weight("Q6_K", 7, 512, seed=71)
+    w8, ref8 = random_weight("Q8_0", 3, 96, seed=72)  # 3 blocks: 102-byte rows, not word-aligned
+    w6, w8 = laid_out(w6, "Q6_K", "prepared"), laid_out(w8, "Q8_0", "prepared")
+    assert [tops.kernel_for(w, 1) for w in (w4, w6, w8)] == ["dot8", "dot8", "gemv"]
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(73))
+    outs = tops.linear_many(x.to(DEVICE), [w4, w6])
+    xq = quantized_x_ref(x.numpy())
+    assert rel_err(outs[0], xq @ ref4.T) < TOL[torch.float32]
+    assert rel_err(outs[1], xq @ ref6.T) < TOL[torch.float32]
+    check_linear(w8, ref8, 1, torch.float32, seed=74)
+
+
+def test_quantize_x_matches_the_reference() -> None:
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(75))
+    x[1, 32:64] = 0  # an all-zero group: scale 0, codes 0
+    qx = tops.quantize_x(x.to(DEVICE))
+    q, dx = qx.q.cpu().double(), qx.dx.cpu().double()
+    assert np.array_equal((q.view(3, 3, 32) * dx[:, :, None]).view(3, 96).numpy(), quantized_x_ref(x.numpy()))
+    assert torch.equal(qx.sums.cpu(), qx.q.cpu().view(3, 6, 16).int().sum(-1))
+
+
 def test_kernel_choice() -> None:
-    assert [tops.pick_kernel("Q4_K", m) for m in (1, 4, 5, 15, 16)] == ["gemv"] * 2 + ["gemm"] * 2 + [
+    assert [tops.pick_kernel("Q4_K", m) for m in (1, 4, 5, 15, 16)] == ["dot8"] * 2 + ["gemm"] * 2 + [
         "dequant"
     ]
+    assert [tops.pick_kernel("Q4_1", m) for m in (1, 4, 5)] == ["gemv"] * 2 + ["gemm"]
     assert [tops.pick_kernel("IQ4_XS", m) for m in (8, 9)] == ["gemv", "dequant"]
 
 

@@ -5,8 +5,10 @@ blocks in registers. triton is imported on first use, so importing this module c
 CPU-only installs. Under TRITON_INTERPRET=1 the same code runs on CPU tensors (the tests do that).
 
 Which kernel runs (`pick_kernel`, by type and M = rows of x; measured on an H200, bench/RESULTS.md):
-- M <= 4 (IQ4 types: 8): "gemv", fp32 FMAs on the unpacked codes, one program per few weight
-  rows; its time grows with M, since every input row costs an FMA per weight.
+- M <= 4, Q4_K/Q6_K/Q8_0: "dot8", x quantized to int8 per 32 values, then int8 dot products
+  (dp4a) on the weight codes read as 32-bit words (`llmx.quant.triton.dot8`, llama.cpp's mmvq);
+- M <= 4 (IQ4 types: 8), other types: "gemv", fp32 FMAs on the unpacked codes, one program per
+  few weight rows; its time grows with M, since every input row costs an FMA per weight.
 - M < DEQUANT_MATMUL_MIN_M: "gemm", tiles dequantized in registers and multiplied with tl.dot on
   the tensor cores, autotuned per (type, M bucket, N, K); its time is flat in M up to its tile.
   Not for IQ4 types, whose per-code table lookups make it slower than the next path.
@@ -51,8 +53,10 @@ SPLIT_FIELDS = {
     "Q8_0": (34, 1, True), "IQ4_NL": (18, 1, True),
     "Q2_K": (84, 2, False), "Q3_K": (110, 1, False), "Q6_K": (210, 1, False),
 }  # fmt: skip
-KERNELS = ("gemv", "gemm", "dequant")
+KERNELS = ("dot8", "gemv", "gemm", "dequant")
 GEMV_MAX_M = 8  # the GEMV kernel's limit (a static loop over input rows)
+DOT8_UNIT = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # integer-dot GEMV types: weights a block
+DOT8_MAX_M = 4
 DEQUANT_MATMUL_MIN_M = 16
 
 
@@ -68,8 +72,19 @@ SPLIT = SplitFields()
 
 
 @dataclass(frozen=True)
+class QuantizedX:
+    """x [M, K] as the integer-dot GEMV reads it: int8 codes, a float32 scale per 32 values, and
+    the code sums per 16; made once and shared by the weights that multiply the same x."""
+
+    q: torch.Tensor  # int8 [M, K]
+    dx: torch.Tensor  # float32 [M, K/32]
+    sums: torch.Tensor  # int32 [M, K/16]
+    dtype: torch.dtype  # x's, and so the output's
+
+
+@dataclass(frozen=True)
 class GemvConfig:
-    """Launch shape of the GEMV kernel: BN weight rows per program, BK weights per loop step."""
+    """Launch shape of the GEMV kernels: BN weight rows per program, BK weights per loop step."""
 
     bn: int
     bk: int
@@ -80,12 +95,17 @@ class GemvConfig:
 
 
 def linear(
-    x: torch.Tensor, w: QWeight, kernel: str | None = None, gemv: GemvConfig | None = None
+    x: torch.Tensor,
+    w: QWeight,
+    kernel: str | None = None,
+    gemv: GemvConfig | None = None,
+    qx: QuantizedX | None = None,
 ) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) @ W.T for W [N, K] -> [..., N] in x's dtype.
 
-    The kernel is chosen by M (the product of x's leading dims), see the module docstring;
-    `kernel` (one of KERNELS) forces one and `gemv` the GEMV launch shape, for benchmarks.
+    The kernel is chosen by type and M (the product of x's leading dims), see the module docstring;
+    `kernel` (one of KERNELS) forces one and `gemv` the GEMV launch shape, for benchmarks. `qx` is
+    x already quantized by `quantize_x` (see `linear_many`).
     """
     n, k = w.shape
     if x.shape[-1] != k:
@@ -96,7 +116,7 @@ def linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    choice = kernel or pick_kernel(w.qtype.name, m)
+    choice = kernel_for(w, m, kernel)
     if choice == "dequant":
         return torch.nn.functional.linear(x, dequantize(w, x.dtype))
     if choice == "gemv" and m > GEMV_MAX_M:
@@ -105,7 +125,16 @@ def linear(
     raw, name, packed = _raw(w)
     lut = _lut(raw.device)
     strides = (x2.stride(0), raw.stride(0), out.stride(0))
-    if choice == "gemv":
+    if choice == "dot8":
+        qx = qx or quantize_x(x2)
+        cfg = gemv or default_dot8(name, m)
+        unit = DOT8_UNIT[name]
+        _dot8().gemv8_kernel[(_cdiv(n, cfg.bn),)](
+            qx.q, qx.dx, qx.sums, raw, out, m, n, k, raw.stride(0), out.stride(0),
+            QT=name, UNIT=unit, BM=1 << (m - 1).bit_length(), BN=cfg.bn, BU=max(1, cfg.bk // unit),
+            ASM=not _interpreting(), num_warps=cfg.num_warps,
+        )  # fmt: skip
+    elif choice == "gemv":
         bm = 1 << (m - 1).bit_length()
         cfg = gemv or default_gemv(name, bm)
         _kernels().gemv_kernel[(_cdiv(n, cfg.bn),)](
@@ -122,6 +151,29 @@ def linear(
     else:
         raise LlmxError(f"unknown kernel {choice!r}; choose one of {', '.join(KERNELS)}")
     return out.reshape(*x.shape[:-1], n)
+
+
+def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
+    """[linear(x, w) for w in ws] for weights that multiply the same x (q/k/v, gate/up): x is
+    quantized once for all the integer-dot GEMVs among them."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    qx = None
+    if any(kernel_for(w, m) == "dot8" for w in ws):
+        qx = quantize_x(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    return [linear(x, w, qx=qx) for w in ws]
+
+
+def quantize_x(x2: torch.Tensor) -> QuantizedX:
+    """x2 [M, K] (K a multiple of 32, unit stride) quantized for the integer-dot GEMV."""
+    m, k = x2.shape
+    q = torch.empty((m, k), dtype=torch.int8, device=x2.device)
+    dx = torch.empty((m, k // 32), dtype=torch.float32, device=x2.device)
+    sums = torch.empty((m, k // 16), dtype=torch.int32, device=x2.device)
+    groups = 4
+    _dot8().quantize_x_kernel[(m, _cdiv(k // 32, groups))](x2, q, dx, sums, k, x2.stride(0), NG=groups)
+    return QuantizedX(q, dx, sums, x2.dtype)
 
 
 def embedding(ids: torch.Tensor, w: QWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -175,6 +227,8 @@ def prepare(w: QWeight) -> QWeight:
 
 def pick_kernel(name: str, m: int) -> str:
     """The fastest kernel measured for type `name` at M rows of x (see the module docstring)."""
+    if name in DOT8_UNIT and m <= DOT8_MAX_M:
+        return "dot8"
     iq4 = name.startswith("IQ4")
     if m <= (GEMV_MAX_M if iq4 else 4):
         return "gemv"
@@ -195,6 +249,33 @@ def default_gemv(name: str, bm: int) -> GemvConfig:
     if bm == 1 and name in _GEMV_M1:
         return _GEMV_M1[name]
     return GemvConfig(bn=4, bk=512 if bm == 1 else 256, num_warps=2)
+
+
+def kernel_for(w: QWeight, m: int, kernel: str | None = None) -> str:
+    """The kernel that multiplies `w` by M = m rows of x: `kernel` if given, else `pick_kernel`'s;
+    "dot8" becomes "gemv" for rows it cannot read (see `_dot8_reads`)."""
+    choice = kernel or pick_kernel(w.qtype.name, m)
+    return "gemv" if choice == "dot8" and not _dot8_reads(w, m) else choice
+
+
+def default_dot8(name: str, m: int) -> GemvConfig:
+    """Integer-dot GEMV launch shape: BN rows a program, BK weights a step (a multiple of the type's
+    block), so that each program has a few KB of codes in flight per step."""
+    return {"Q8_0": GemvConfig(4, 512, 4), "Q4_K": GemvConfig(4, 512, 4)}.get(name, GemvConfig(4, 256, 4))
+
+
+def _dot8_reads(w: QWeight, m: int) -> bool:
+    """Whether the integer-dot GEMV takes `w` at M = m: it reads codes as 32-bit words, so every
+    row must start 4-byte aligned with its codes aligned inside (Q6_K and Q8_0 only after
+    `prepare`; an even number of blocks a row for them)."""
+    name = w.qtype.name
+    return (
+        name in DOT8_UNIT
+        and m <= DOT8_MAX_M
+        and (name == "Q4_K" or w.packed is SPLIT)
+        and w.raw.stride(0) % 4 == 0
+        and w.raw.data_ptr() % 4 == 0
+    )
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -224,6 +305,13 @@ def _kernels() -> Any:
     from llmx.quant.triton import kernels
 
     return kernels
+
+
+@cache
+def _dot8() -> Any:
+    from llmx.quant.triton import dot8
+
+    return dot8
 
 
 @cache

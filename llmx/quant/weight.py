@@ -103,9 +103,12 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
     """[linear(x, w) for w in ws] (e.g. q/k/v, or gate/up), in one kernel call where possible.
 
     CPU weights packed alike are joined on the first call (their packed forms become row views of
-    one concatenation: no extra memory), which saves a call per extra weight at every token. The
-    results are views of one [..., sum(out)] tensor.
+    one concatenation: no extra memory), which saves a call per extra weight at every token; the
+    results are then views of one [..., sum(out)] tensor. On a GPU, x is quantized once for all the
+    integer-dot GEMVs among them.
     """
+    if (kernel or KERNEL) == "auto" and all(w.raw.device.type == "cuda" for w in ws):
+        return _cuda_many(x, ws)
     joined = ws[0].joined
     if (
         joined is None
@@ -237,6 +240,14 @@ def _scratch(numel: int) -> torch.Tensor:
         with torch.inference_mode(False):
             buf = _SCRATCH.buf = torch.empty(numel)
     return buf
+
+
+def _cuda_many(x: torch.Tensor, ws: Sequence[QWeight]) -> list[torch.Tensor]:
+    try:
+        from llmx.quant import triton_ops
+    except ImportError:
+        return [linear(x, w) for w in ws]
+    return triton_ops.linear_many(x, list(ws))
 
 
 def _cuda(x2: torch.Tensor, w: QWeight) -> torch.Tensor:

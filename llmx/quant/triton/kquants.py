@@ -28,7 +28,7 @@ def _two_bit_codes(w_ptr, body, j, QS: tl.constexpr):
 
 
 @triton.jit
-def _scale_min_k4(w_ptr, blk, j):
+def scale_min_k4(w_ptr, blk, j):
     """Q4_K/Q5_K 6-bit scale and min of sub-block j (0..7) from the 12 bytes at blk + 4.
 
     Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same
@@ -73,7 +73,7 @@ def q3_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
 def q4_k(w_ptr, row_off, sb):
     blk = row_off + (sb // 8) * 144
     j = sb % 8
-    sc, mn = _scale_min_k4(w_ptr, blk, j)
+    sc, mn = scale_min_k4(w_ptr, blk, j)
     l = tl.arange(0, 32)[None, None, :]
     off = blk + 16 + 32 * (j // 2)
     q = nibbles(w_ptr, off[:, :, None] + l, (4 * (j % 2))[:, :, None])
@@ -84,7 +84,7 @@ def q4_k(w_ptr, row_off, sb):
 def q5_k(w_ptr, row_off, sb):
     blk = row_off + (sb // 8) * 176
     j = sb % 8
-    sc, mn = _scale_min_k4(w_ptr, blk, j)
+    sc, mn = scale_min_k4(w_ptr, blk, j)
     l = tl.arange(0, 32)[None, None, :]
     off = blk + 48 + 32 * (j // 2)
     q = nibbles(w_ptr, off[:, :, None] + l, (4 * (j % 2))[:, :, None])

@@ -1,0 +1,71 @@
+"""Where a GPU decode step spends its time: kernel time by kernel name, and the step time per token.
+
+    python bench/profile_decode.py MODEL.gguf [-ngl 99] [--steps 8] [--depth 64]
+
+Prefills `--depth` tokens, then profiles `--steps` eager decode steps (no CUDA graph, so every kernel
+is visible) with torch.profiler and prints CUDA time per kernel name, summed and per token. Then it
+times graph-replayed decode steps the way `llmx bench` does, so the two can be set side by side:
+(graph step time) - (kernel time) is launch gaps and host work the graph did not hide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+import llmx
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("-ngl", default="99")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--depth", type=int, default=64)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+
+    model = llmx.load(args.model, n_gpu_layers=args.ngl, ctx_size=1024)
+    engine, executor = model.engine, model.engine.executor
+    prompt = list(range(1, args.depth + 1))
+
+    executor.use_graphs = False
+    engine.reset()
+    engine.prefill(prompt)
+    engine.decode(1)  # warm-up: compile and autotune outside the profile
+    engine.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.decode(1)
+        engine.synchronize()
+    per_name: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[ev.name] += ev.device_time_total
+            counts[ev.name] += 1
+    total = sum(per_name.values())
+    print(f"eager decode: {total / args.steps / 1000:.3f} ms of kernel time per token, "
+          f"{sum(counts.values()) / args.steps:.0f} kernels per token")  # fmt: skip
+    for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"{us / args.steps:9.1f} us/token {counts[name] / args.steps:6.1f} x  {name[:110]}")
+
+    for graphs in (False, True):
+        executor.use_graphs = graphs
+        engine.reset()
+        engine.prefill(prompt)
+        engine.decode(1)
+        engine.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(64):
+            engine.decode(1)
+        engine.synchronize()
+        ms = (time.perf_counter() - t0) / 64 * 1000
+        print(f"decode step with graphs={graphs}: {ms:.3f} ms/token ({1000 / ms:.1f} t/s)")
+
+
+if __name__ == "__main__":
+    main()
