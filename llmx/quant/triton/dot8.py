@@ -25,8 +25,8 @@ import triton.language as tl
 from llmx.quant.triton.bits import f16, u8
 from llmx.quant.triton.kquants import scale_min_k4
 
-LOW_NIBBLES = 0x0F0F0F0F
-HIGH_PAIRS = 0x30303030  # bits 4-5 of each byte: where Q6_K's 2 high bits go
+LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
+HIGH_PAIRS = tl.constexpr(0x30303030)  # bits 4-5 of each byte: where Q6_K's 2 high bits go
 
 
 @triton.jit
