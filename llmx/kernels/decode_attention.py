@@ -1,0 +1,203 @@
+"""One decode token's attention layer in two launches: RoPE on q and k, the KV-cache write, and
+grouped-query attention over the cache, flash-decoding style (split over the keys, then combined).
+
+The eager path (`Rope.apply`, the cache's `index_copy_`, `ops.attention`) costs ~25 small kernels a
+layer. Shapes (one token): q [1, H, D], k, v [1, Hk, D], cos/sin [1, n_dims/2] float32 (the step's
+RoPE tables), caches [n_ctx, Hk, D] (f16, bf16 or f32), `positions` [1] int64 on the same device.
+
+- `attention_kernel`, grid (Hk, S): program (kv head, split) rotates the G = H/Hk queries of its KV
+  head and this step's key, then reads its share of the visible keys [lo, pos] (lo = 0, or
+  pos - window + 1 for a sliding window). The visible range is cut into S chunks on the device,
+  from pos, so the masked tail of a CUDA-graph bucket (rows pos+1..n_read-1) and keys left of the
+  window are never read, and a window layer still spreads over all S programs. The program whose
+  chunk holds pos writes the new key and value to the cache and takes that row from its registers;
+  no other program reads the row, so the write needs no ordering. Each program leaves an
+  unnormalized output with its running max and sum.
+- `combine_kernel`, grid (H,): merges each head's S partial outputs with log-sum-exp weights.
+
+Nothing depends on a value read back to the host, so a CUDA graph captured for one n_read replays
+correctly for every position below it. Scores, softmax and sums are float32; the two products take
+their operands in the cache's dtype on a GPU (tensor cores; `ops.attention` attends in it there
+too) and in float32 under TRITON_INTERPRET=1 (numpy cannot multiply bf16, and the CPU path attends
+in float32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # keys per loop step
+TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs: split the keys until Hk * S reaches it
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    n_read: int,
+    *,
+    n_dims: int,
+    neox: bool,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """RoPE'd q [1, H, D] attending over cache rows 0..n_read-1 after k, v [1, Hk, D] (k rotated)
+    are written at row positions[0]; keys j <= pos are visible (and j > pos - window with a window).
+
+    Rotation as `ops.Rope.apply` with `n_dims` and `neox`; scores scaled by `scale` (default
+    1/sqrt(D)), then soft-capped to softcap * tanh(s / softcap) when `softcap` is set.
+    Requires n_read > pos. Returns [1, H * D] in q's dtype.
+    """
+    _, n_head, d = q.shape
+    n_kv = k.shape[1]
+    span = n_read if window is None else min(n_read, window)
+    splits = max(1, min(triton.cdiv(span, BLOCK_N), triton.cdiv(TARGET_PROGRAMS, n_kv)))
+    partial = torch.empty(n_head, splits, d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(n_head, splits, 2, dtype=torch.float32, device=q.device)  # max (log2 units), sum
+    out = torch.empty(1, n_head * d, dtype=q.dtype, device=q.device)
+    q, k, v, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cos, sin))
+    block_d = max(16, triton.next_power_of_2(d))
+    # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
+    # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth).
+    stages = 1 if torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
+    attention_kernel[(n_kv, splits)](
+        q, k, v, cos, sin, positions, k_cache, v_cache, partial, stats,
+        q.stride(1), k.stride(1), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        n_read, window or 0, 1.0 / math.sqrt(d) if scale is None else scale, softcap or 1.0, splits,
+        G=n_head // n_kv, D=d, N_DIMS=n_dims, NEOX=neox, WINDOW=window is not None,
+        SOFTCAP=softcap is not None, DOT=_TL_DTYPE[k_cache.dtype] if q.is_cuda else tl.float32,
+        BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    combine_kernel[(n_head,)](
+        partial, stats, out, splits, D=d, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4
+    )
+    return out
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate(ptrs, d, mask, cos_ptr, sin_ptr, N_DIMS: tl.constexpr, NEOX: tl.constexpr):
+    """The values at ptrs + d rotated as `Rope.apply` does, in float32: each pair (a, b) of the first
+    N_DIMS becomes (a cos - b sin, a sin + b cos); the rest pass through. `d` indexes the last axis."""
+    rotating = d < N_DIMS
+    if NEOX:  # pairs (i, i + N_DIMS/2)
+        first = d < N_DIMS // 2
+        partner = tl.where(first, d + N_DIMS // 2, d - N_DIMS // 2)
+        angle = tl.where(first, d, d - N_DIMS // 2)
+    else:  # GGML's adjacent pairs (2i, 2i + 1)
+        first = d % 2 == 0
+        partner = d ^ 1
+        angle = d // 2
+    partner = tl.where(rotating, partner, d)
+    x = tl.load(ptrs + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(ptrs + partner, mask=mask & rotating, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + angle, mask=rotating, other=1.0)
+    sin = tl.load(sin_ptr + angle, mask=rotating, other=0.0)
+    return x * cos + tl.where(first, -xp, xp) * sin
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """a @ b accumulated in float32; float32 operands in full precision, not tf32."""
+    a, b = a.to(DOT), b.to(DOT)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, part_ptr, stats_ptr,
+    sq, sk, sv, skc_n, skc_h, svc_n, svc_h,
+    n_read, window, scale, softcap, n_splits,
+    G: tl.constexpr, D: tl.constexpr, N_DIMS: tl.constexpr, NEOX: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    kvh, split = tl.program_id(0), tl.program_id(1)
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    gmask, dmask = g < G, d < D
+    pos = tl.load(pos_ptr).to(tl.int32)
+
+    # This program's chunk [start, end) of the visible keys [lo, hi).
+    hi = tl.minimum(pos + 1, n_read)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(pos + 1 - window, 0)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, n_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, hi)
+
+    heads = kvh * G + g
+    qmask = gmask[:, None] & dmask[None, :]
+    q = _rotate(q_ptr + heads[:, None] * sq, d[None, :], qmask, cos_ptr, sin_ptr, N_DIMS, NEOX)
+    k_new = _rotate(k_ptr + kvh * sk, d, dmask, cos_ptr, sin_ptr, N_DIMS, NEOX).to(kc_ptr.dtype.element_ty)
+    v_new = tl.load(v_ptr + kvh * sv + d, mask=dmask).to(vc_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        rows = n + tl.arange(0, BLOCK_N)
+        rmask = rows < end
+        fresh = (rows == pos)[:, None]  # this step's row: from registers, not (yet) from the cache
+        tile = rmask[:, None] & dmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        keys = tl.load(kc_ptr + r64 * skc_n + kvh * skc_h + d[None, :], mask=tile, other=0.0)
+        keys = tl.where(fresh, k_new[None, :], keys)
+        s = _dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
+        # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
+        s = softcap * (2.0 * tl.sigmoid(s * (2.0 * scale / softcap)) - 1.0) if SOFTCAP else s * scale
+        s = tl.where(rmask[None, :], s * 1.4426950408889634, float("-inf"))  # to log2 units for exp2
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a visible key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        values = tl.load(vc_ptr + r64 * svc_n + kvh * svc_h + d[None, :], mask=tile, other=0.0)
+        values = tl.where(fresh, v_new[None, :], values)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p, values, DOT)
+        m_i = m_new
+
+    # The chunk holding pos stores this step's key and value. After the loop: the interpreter runs
+    # programs one after another, and a store before it would hide a missing substitution from the
+    # tests. (tl.where rather than `dmask & scalar`, which the interpreter turns into int32.)
+    mine = tl.where((start <= pos) & (pos < end), dmask, False)
+    tl.store(kc_ptr + pos.to(tl.int64) * skc_n + kvh * skc_h + d, k_new, mask=mine)
+    tl.store(vc_ptr + pos.to(tl.int64) * svc_n + kvh * svc_h + d, v_new, mask=mine)
+
+    # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 in combine.
+    base = heads * n_splits + split
+    tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=qmask)
+    tl.store(stats_ptr + base * 2, m_i, mask=gmask)
+    tl.store(stats_ptr + base * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def combine_kernel(
+    part_ptr, stats_ptr, out_ptr, n_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    h = tl.program_id(0)
+    s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    smask, dmask = s < n_splits, d < D
+    base = h * n_splits + s
+    m = tl.load(stats_ptr + base * 2, mask=smask, other=float("-inf"))
+    l_sum = tl.load(stats_ptr + base * 2 + 1, mask=smask, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # the split holding pos is never empty, so the max is finite
+    o = tl.load(part_ptr + base[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w * l_sum, 0)
+    tl.store(out_ptr + h * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
