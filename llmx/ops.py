@@ -7,16 +7,22 @@ Shapes: T = tokens in this step, H = query heads, Hk = KV heads, D = head dim, E
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
+from functools import cache
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from llmx.errors import LlmxError
 from llmx.quant import weight as qw
 from llmx.quant.weight import QWeight, embedding
 
 __all__ = [
+    "LayerKV",
     "Rope",
     "RowSplit",
     "attention",
@@ -25,8 +31,16 @@ __all__ = [
     "gelu_tanh",
     "linear",
     "rms_norm",
+    "rope_attention",
     "swiglu",
 ]
+
+# One-token steps on a GPU take the fused Triton decode attention ("auto"); "off" keeps the eager
+# ops everywhere (to compare), "on" takes it on the CPU too (tests, under TRITON_INTERPRET=1).
+# Read once; tests set the module attribute.
+FUSED_ATTENTION = os.environ.get("LLMX_FUSED_ATTENTION", "auto")
+if FUSED_ATTENTION not in ("auto", "on", "off"):
+    raise LlmxError(f"LLMX_FUSED_ATTENTION={FUSED_ATTENTION!r} is not one of auto, on, off")
 
 
 @dataclass
@@ -127,6 +141,69 @@ class Rope:
         ra, rb = a * cos - b * sin, a * sin + b * cos
         rotated = torch.cat((ra, rb), dim=-1) if self.neox else torch.stack((ra, rb), dim=-1).flatten(-2)
         return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
+class LayerKV(Protocol):
+    """One layer's KV cache as a step sees it (`llmx.runtime.cache.KVCache.writer` makes one).
+
+    Called with this step's k, v [T, Hk, D], it stores them at `positions` and returns the first
+    `n_read` rows of keys and values for `attention`; the fused decode path writes the buffers itself.
+    """
+
+    k: torch.Tensor  # [n_ctx, Hk, D] keys of every position
+    v: torch.Tensor  # [n_ctx, Hk, D] values
+    positions: torch.Tensor  # [T] this step's positions, on the buffers' device
+    n_read: int  # attention reads rows 0..n_read-1
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: Rope,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: LayerKV,
+    mask: torch.Tensor | None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [T, H, D] and k [T, Hk, D] rotated by `rope` (cos/sin from `Rope.tables`), k and v stored
+    in `cache`, then `attention` over its first n_read rows: [T, H * D].
+
+    `mask` (from `causal_mask`, for the eager path) and `window` (for the fused kernel) describe the
+    same visibility. One token on a GPU takes `llmx.kernels.decode_attention`: two kernel launches
+    instead of ~25 (see FUSED_ATTENTION).
+    """
+    if _fused_decode(q, v, cache):
+        from llmx.kernels.decode_attention import decode_attention
+
+        return decode_attention(
+            q, k, v, cos, sin, cache.k, cache.v, cache.positions, cache.n_read,
+            n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
+        )  # fmt: skip
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    keys, values = cache(k, v)
+    return attention(q, keys, values, mask, scale, softcap)
+
+
+def _fused_decode(q: torch.Tensor, v: torch.Tensor, cache: LayerKV) -> bool:
+    """Whether the fused kernel can run this step: one token, everything on one device (not a GPU
+    layer whose cache stays on the CPU), equal key and value widths, and Triton at hand."""
+    if FUSED_ATTENTION == "off" or q.shape[0] != 1:
+        return False
+    if FUSED_ATTENTION == "auto" and not (q.is_cuda and _has_triton()):
+        return False
+    one_device = q.device == cache.k.device == cache.v.device == cache.positions.device
+    return one_device and q.shape[-1] == v.shape[-1] == cache.k.shape[-1] == cache.v.shape[-1]
+
+
+@cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def attention(

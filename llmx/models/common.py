@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Self
 import torch
 
 from llmx.errors import LlmxError
-from llmx.ops import Rope, attention, causal_mask, embedding, linear, linear_many, rms_norm
+from llmx.ops import LayerKV, Rope, causal_mask, embedding, linear, linear_many, rms_norm, rope_attention
 
 
 class TensorGroup:
@@ -129,8 +129,8 @@ class Step:
 class Model:
     """Base of every architecture: the weight tree, the config and the three stages of a forward pass.
 
-    `block(i, x, step, cache_kv)` runs layer i; `cache_kv(k, v) -> (K, V)` stores this step's keys and
-    values in the layer's cache and returns the rows attention reads.
+    `block(i, x, step, cache_kv)` runs layer i; `cache_kv` (an `ops.LayerKV`) is the layer's cache:
+    `cache_kv(k, v) -> (K, V)` stores this step's keys and values and returns the rows attention reads.
     """
 
     config_class: ClassVar[type[Config]] = Config
@@ -181,7 +181,7 @@ class Model:
         w: TensorGroup,
         h: torch.Tensor,
         step: Step,
-        cache_kv,
+        cache_kv: LayerKV,
         rope: Rope | None = None,
         window: int | None = None,
         **kw: Any,
@@ -191,9 +191,7 @@ class Model:
         q, k, v = self.qkv(w, h)
         q, k = self.qk_norm(w, q, k)
         cos, sin = step.rope(rope)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        keys, values = cache_kv(k, v)
-        return attention(q, keys, values, step.mask(window), **kw)
+        return rope_attention(q, k, v, rope, cos, sin, cache_kv, step.mask(window), window, **kw)
 
     def qk_norm(self, w: TensorGroup, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head RMSNorm of queries and keys where the model has it (Qwen3, Gemma 3)."""

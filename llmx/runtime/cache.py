@@ -5,7 +5,6 @@ Buffers are [n_ctx, Hk, D] in the cache type (`-ctk`/`-ctv`); attention reads th
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,20 +47,26 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
-    def writer(
-        self, layer: int, positions: torch.Tensor, n_read: int
-    ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """A function that stores this step's k, v [T, Hk, D] at `positions` (a tensor on the layer's
-        device, so the write needs no host sync and can sit in a CUDA graph) and returns the first
-        `n_read` rows of the layer's cache for attention."""
-
-        kc, vc = self.k[layer], self.v[layer]
+    def writer(self, layer: int, positions: torch.Tensor, n_read: int) -> LayerWriter:
+        """Layer `layer`'s cache for a step at `positions` that reads the first `n_read` rows."""
+        kc = self.k[layer]
         if positions.device != kc.device:  # --no-kv-offload: a GPU layer's cache lives on the CPU
             positions = positions.to(kc.device)
+        return LayerWriter(kc, self.v[layer], positions, n_read)
 
-        def write(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            kc.index_copy_(0, positions, k.to(kc.device, kc.dtype))
-            vc.index_copy_(0, positions, v.to(vc.device, vc.dtype))
-            return kc[:n_read].to(k.device), vc[:n_read].to(v.device)
 
-        return write
+@dataclass(frozen=True)
+class LayerWriter:
+    """One layer's buffers [n_ctx, Hk, D] and this step's `positions` (a tensor on their device, so
+    writes need no host sync and can sit in a CUDA graph); an `llmx.ops.LayerKV`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    n_read: int
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v [T, Hk, D]; the first `n_read` rows, on k's device, for attention."""
+        self.k.index_copy_(0, self.positions, k.to(self.k.device, self.k.dtype))
+        self.v.index_copy_(0, self.positions, v.to(self.v.device, self.v.dtype))
+        return self.k[: self.n_read].to(k.device), self.v[: self.n_read].to(v.device)
