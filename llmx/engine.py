@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -19,12 +19,25 @@ from llmx.runtime.executor import Executor
 
 @dataclass
 class Timings:
-    """llama.cpp-style counters: prompt (prefill) and generation (decode) tokens and seconds."""
+    """llama.cpp-style counters: prompt (prefill) and generation (decode) tokens and seconds, plus
+    where a decode step's time goes and what op offload streamed.
+
+    `gen_host_seconds` is the time the host spends issuing decode steps: from the start of a step
+    to the point where it waits for the logits, less any wait for a GPU at a GPU -> CPU boundary.
+    On a GPU it is Python and launch overhead (a CUDA-graph replay is one launch per segment); CPU
+    ops run on the host, so it also holds the CPU segments' time (`gen_cpu_seconds`), and on a
+    CPU-only run it is the whole step. `gen_cpu_bytes` are the weight and KV bytes those CPU
+    segments read (weights counted as stored in the GGUF), so bytes / seconds is their bandwidth.
+    """
 
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     gen_tokens: int = 0
     gen_seconds: float = 0.0
+    prompt_bytes_streamed: int = 0  # CPU weight bytes copied to a GPU for prompts (op offload)
+    gen_host_seconds: float = 0.0
+    gen_cpu_seconds: float = 0.0
+    gen_cpu_bytes: int = 0
 
     @property
     def prompt_tps(self) -> float:
@@ -33,6 +46,23 @@ class Timings:
     @property
     def gen_tps(self) -> float:
         return self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0
+
+    def since(self, earlier: Timings) -> Timings:
+        """The counts added after `earlier` (a copy of these timings taken before)."""
+        return Timings(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+    @property
+    def host_ms_per_token(self) -> float:
+        return 1000 * self.gen_host_seconds / self.gen_tokens if self.gen_tokens else 0.0
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        return 1000 * self.gen_cpu_seconds / self.gen_tokens if self.gen_tokens else 0.0
+
+    @property
+    def cpu_gbs(self) -> float:
+        """Bandwidth of the CPU segments during decode, decimal GB/s."""
+        return self.gen_cpu_bytes / self.gen_cpu_seconds / 1e9 if self.gen_cpu_seconds else 0.0
 
 
 @dataclass
@@ -73,18 +103,25 @@ class Engine:
         """Process a prompt in `ubatch`-sized chunks; logits of the last token [vocab] (or all [T, vocab])."""
         if not ids:
             raise LlmxError("the prompt is empty")
+        streamed = self.executor.bytes_streamed
         t0 = time.perf_counter()
         outs = [self.forward(ids[s : s + self.ubatch], all_logits) for s in range(0, len(ids), self.ubatch)]
         self.timings.prompt_tokens += len(ids)
         self.timings.prompt_seconds += time.perf_counter() - t0
+        self.timings.prompt_bytes_streamed += self.executor.bytes_streamed - streamed
         return torch.cat(outs) if all_logits else outs[-1][-1]
 
     def decode(self, token: int) -> torch.Tensor:
         """One generation step: logits [vocab] for the token after `token`."""
         t0 = time.perf_counter()
         logits = self.forward([token])[-1]
-        self.timings.gen_tokens += 1
-        self.timings.gen_seconds += time.perf_counter() - t0
+        t = self.timings
+        t.gen_tokens += 1
+        t.gen_seconds += time.perf_counter() - t0
+        step = self.executor.last
+        t.gen_host_seconds += step.issued_at - t0 - step.waited
+        t.gen_cpu_seconds += step.cpu_seconds
+        t.gen_cpu_bytes += step.cpu_bytes
         return logits
 
     def generate(

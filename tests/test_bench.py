@@ -16,6 +16,7 @@ from llmx.bench.runner import BenchTest, Speed, bench_tests, time_test
 from llmx.bench.sweep import sweep
 from llmx.bench.synth import synthesize
 from llmx.bench.tables import csv_text, json_text, markdown
+from llmx.engine import Timings
 from llmx.errors import LlmxError
 from llmx.plan.devices import parse_devices
 from llmx.plan.model import ModelSpec
@@ -147,10 +148,10 @@ class CountingEngine:
     """Stands in for llmx.engine.Engine: records calls, keeps n_past like the real one."""
 
     def __init__(self) -> None:
-        self.n_past, self.calls = 0, []
+        self.n_past, self.calls, self.timings = 0, [], Timings()
 
     def reset(self) -> None:
-        self.n_past = 0
+        self.n_past, self.timings = 0, Timings()
         self.calls.append(("reset",))
 
     def prefill(self, ids):
@@ -160,6 +161,8 @@ class CountingEngine:
     def decode(self, token):
         self.calls.append(("decode", self.n_past))
         self.n_past += 1
+        self.timings.gen_tokens += 1
+        self.timings.gen_host_seconds += 0.001
 
     def synchronize(self) -> None:
         pass
@@ -303,6 +306,11 @@ def quick_ceilings(tmp_path, monkeypatch):
     return quick
 
 
+def cells(line: str) -> list[str]:
+    """The cells of one markdown table line, stripped."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def run_cli(capsys, *argv: str) -> tuple[str, str]:
     assert cli.main(list(argv)) == 0
     out = capsys.readouterr()
@@ -329,13 +337,23 @@ def test_bench_json_has_a_row_per_placement_and_test_with_llama_bench_fields(
     assert tg["floor_ts"] > 0 and tg["pct_floor"] == pytest.approx(100 * tg["avg_ts"] / tg["floor_ts"])
     assert tg["gbs"] == pytest.approx(tg["bytes_per_token"] * tg["avg_ts"] / 1e9)
     assert rows[0]["pct_floor"] is None
+    # what the engine measured: on the CPU the host time is the whole step, all in a CPU segment
+    # reading the floor's bytes (the floor counts a token at the test's mean depth)
+    assert 0 < tg["cpu_ms_per_token"] <= tg["host_ms_per_token"] <= 1000 / min(tg["samples_ts"])
+    assert tg["cpu_bytes_per_token"] == pytest.approx(tg["bytes_per_token"], rel=0.01)
+    assert tg["cpu_pct_ram"] == pytest.approx(100 * tg["cpu_gbs"] / quick_ceilings.mem_gbs)
+    assert rows[0]["host_ms_per_token"] is None and rows[0]["bytes_streamed"] == 0
+    assert all(r["gpu_memory"] == {} for r in rows)  # no GPU to measure
 
 
 def test_bench_markdown_by_default_and_ceilings_on_request(tiny_model, quick_ceilings, capsys):
     out, err = run_cli(capsys, "bench", "-m", str(tiny_model), "-p", "8", "-n", "2", "-r", "1", "--ceilings")
     assert "memory GB/s" in err and "matmul TFLOP/s" in err
-    header, _, pp, tg = out.splitlines()
-    assert "% of floor" in header and "pp8" in pp and "tg2" in tg and "%" in tg.split("|")[-3]
+    header, _, pp, tg = (cells(line) for line in out.splitlines())
+    assert header[-1] == "host ms/t"  # llmx's measured columns come after llama-bench's
+    pp, tg = dict(zip(header, pp, strict=True)), dict(zip(header, tg, strict=True))
+    assert pp["test"] == "pp8" and tg["test"] == "tg2" and tg["% of floor"].endswith("%")
+    assert pp["host ms/t"] == "" and float(tg["host ms/t"]) > 0
 
 
 def test_sweep_bench_json_then_plot_of_two_results(tiny_model, quick_ceilings, capsys, tmp_path):

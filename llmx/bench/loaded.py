@@ -3,7 +3,8 @@
 `llmx bench` and `llmx sweep-bench` load a model per placement, then ask this module for its
 roofline inputs: bytes read per generated token on each device (from the plan the loader
 executed), the measured bandwidth of those devices (from the ceilings cache, measured on first
-use), and the placement facts a result records.
+use), the placement facts a result records, and each GPU's allocated bytes before and after
+loading (`llmx.bench.gpumem`), against which the tests' compute peaks are measured.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from llmx.api import LoadedModel, load_with_options
 from llmx.bench.ceilings import ceilings_for
 from llmx.bench.floor import Roofline, TokenBytes, plan_token_bytes, roofline
+from llmx.bench.gpumem import GpuMemory, allocated, cuda_devices, release_cuda_memory
 from llmx.bench.rows import placement_summary
 from llmx.plan.options import Options
 
@@ -32,6 +32,7 @@ class BenchModel:
     token_bytes: TokenBytes
     bandwidth_gbs: dict[str, float]
     placement: dict[str, Any]  # devices, summary, plan, bandwidth_gbs, load_seconds, n_offloaded
+    memory: GpuMemory  # the GPUs in use: allocated before/after loading, planned bytes
 
     @property
     def n_vocab(self) -> int:
@@ -53,8 +54,10 @@ def load_for_bench(path: str | os.PathLike | None, opts: Options, progress: bool
         from llmx.commands.progress import load_progress
 
         progress_bar = load_progress()
+    before = allocated(cuda_devices())
     model = load_with_options(path, opts, progress=progress_bar)
     plan = model.plan
+    memory = GpuMemory.of_load(plan, before)
     mf = model.file
     tb = plan_token_bytes(
         plan,
@@ -74,12 +77,11 @@ def load_for_bench(path: str | os.PathLike | None, opts: Options, progress: bool
         "bandwidth_gbs": bandwidth,
         "load_seconds": model.load_seconds,
     }
-    return BenchModel(model, plan.options, tb, bandwidth, placement)
+    return BenchModel(model, plan.options, tb, bandwidth, placement, memory)
 
 
 def free_memory() -> None:
     """Return the memory of models no longer referenced before the next placement loads (GPU arenas
     especially: the caching allocator would otherwise keep them for itself)."""
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_cuda_memory()

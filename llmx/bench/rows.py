@@ -3,7 +3,10 @@
 A bench row carries llama-bench's JSON field names (`n_prompt`, `n_gen`, `n_depth`, `avg_ts`,
 `stddev_ts`, `samples_ts`, `type_k`, `n_gpu_layers`, ...) so tools written for llama-bench read it,
 plus llmx's own: the roofline (`bytes_per_token`, `gbs`, `floor_ts`, `pct_floor`, the bandwidth
-used per device), the placement and full plan, and the environment. A sweep row keeps
+used per device), the placement and full plan, and the environment; then, last, what the engine
+measured: host time per generated token, the CPU segments' time and GB/s (against the measured RAM
+bandwidth), the bytes op offload streamed, and per GPU the weights+KV and compute bytes measured
+beside the plan's. The markdown table adds those as its last columns. A sweep row keeps
 ik_llama.cpp's sweep-bench names (`n_kv`, `t_pp`, `speed_pp`, `t_tg`, `speed_tg`).
 """
 
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmx.bench.floor import Roofline
-from llmx.bench.runner import BenchTest, Speed
+from llmx.bench.runner import BenchTest, Counters, Speed
 from llmx.bench.tables import Column, human_bytes, human_count, mean_pm, number
 from llmx.plan.options import Options
 
@@ -33,9 +36,14 @@ def bench_row(
     test: BenchTest,
     speed: Speed,
     roof: Roofline | None,
+    counters: Counters | None = None,
+    gpu_memory: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One llama-bench JSON row plus llmx's fields. `placement` holds devices, summary, plan, load time."""
+    """One llama-bench JSON row plus llmx's fields. `placement` holds devices, summary, plan, load time;
+    `counters` the engine's averages over the repetitions; `gpu_memory` `GpuMemory.measure()`."""
     tg = roof is not None and test.n_gen > 0
+    c = counters or Counters(None, None, None, 0.0)
+    ram = placement["bandwidth_gbs"].get("cpu")
     return {
         # --- llama-bench's fields ---
         "build_commit": env.get("llmx_commit"),
@@ -82,11 +90,29 @@ def bench_row(
         "load_seconds": placement["load_seconds"],
         "environment": dict(env),
         "plan": placement["plan"],
+        # --- what the engine measured ---
+        "host_ms_per_token": c.host_ms_per_token,
+        "cpu_ms_per_token": c.cpu_ms_per_token,
+        "cpu_bytes_per_token": c.cpu_bytes_per_token,
+        "cpu_gbs": c.cpu_gbs,
+        "cpu_pct_ram": 100 * c.cpu_gbs / ram if c.cpu_gbs and ram else None,
+        "bytes_streamed": c.bytes_streamed,
+        "gpu_memory": {d: dict(m) for d, m in (gpu_memory or {}).items()},
     }
 
 
 def _devices(r: Mapping[str, Any]) -> str:
     return "+".join(r["devices"])
+
+
+def _hybrid(r: Mapping[str, Any]) -> bool:
+    return r["backends"] == "CUDA" and r.get("cpu_ms_per_token") is not None
+
+
+def _compute(r: Mapping[str, Any]) -> str:
+    """Measured compute peak and (planned) estimate per GPU, MiB: '812 (1024)', GPUs joined by ' / '."""
+    mem = (r.get("gpu_memory") or {}).values()
+    return " / ".join(f"{m['compute_peak'] / 2**20:.0f} ({m['compute_planned'] / 2**20:.0f})" for m in mem)
 
 
 BENCH_COLUMNS = [
@@ -124,7 +150,32 @@ def bench_columns(rows: list[dict[str, Any]]) -> list[Column]:
         if len({str(r[field]) for r in rows}) > 1
     ]
     at = next(i for i, c in enumerate(BENCH_COLUMNS) if c.header == "test")
-    return BENCH_COLUMNS[:at] + extra + BENCH_COLUMNS[at:]
+    return BENCH_COLUMNS[:at] + extra + BENCH_COLUMNS[at:] + measured_columns(rows)
+
+
+def measured_columns(rows: list[dict[str, Any]]) -> list[Column]:
+    """The last columns: host ms per generated token always; the CPU segments' ms per token and GB/s
+    when a row ran layers on the CPU beside a GPU; bytes streamed by op offload when any were; and
+    the GPUs' compute memory, measured (planned), when a GPU was measured."""
+    cols = [Column("host ms/t", lambda r: number(r.get("host_ms_per_token"), 2))]
+    if any(_hybrid(r) for r in rows):
+        cols.append(Column("CPU ms/t", lambda r: number(r["cpu_ms_per_token"], 2) if _hybrid(r) else ""))
+        cols.append(Column("CPU GB/s", lambda r: _cpu_gbs(r) if _hybrid(r) else ""))
+    if any(r.get("bytes_streamed") for r in rows):
+        cols.append(Column("streamed", _streamed))
+    if any(r.get("gpu_memory") for r in rows):
+        cols.append(Column("compute MiB (planned)", _compute))
+    return cols
+
+
+def _streamed(r: Mapping[str, Any]) -> str:
+    return human_bytes(r["bytes_streamed"]) if r["bytes_streamed"] else ""
+
+
+def _cpu_gbs(r: Mapping[str, Any]) -> str:
+    """'45.6 (51%)': the CPU segments' GB/s and its share of the measured RAM bandwidth."""
+    pct = r.get("cpu_pct_ram")
+    return number(r["cpu_gbs"]) + (f" ({pct:.0f}%)" if pct is not None else "")
 
 
 def sweep_row(row: Mapping[str, Any], roof: Roofline | None) -> dict[str, Any]:

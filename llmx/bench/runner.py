@@ -5,23 +5,32 @@ compilation, CUDA graph capture and cold caches). Each repetition starts from an
 fills `n_depth` random tokens untimed, then times either one prompt of `n_prompt` random tokens or
 `n_gen` single-token decode steps fed random tokens, as llama-bench does: the speed of a step does
 not depend on which token it is, and sampling is not part of the measurement.
+
+Beside the seconds, each repetition keeps the engine's counters for its timed part (`Timings`:
+host time and CPU-segment time of decode steps, bytes op offload streamed for the prompt), and
+`Counters` averages them over the repetitions for a result row.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from llmx.engine import Timings
 
 
 class TimedEngine(Protocol):
     """What the benchmarks need from `llmx.engine.Engine`."""
 
     n_past: int
+    timings: Timings
 
     def reset(self) -> None: ...
     def prefill(self, ids: list[int]) -> object: ...
@@ -65,21 +74,31 @@ def random_tokens(rng: np.random.Generator, n: int, n_vocab: int) -> list[int]:
     return rng.integers(0, n_vocab, n).tolist()
 
 
-def time_once(engine: TimedEngine, test: BenchTest, rng: np.random.Generator, n_vocab: int) -> float:
-    """Seconds of one repetition of `test`, from an empty context filled to its depth (untimed)."""
+@dataclass(frozen=True)
+class Sample:
+    """One timed repetition: its seconds and the engine's counters for the timed part only."""
+
+    seconds: float
+    timings: Timings
+
+
+def time_once(engine: TimedEngine, test: BenchTest, rng: np.random.Generator, n_vocab: int) -> Sample:
+    """One repetition of `test`, from an empty context filled to its depth (untimed, uncounted)."""
     engine.reset()
     if test.n_depth:
         engine.prefill(random_tokens(rng, test.n_depth, n_vocab))
     prompt = random_tokens(rng, test.n_prompt, n_vocab)
     tokens = random_tokens(rng, test.n_gen, n_vocab)
     engine.synchronize()
+    before = copy.copy(engine.timings)
     t0 = time.perf_counter()
     if prompt:
         engine.prefill(prompt)
     for token in tokens:
         engine.decode(token)
     engine.synchronize()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    return Sample(seconds, engine.timings.since(before))
 
 
 def time_test(
@@ -89,17 +108,49 @@ def time_test(
     n_vocab: int,
     seed: int = 0,
     tick: Callable[[], None] | None = None,
-) -> list[float]:
-    """Seconds of each of `reps` repetitions, after one uncounted warm-up repetition."""
+) -> list[Sample]:
+    """Each of `reps` repetitions, after one uncounted warm-up repetition."""
     rng = np.random.default_rng(seed)
     samples = []
     for i in range(reps + 1):
-        seconds = time_once(engine, test, rng, n_vocab)
+        sample = time_once(engine, test, rng, n_vocab)
         if i:
-            samples.append(seconds)
+            samples.append(sample)
         if tick:
             tick()
     return samples
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A test's engine counters, averaged over its repetitions (None where the test has none)."""
+
+    host_ms_per_token: float | None  # decode steps: host time, CPU segments included
+    cpu_ms_per_token: float | None  # decode steps: time in CPU segments (hybrid and CPU runs)
+    cpu_bytes_per_token: float | None  # decode steps: weight and KV bytes the CPU segments read
+    bytes_streamed: float  # prompt: CPU weight bytes op offload copied to a GPU, per repetition
+
+    @property
+    def cpu_gbs(self) -> float | None:
+        if not self.cpu_ms_per_token or self.cpu_bytes_per_token is None:
+            return None
+        return self.cpu_bytes_per_token / self.cpu_ms_per_token / 1e6
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample]) -> Counters:
+        ts = [s.timings for s in samples]
+        tokens = sum(t.gen_tokens for t in ts)
+        cpu_seconds = sum(t.gen_cpu_seconds for t in ts)
+
+        def per_token(total: float, scale: float = 1.0) -> float | None:
+            return scale * total / tokens if tokens else None
+
+        return cls(
+            host_ms_per_token=per_token(sum(t.gen_host_seconds for t in ts), 1000),
+            cpu_ms_per_token=per_token(cpu_seconds, 1000) if cpu_seconds else None,
+            cpu_bytes_per_token=per_token(sum(t.gen_cpu_bytes for t in ts)) if cpu_seconds else None,
+            bytes_streamed=statistics.fmean(t.prompt_bytes_streamed for t in ts) if ts else 0.0,
+        )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""`llmx bench`: llama-bench's table (pp/tg tokens/s per placement), with GB/s and % of the floor.
+"""`llmx bench`: llama-bench's table (pp/tg tokens/s per placement), with GB/s and % of the floor,
+then what the engine measured: host ms per generated token, the CPU segments' ms and GB/s in
+hybrid runs, bytes streamed by op offload, and each GPU's compute memory beside the plan's estimate.
 
 llmx bench -m model.gguf -p 512 -n 128 -ngl 0,16,99 -ctk f16,q8_0 -o md
 llmx bench --ceilings          # measure and cache every device's bandwidth and matrix rate
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from llmx.bench.loaded import free_memory, load_for_bench
     from llmx.bench.results import environment, model_info
     from llmx.bench.rows import CEILING_COLUMNS, bench_columns, bench_row
-    from llmx.bench.runner import Speed, bench_tests, time_test
+    from llmx.bench.runner import Counters, Speed, bench_tests, time_test
     from llmx.bench.tables import markdown, render
     from llmx.errors import LlmxError
 
@@ -98,12 +100,18 @@ def run(args: argparse.Namespace) -> int:
                 total=len(tests) * (args.repetitions + 1), desc="benchmarking", leave=False, disable=None
             )
             for test in tests:
+                bm.memory.start()
                 samples = time_test(
                     bm.model.engine, test, args.repetitions, bm.n_vocab, args.seed, bar.update
                 )
                 roof = bm.roofline(test.n_depth, test.n_gen) if test.n_gen else None
-                speed = Speed(test.n_tokens, tuple(samples))
-                rows.append(bench_row(env, info, bm.options, bm.placement, test, speed, roof))
+                speed = Speed(test.n_tokens, tuple(s.seconds for s in samples))
+                counters = Counters.of(samples)
+                rows.append(
+                    bench_row(
+                        env, info, bm.options, bm.placement, test, speed, roof, counters, bm.memory.measure()
+                    )
+                )
             bar.close()
             bm = None  # drop the model before the next placement loads
             free_memory()

@@ -61,7 +61,9 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def print_timings(load_seconds: float, t: Timings, file=None) -> None:
-    """The end-of-run summary in llama.cpp's shape (on stderr unless `file` is given)."""
+    """The end-of-run summary in llama.cpp's shape (on stderr unless `file` is given), then llmx's
+    own lines: the host time of decode steps, the CPU segments' time and bandwidth (beside the RAM
+    bandwidth `llmx bench --ceilings` measured, when cached), and the bytes op offload streamed."""
     file = file or sys.stderr
 
     def line(label: str, seconds: float, n: int) -> str:
@@ -75,6 +77,35 @@ def print_timings(load_seconds: float, t: Timings, file=None) -> None:
     print(f"\nllmx: {'load time':>16} = {load_seconds * 1000:10.2f} ms", file=file)
     print(line("prompt eval time", t.prompt_seconds, t.prompt_tokens), file=file)
     print(line("eval time", t.gen_seconds, t.gen_tokens), file=file)
+    if t.gen_tokens:
+        share = t.gen_host_seconds / t.gen_seconds if t.gen_seconds else 0.0
+        print(
+            f"llmx: {'host time':>16} = {t.gen_host_seconds * 1000:10.2f} ms / {t.gen_tokens:5d} tokens "
+            f"({t.host_ms_per_token:8.2f} ms per token, {share:6.1%} of eval time)",
+            file=file,
+        )
+    if t.gen_cpu_seconds:
+        ram = _ram_gbs()
+        vs = f", {t.cpu_gbs / ram:.0%} of {ram:.1f} GB/s RAM" if ram else ""
+        print(
+            f"llmx: {'cpu segments':>16} = {t.gen_cpu_seconds * 1000:10.2f} ms / {t.gen_tokens:5d} tokens "
+            f"({t.cpu_ms_per_token:8.2f} ms per token, {t.cpu_gbs:8.2f} GB/s{vs})",
+            file=file,
+        )
+    if t.prompt_bytes_streamed:
+        print(
+            f"llmx: {'prompt streamed':>16} = {t.prompt_bytes_streamed / 2**20:10.2f} MiB of CPU weights "
+            "to the GPU (op offload)",
+            file=file,
+        )
+
+
+def _ram_gbs() -> float | None:
+    """This CPU's measured RAM bandwidth at the current thread count, if `llmx bench` cached it."""
+    from llmx.bench.ceilings import device_key, load_cache
+
+    ceiling = load_cache().get(device_key("cpu"))
+    return ceiling.mem_gbs if ceiling else None
 
 
 def print_load_report(model, file=None) -> None:

@@ -6,10 +6,15 @@ devices. One-token decode steps on a GPU segment replay a captured CUDA graph, s
 kernel-launch overhead is paid once at capture instead of on every token. A graph reads the KV
 cache in fixed-size buckets (positions past the current one are masked), so one graph serves a
 whole range of context lengths.
+
+Each call also leaves `StepCounters` behind (perf_counter readings only, no added device sync):
+when the step was fully issued, how long it waited for a GPU at a GPU -> CPU boundary, and the time
+and bytes of its CPU segments. The engine turns them into the host-time and CPU-segment timings.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +68,29 @@ class _Graph:
 
 
 @dataclass
+class StepCounters:
+    """What one `Executor.forward` call measured, with perf_counter readings only.
+
+    A CPU segment's clock starts once its input is on the CPU: a copy from a GPU waits for the GPU
+    (that wait is `waited`, not CPU time), and CPU ops then run synchronously on the host.
+    """
+
+    issued_at: float = 0.0  # perf_counter when every op was issued, before waiting for the logits
+    waited: float = 0.0  # seconds spent waiting for a GPU at GPU -> CPU boundaries inside the step
+    cpu_seconds: float = 0.0  # seconds in CPU segments
+    cpu_bytes: int = 0  # weight and KV bytes those segments read (weights as stored in the GGUF)
+
+
+def _nbytes(value: object) -> int:
+    """Bytes of a layer tensor that live in host memory (a row-split matrix lives on GPUs)."""
+    if isinstance(value, QWeight):
+        return value.raw.nbytes if value.raw.device.type == "cpu" else 0
+    if isinstance(value, torch.Tensor):
+        return value.nbytes if value.device.type == "cpu" else 0
+    return 0
+
+
+@dataclass
 class Executor:
     model: Model
     cache: KVCache
@@ -76,10 +104,13 @@ class Executor:
     _graphs: dict[tuple[int, int], _Graph] = field(default_factory=dict, init=False)
     _streamer: WeightStreamer | None = field(default=None, init=False)
     _offload_from: int | None = field(default=None, init=False)
+    last: StepCounters = field(default_factory=StepCounters, init=False)
+    _cpu_reads: list[tuple[int, int]] = field(init=False)  # per segment: (weight bytes, KV bytes/token)
 
     def __post_init__(self) -> None:
         self._segments = segments(self.layer_devices, self.head_device)
         self._graphable = [self._all_on(seg) for seg in self._segments]
+        self._cpu_reads = [self._host_reads(seg) for seg in self._segments]
         gpus = [d for d in (*self.layer_devices, self.head_device) if d.type == "cuda"]
         if self.op_offload and gpus and any(d.type == "cpu" for d in self.layer_devices):
             self._streamer = WeightStreamer(gpus[0], self.model.layers)
@@ -92,6 +123,24 @@ class Executor:
             if any(_devices(value) != {seg.device} for _, value in self.model.layers[i].items()):
                 return False
         return True
+
+    def _host_reads(self, seg: Segment) -> tuple[int, int]:
+        """(weight bytes, KV bytes per cached token) a one-token step of a CPU segment reads from RAM."""
+        if seg.device.type != "cpu":
+            return 0, 0
+        weights = sum(_nbytes(v) for i in seg.layers for _, v in self.model.layers[i].items())
+        kv = sum(
+            (self.cache.k[i].nbytes + self.cache.v[i].nbytes) // self.cache.n_ctx
+            for i in seg.layers
+            if self.cache.k[i].device.type == "cpu"
+        )
+        if seg.with_head:  # the final norm and the output matrix (the embedding table when tied)
+            top = self.model.top
+            output = top.optional("output")
+            weights += _nbytes(top.optional("output_norm")) + _nbytes(
+                top.optional("token_embd") if output is None else output
+            )
+        return weights, kv
 
     @property
     def bytes_streamed(self) -> int:
@@ -118,17 +167,26 @@ class Executor:
     def forward(self, ids: list[int], n_past: int, all_logits: bool) -> torch.Tensor:
         """Logits [T or 1, vocab] (float32, CPU) for `ids` placed at positions n_past, n_past+1, ..."""
         t = len(ids)
+        counters = self.last = StepCounters()
         x = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.embed_device))
         positions = torch.arange(n_past, n_past + t)
         for k, seg in enumerate(self._segments):
-            x = x.to(seg.device)
+            arriving = time.perf_counter()
+            x = x.to(seg.device)  # from a GPU to the CPU this waits for the GPU's work so far
             if t == 1 and self.use_graphs and seg.device.type == "cuda" and self._graphable[k]:
                 x = self._replay(k, seg, x, n_past)
             elif self._offloads(seg, t):
                 x = self._run_streamed(seg, x.to(self._streamer.device), positions, n_past + t, all_logits)
             else:
                 step = Step(positions.to(seg.device), masked=t > 1, n_read=n_past + t)
+                started = time.perf_counter()
                 x = self._run_segment(seg, x, step, all_logits)
+                if seg.device.type == "cpu":
+                    counters.waited += started - arriving
+                    counters.cpu_seconds += time.perf_counter() - started
+                    weights, kv_per_token = self._cpu_reads[k]
+                    counters.cpu_bytes += weights + kv_per_token * (n_past + t)
+        counters.issued_at = time.perf_counter()
         return x.float().cpu()
 
     def _run_streamed(
