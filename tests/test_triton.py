@@ -107,11 +107,17 @@ def quantized_x_ref(x: np.ndarray) -> np.ndarray:
 
 
 def check_linear(
-    w: Weight, ref_w: np.ndarray, m: int, dtype: torch.dtype, seed: int, kernel: str | None = None
+    w: Weight,
+    ref_w: np.ndarray,
+    m: int,
+    dtype: torch.dtype,
+    seed: int,
+    kernel: str | None = None,
+    gemv: tops.GemvConfig | None = None,
 ) -> None:
     n, k = w.shape
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    out = tops.linear(x.to(DEVICE), w, kernel=kernel)
+    out = tops.linear(x.to(DEVICE), w, kernel=kernel, gemv=gemv)
     assert out.shape == (m, n) and out.dtype == dtype
     chosen = tops.kernel_for(w, m, kernel)
     tol = TOL[dtype] if chosen in ("gemv", "dot8") else GEMM_TOL[dtype]
@@ -164,13 +170,13 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
 
 
 @pytest.mark.parametrize("name", DOT8_TYPES)
-@pytest.mark.parametrize("m", [1, 3])
-def test_dot8(name: str, m: int) -> None:
-    # 4 super-blocks (16 blocks for Q8_0) with BK of 2 leave a partial step; N = 9 a partial program.
-    w, ref = random_weight(name, 9, 1024 if name != "Q8_0" else 512, seed=60 + m)
+@pytest.mark.parametrize("bk", [256, 1024])
+def test_dot8(name: str, bk: int) -> None:
+    # 6 super-blocks (48 blocks for Q8_0) leave a partial step at BK = 1024; N = 9 a partial program.
+    w, ref = random_weight(name, 9, 1536, seed=60)
     w = w if name == "Q4_K" else laid_out(w, name, "prepared")
-    assert tops.kernel_for(w, m) == "dot8"
-    check_linear(w, ref, m, torch.float32, seed=m, kernel="dot8")
+    assert tops.kernel_for(w, 1) == "dot8" and tops.kernel_for(w, 2) == "gemv"
+    check_linear(w, ref, 1, torch.float32, seed=bk, kernel="dot8", gemv=tops.GemvConfig(4, bk, 4))
 
 
 def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:
@@ -197,9 +203,9 @@ def test_quantize_x_matches_the_reference() -> None:
 
 
 def test_kernel_choice() -> None:
-    assert [tops.pick_kernel("Q4_K", m) for m in (1, 4, 5, 15, 16)] == ["dot8"] * 2 + ["gemm"] * 2 + [
-        "dequant"
-    ]
+    assert [tops.pick_kernel("Q4_K", m) for m in (1, 2, 4, 5, 15, 16)] == ["dot8", "gemv", "gemv"] + [
+        "gemm"
+    ] * 2 + ["dequant"]
     assert [tops.pick_kernel("Q4_1", m) for m in (1, 4, 5)] == ["gemv"] * 2 + ["gemm"]
     assert [tops.pick_kernel("IQ4_XS", m) for m in (8, 9)] == ["gemv", "dequant"]
 

@@ -56,7 +56,8 @@ SPLIT_FIELDS = {
 KERNELS = ("dot8", "gemv", "gemm", "dequant")
 GEMV_MAX_M = 8  # the GEMV kernel's limit (a static loop over input rows)
 DOT8_UNIT = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # integer-dot GEMV types: weights a block
-DOT8_MAX_M = 4
+DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # its partial sums a block (see dot8.gemv8_kernel)
+DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integer-dot passes
 DEQUANT_MATMUL_MIN_M = 16
 
 
@@ -130,8 +131,8 @@ def linear(
         cfg = gemv or default_dot8(name, m)
         unit = DOT8_UNIT[name]
         _dot8().gemv8_kernel[(_cdiv(n, cfg.bn),)](
-            qx.q, qx.dx, qx.sums, raw, out, m, n, k, raw.stride(0), out.stride(0),
-            QT=name, UNIT=unit, BM=1 << (m - 1).bit_length(), BN=cfg.bn, BU=max(1, cfg.bk // unit),
+            qx.q, qx.dx, qx.sums, raw, out, n, k, raw.stride(0) // 4,
+            QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=max(1, cfg.bk // unit),
             ASM=not _interpreting(), num_warps=cfg.num_warps,
         )  # fmt: skip
     elif choice == "gemv":

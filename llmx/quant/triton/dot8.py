@@ -74,131 +74,128 @@ def quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, K, sxm, NG: tl.constexpr):
 
 
 @triton.jit
-def _x_words(xq_ptr, x_row, word, ok):
-    """int32 words (4 x codes each) at word offsets `word` [U, W] of x row `x_row` (0 where not ok)."""
-    return tl.load(xq_ptr.to(tl.pointer_type(tl.int32)) + x_row + word, mask=ok, other=0)
+def _quad(base, unit_words, u, QUADS: tl.constexpr, STRIDE: tl.constexpr):
+    """[BN, U, QUADS, 4] word offsets: 4 consecutive words at `base + q * STRIDE` for quad q of
+    each block `u` (`unit_words` words a block) of the rows at `base` [BN]. The last axis is
+    contiguous, so a thread loads its 4 words as one 16-byte vector and sums them in registers."""
+    q = tl.arange(0, QUADS)[None, None, :, None]
+    lane = tl.arange(0, 4)[None, None, None, :]
+    return base[:, None, None, None] + u[None, :, None, None] * unit_words + q * STRIDE + lane
 
 
 @triton.jit
-def _q8_0(w_ptr, xq_ptr, dx_ptr, row_w, u, ok, m, K, ASM: tl.constexpr):
-    """[BN] partial dots of rows `row_w` (word offsets) over Q8_0 blocks `u` [U] for x row m."""
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    i = tl.arange(0, 8)
-    codes = tl.load(w32 + row_w[:, None, None] + u[None, :, None] * 8 + i[None, None, :])  # [BN, U, 8]
-    xw = _x_words(xq_ptr, m * (K // 4), u[:, None] * 8 + i[None, :], ok[:, None])
-    dot = tl.sum(dp4a(codes, tl.broadcast_to(xw[None, :, :], codes.shape), True, ASM), axis=2)
-    d = f16(w_ptr, row_w[:, None] * 4 + (K // 32) * 32 + u[None, :] * 2)
-    dx = tl.load(dx_ptr + m * (K // 32) + u, mask=ok, other=0.0)
-    return tl.sum(dot.to(tl.float32) * d * dx[None, :], axis=1)
+def _x(xq_ptr, word, ok):
+    """The x words at offsets `word` (any shape, broadcast over rows), 0 where not `ok`."""
+    return tl.load(xq_ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
 
 
 @triton.jit
-def _q4_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, m, K, ASM: tl.constexpr):
-    """[BN] partial dots over Q4_K super-blocks `u` [U]. Word i of a super-block's codes holds
-    weights 4(i%8)..+3 of sub-block 2(i//8) in its low nibbles and of sub-block 2(i//8)+1 in its
-    high nibbles."""
-    bn: tl.constexpr = row_w.shape[0]
-    nu: tl.constexpr = u.shape[0]
+def _q8_0(w_ptr, xq_ptr, dx_ptr, row_w, u, ok, K, ASM: tl.constexpr):
+    """[BN, U, 2] partial dots of Q8_0 blocks `u` (prepared rows: 32-byte bodies, then the fp16 d's)."""
     w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    blk_w = row_w[:, None] + u[None, :] * 36  # [BN, U], 144 bytes a super-block
-    i = tl.arange(0, 32)
-    codes = tl.load(w32 + blk_w[:, :, None] + 4 + i[None, None, :])
-    x_word = u[:, None] * 64 + 16 * (i // 8)[None, :] + (i % 8)[None, :]  # the low nibbles' x
-    x_lo = tl.broadcast_to(_x_words(xq_ptr, m * (K // 4), x_word, ok[:, None])[None], codes.shape)
-    x_hi = tl.broadcast_to(_x_words(xq_ptr, m * (K // 4), x_word + 8, ok[:, None])[None], codes.shape)
-    s_lo = tl.sum(tl.reshape(dp4a(codes & LOW_NIBBLES, x_lo, False, ASM), (bn, nu, 4, 8)), axis=3)
-    s_hi = tl.sum(tl.reshape(dp4a((codes >> 4) & LOW_NIBBLES, x_hi, False, ASM), (bn, nu, 4, 8)), axis=3)
-    j = 2 * tl.arange(0, 4)  # sub-blocks of the low nibbles; +1 for the high ones
-    blk_b = blk_w[:, :, None] * 4
-    sc_lo, mn_lo = scale_min_k4(w_ptr, blk_b, j[None, None, :])
-    sc_hi, mn_hi = scale_min_k4(w_ptr, blk_b, j[None, None, :] + 1)
-    grp = u[:, None] * 8 + j[None, :]  # [U, 4] index of the low sub-blocks' 32-groups in the row
-    dx_lo = tl.load(dx_ptr + m * (K // 32) + grp, mask=ok[:, None], other=0.0)[None]
-    dx_hi = tl.load(dx_ptr + m * (K // 32) + grp + 1, mask=ok[:, None], other=0.0)[None]
-    xs = xs_ptr + m * (K // 16) + 2 * grp
-    sum_lo = (tl.load(xs, mask=ok[:, None], other=0) + tl.load(xs + 1, mask=ok[:, None], other=0))[None]
-    sum_hi = (tl.load(xs + 2, mask=ok[:, None], other=0) + tl.load(xs + 3, mask=ok[:, None], other=0))[None]
+    words = _quad(row_w, 8, u, 2, 4)
+    ok4 = ok[None, :, None, None]
+    dot = tl.sum(
+        dp4a(tl.load(w32 + words), _x(xq_ptr, words - row_w[:, None, None, None], ok4), True, ASM), 3
+    )
+    d = f16(w_ptr, row_w[:, None, None] * 4 + (K // 32) * 32 + u[None, :, None] * 2)
+    dx = tl.load(dx_ptr + u[None, :, None], mask=ok[None, :, None], other=0.0)
+    return dot.to(tl.float32) * d * dx
+
+
+@triton.jit
+def _q4_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr):
+    """[BN, U, 8] partial dots of Q4_K super-blocks `u` (144 bytes: d, dmin, 12 scale bytes, 128
+    code bytes). Code word i holds weights 4(i%8)..+3 of sub-block 2(i//8) in its low nibbles and
+    of sub-block 2(i//8)+1 in its high nibbles; quad e is words 4e..4e+3."""
+    w32 = w_ptr.to(tl.pointer_type(tl.int32))
+    codes = tl.load(w32 + _quad(row_w, 36, u, 8, 4) + 4)
+    xw = _quad(row_w * 0, 64, u, 8, 4)  # x words of the same weights if they were all low nibbles
+    e4 = tl.arange(0, 8)[None, None, :, None]
+    x_lo = xw + 8 * (e4 // 2)  # low nibbles of quad e: x words 16(e//2) + 4(e%2) + lane ...
+    ok4 = ok[None, :, None, None]
+    s_lo = tl.sum(dp4a(codes & LOW_NIBBLES, _x(xq_ptr, x_lo, ok4), False, ASM), 3)
+    s_hi = tl.sum(
+        dp4a((codes >> 4) & LOW_NIBBLES, _x(xq_ptr, x_lo + 8, ok4), False, ASM), 3
+    )  # ... high: 8 on
+    e = tl.arange(0, 8)[None, None, :]
+    j = 2 * (e // 2)  # sub-block of the low nibbles; j + 1 for the high ones
+    blk_b = (row_w[:, None] + u[None, :] * 36)[:, :, None] * 4
+    sc_lo, mn_lo = scale_min_k4(w_ptr, blk_b, j)
+    sc_hi, mn_hi = scale_min_k4(w_ptr, blk_b, j + 1)
+    grp = u[None, :, None] * 8 + j  # 32-group of the low sub-block in the row
+    ok3 = ok[None, :, None]
+    dx_lo = tl.load(dx_ptr + grp, mask=ok3, other=0.0)
+    dx_hi = tl.load(dx_ptr + grp + 1, mask=ok3, other=0.0)
+    xs_lo = tl.load(xs_ptr + 2 * grp + e % 2, mask=ok3, other=0).to(tl.float32)  # this quad's 16
+    xs_hi = tl.load(xs_ptr + 2 * grp + 2 + e % 2, mask=ok3, other=0).to(tl.float32)
     scaled = sc_lo * dx_lo * s_lo.to(tl.float32) + sc_hi * dx_hi * s_hi.to(tl.float32)
-    mins = mn_lo * dx_lo * sum_lo.to(tl.float32) + mn_hi * dx_hi * sum_hi.to(tl.float32)
-    d = f16(w_ptr, blk_w * 4)
-    dmin = f16(w_ptr, blk_w * 4 + 2)
-    return tl.sum(d * tl.sum(scaled, axis=2) - dmin * tl.sum(mins, axis=2), axis=1)
+    mins = mn_lo * dx_lo * xs_lo + mn_hi * dx_hi * xs_hi
+    return f16(w_ptr, blk_b) * scaled - f16(w_ptr, blk_b + 2) * mins
 
 
 @triton.jit
-def _q6_k_quarter(w_ptr, xq_ptr, dx_ptr, xs_ptr, q, body_b, u, ok, m, K, KQ: tl.constexpr, ASM: tl.constexpr):
-    """The term of quarter KQ (weights 32KQ..32KQ+31 of each 128-weight half) of Q6_K codes q
-    [BN, U, 16] (lane t: half t//8, weights 4(t%8)..+3 of the quarter), scaled: [BN, U]."""
-    bn: tl.constexpr = q.shape[0]
-    nu: tl.constexpr = q.shape[1]
-    t = tl.arange(0, 16)
-    x_word = u[:, None] * 64 + (32 * (t // 8) + 8 * KQ + t % 8)[None, :]
-    xw = tl.broadcast_to(_x_words(xq_ptr, m * (K // 4), x_word, ok[:, None])[None], q.shape)
-    s = tl.sum(tl.reshape(dp4a(q, xw, False, ASM), (bn, nu, 4, 4)), axis=3)  # per 16 weights
-    v = tl.arange(0, 4)  # (half, which 16 of the quarter)
-    grp16 = (8 * (v // 2) + 2 * KQ + v % 2)[None, :]  # [1, 4] 16-group within the super-block
-    sc = (u8(w_ptr, body_b[:, :, None] + 192 + grp16[None]) ^ 0x80) - 128  # int8 scales
-    row16 = u[:, None] * 16 + grp16  # [U, 4]
-    dx = tl.load(dx_ptr + m * (K // 32) + row16 // 2, mask=ok[:, None], other=0.0)[None]
-    xsum = tl.load(xs_ptr + m * (K // 16) + row16, mask=ok[:, None], other=0)[None]
-    return tl.sum(sc.to(tl.float32) * dx * (s - 32 * xsum).to(tl.float32), axis=2)
+def _q6_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, K, ASM: tl.constexpr):
+    """[BN, U, 4] partial dots of Q6_K super-blocks `u` (prepared rows: 208-byte bodies first).
 
-
-@triton.jit
-def _q6_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, m, K, ASM: tl.constexpr):
-    """[BN] partial dots over Q6_K super-blocks `u` [U] (prepared rows: 208-byte bodies first).
-
-    Per half of 128 weights: ql word c (c < 8) holds the low nibbles of quarter 0 (and, high
+    Per half h of 128 weights: ql word c (c < 8) holds the low nibbles of quarter 0 (and, high
     nibbles, quarter 2) at weights 4c..4c+3, ql word 8 + c those of quarters 1 and 3, and qh word c
-    the 2 high bits of all four quarters at bits 0-1, 2-3, 4-5, 6-7 of each byte.
+    the 2 high bits of all four quarters at bits 0-1, 2-3, 4-5, 6-7 of each byte. Quad e = (h,
+    c//4) of the qh words meets quads of ql at 16h + 4(e%2) and 8 words on.
     """
     w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    body_w = row_w[:, None] + u[None, :] * 52
-    t = tl.arange(0, 16)
-    lane = body_w[:, :, None] + (t + 8 * (t // 8))[None, None, :]
-    ql_a = tl.load(w32 + lane)
-    ql_b = tl.load(w32 + lane + 8)
-    qh = tl.load(w32 + body_w[:, :, None] + 32 + t[None, None, :])
+    e4 = tl.arange(0, 4)[None, None, :, None]
+    qh_w = _quad(row_w, 52, u, 4, 4) + 32
+    ql_w = qh_w - 32 + 8 * (e4 // 2)  # 16h + 4(e%2) + lane
+    ql_a, ql_b, qh = tl.load(w32 + ql_w), tl.load(w32 + ql_w + 8), tl.load(w32 + qh_w)
     quarters = (
         (ql_a & LOW_NIBBLES) | ((qh << 4) & HIGH_PAIRS),
         (ql_b & LOW_NIBBLES) | ((qh << 2) & HIGH_PAIRS),
         ((ql_a >> 4) & LOW_NIBBLES) | (qh & HIGH_PAIRS),
         ((ql_b >> 4) & LOW_NIBBLES) | ((qh >> 2) & HIGH_PAIRS),
     )
-    body_b = body_w * 4
-    acc = tl.zeros(body_w.shape, tl.float32)
+    x0 = _quad(row_w * 0, 64, u, 4, 4) + 24 * (e4 // 2)  # quarter 0's x: word 32h + 4(e%2) + lane
+    ok4 = ok[None, :, None, None]
+    e = tl.arange(0, 4)[None, None, :]
+    body_b = (row_w[:, None] + u[None, :] * 52)[:, :, None] * 4
+    ok3 = ok[None, :, None]
+    acc = tl.zeros(body_b.shape, tl.float32)
     for kq in tl.static_range(4):
-        acc += _q6_k_quarter(w_ptr, xq_ptr, dx_ptr, xs_ptr, quarters[kq], body_b, u, ok, m, K, kq, ASM)
-    d = f16(w_ptr, row_w[:, None] * 4 + (K // 256) * 208 + u[None, :] * 2)
-    return tl.sum(d * acc, axis=1)
+        s = tl.sum(dp4a(quarters[kq], _x(xq_ptr, x0 + 8 * kq, ok4), False, ASM), 3)
+        grp16 = 8 * (e // 2) + 2 * kq + e % 2  # scale index: 16 weights a scale
+        sc = ((u8(w_ptr, body_b + 192 + grp16) ^ 0x80) - 128).to(tl.float32)
+        row16 = u[None, :, None] * 16 + grp16
+        dx = tl.load(dx_ptr + row16 // 2, mask=ok3, other=0.0)
+        xsum = tl.load(xs_ptr + row16, mask=ok3, other=0)
+        acc += sc * dx * (s - 32 * xsum).to(tl.float32)
+    d = f16(w_ptr, row_w[:, None, None] * 4 + (K // 256) * 208 + u[None, :, None] * 2)
+    return d * acc
 
 
 @triton.jit
 def gemv8_kernel(
-    xq_ptr, dx_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, swn, som,
-    QT: tl.constexpr, UNIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
+    xq_ptr, dx_ptr, xs_ptr, w_ptr, out_ptr, N, K, swn_words,
+    QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
     ASM: tl.constexpr,
 ):  # fmt: skip
-    """One program: BN output rows for all M (<= BM) quantized inputs, BU blocks of UNIT weights a
-    step (UNIT = 32 for Q8_0, 256 for the K-quants). Out-of-range rows are clamped to the last one
-    (their results are not stored); out-of-range blocks read x as 0."""
+    """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
+    for Q8_0, 256 for the K-quants; QUADS: partial sums a block). Partial sums stay in registers,
+    [BN, BU, QUADS], and are reduced once after the loop, so the loop has no cross-thread traffic.
+    Out-of-range rows are clamped to the last one (and not stored); out-of-range blocks read x as 0.
+    """
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_w = tl.minimum(rn, N - 1).to(tl.int64) * (swn // 4)
+    row_w = tl.minimum(rn, N - 1).to(tl.int64) * swn_words
     n_units = K // UNIT
-    rm = tl.arange(0, BM)[:, None]
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([BN, BU, QUADS], tl.float32)
     for u0 in range(0, n_units, BU):
         u = u0 + tl.arange(0, BU)
+        ok = u < n_units
         uc = tl.minimum(u, n_units - 1)
-        for m in tl.static_range(BM):
-            ok = (u < n_units) & (tl.full([BU], m, tl.int32) < M)
-            if QT == "Q8_0":
-                part = _q8_0(w_ptr, xq_ptr, dx_ptr, row_w, uc, ok, m, K, ASM)
-            elif QT == "Q4_K":
-                part = _q4_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, uc, ok, m, K, ASM)
-            else:
-                tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
-                part = _q6_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, uc, ok, m, K, ASM)
-            acc += tl.where(rm == m, part[None, :], 0.0)
-    o_ptr = out_ptr + rm * som + rn[None, :]
-    tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=(rm < M) & (rn[None, :] < N))
+        if QT == "Q8_0":
+            acc += _q8_0(w_ptr, xq_ptr, dx_ptr, row_w, uc, ok, K, ASM)
+        elif QT == "Q4_K":
+            acc += _q4_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, uc, ok, ASM)
+        else:
+            tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
+            acc += _q6_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, uc, ok, K, ASM)
+    tl.store(out_ptr + rn, tl.sum(tl.sum(acc, axis=2), axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
