@@ -80,7 +80,8 @@ class GpuMemory:
 
 def release_cuda_memory() -> None:
     """Give cached GPU memory back, cuBLAS's per-stream workspaces included (torch keeps those until
-    told), so the next placement's measurement starts from what it allocates itself."""
+    told), so the next placement's measurement starts from what it allocates itself. Only while no
+    model is alive: a captured CUDA graph may still point into a workspace."""
     if not torch.cuda.is_available():
         return
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
