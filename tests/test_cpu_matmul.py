@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import mmap
 import shutil
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from test_quant import QUANT_TYPES, random_blocks
+from torch._dynamo.utils import counters
 
 from llmx.errors import LlmxError
 from llmx.quant import BY_NAME, cpu_pack, reference, weight
@@ -61,7 +63,8 @@ def test_compiled_gemv_equals_its_torch_spec(name):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ toolchain: the GEMV kernels cannot be built")
 def test_compiled_kernels_are_available():
-    """With a C++ toolchain the AOTInductor packages must build and load (else decode is slow)."""
+    """With a C++ toolchain the kernels must build and load, AOTInductor's or torch.compile's (else
+    decode is slow)."""
     assert set(cpu_pack.compiled_kernels()) == {"u4_offset", "i8", "i8_offset"}
 
 
@@ -170,3 +173,124 @@ def test_released_pages_read_back_unchanged(tmp_path):
     before = view.clone()
     cpu_pack.release_pages(view)
     assert torch.equal(view, before)
+
+
+# --- torch.compile's kernels (LLMX_CPU_GEMV=jit, and auto's fallback when AOTInductor's fail) ----------
+
+
+def _no_aot(*_):
+    raise AssertionError("LLMX_CPU_GEMV=jit must not touch the AOTInductor packages")
+
+
+@pytest.fixture(scope="module")
+def jit_kernels():
+    """The JIT kernels as LLMX_CPU_GEMV=jit loads them: checked once per machine in a subprocess,
+    compiled once per process (~5 s here; the first time on a machine, ~30 s)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMX_CPU_GEMV", "jit")
+        mp.setattr(cpu_pack, "_RUNNERS", [])
+        mp.setattr(cpu_pack, "_aot_kernels", _no_aot)
+        graphs = counters["stats"]["unique_graphs"]
+        runners = (
+            cpu_pack.compiled_kernels()
+        )  # compiles, unless an earlier test did, and checks every variant
+    assert set(runners) == {"u4_offset", "i8", "i8_offset"}
+    return runners, counters["stats"]["unique_graphs"] - graphs
+
+
+SHAPES = {"Q4_0": [(5, 96), (33, 320)], "Q5_1": [(5, 96), (2, 64)], "Q8_0": [(33, 320)],
+          "Q2_K": [(7, 768)], "Q5_K": [(3, 256)], "Q6_K": [(7, 768), (2, 512)]}  # fmt: skip
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["plain", "inference_mode"])
+@pytest.mark.parametrize(("name", "n", "k"), [(name, n, k) for name, s in SHAPES.items() for n, k in s])
+def test_jit_gemv_matches_the_reference(monkeypatch, jit_kernels, name, n, k, inference):
+    monkeypatch.setattr(cpu_pack, "_RUNNERS", [jit_kernels[0]])
+    w, w64 = quant_weight(name, n=n, k=k, seed=n)
+    pk = w.packed
+    assert pk.gemv is not None
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        with torch.inference_mode(inference):
+            y = linear(x, w)
+            spec = cpu_pack.gemv_torch(x[:1].view(1, pk.scale.shape[1], -1), pk.codes, pk.scale, pk.offset)
+            diff = (pk.gemv(x[:1]) - spec).abs().double().numpy()
+        assert y.is_inference() == inference  # outside inference mode, a tensor that can be updated in place
+        assert_matmul_close(y, x, w64)
+        assert (diff <= 2 * RTOL * (np.abs(x[:1].double().numpy()) @ np.abs(w64).T)).all()
+
+
+def test_jit_kernels_serve_every_shape_without_recompiling(monkeypatch, jit_kernels):
+    """One kernel per variant (dynamic sizes; long sums of K > 8192 included) in every grad mode."""
+    runners, compiled = jit_kernels
+    assert compiled in (0, 3)  # the check at load ran small, decode-sized and long-K matrices
+    monkeypatch.setattr(cpu_pack, "_RUNNERS", [runners])
+    graphs = counters["stats"]["unique_graphs"]
+    ws = [quant_weight("Q4_1", n, 128, seed=n) for n in (64, 32, 32)] + [
+        quant_weight(name, 40 + i, 512, seed=i) for i, name in enumerate(["Q8_0", "Q5_K", "Q6_K", "Q4_K"])
+    ]
+    ws += [quant_weight("Q4_K", 24, 65 * 256), quant_weight("Q8_0", 24, 264 * 32)]  # sums over K > 8192
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            x = torch.randn(1, 128)
+            linear_many(x, [w for w, _ in ws[:3]])  # row views of one joined matrix (storage offsets)
+            for w, w64 in ws:
+                x = torch.randn(2, w.shape[1])
+                assert_matmul_close(linear(x, w), x, w64)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_auto_falls_back_to_jit_when_the_aot_packages_crash(monkeypatch, capsys, jit_kernels):
+    checked = cpu_pack._verified
+    monkeypatch.delenv("LLMX_CPU_GEMV", raising=False)
+    monkeypatch.setattr(cpu_pack, "_RUNNERS", [])
+    monkeypatch.setattr(cpu_pack, "_build_all", lambda *_: None)  # as if the packages were there
+    monkeypatch.setattr(cpu_pack, "_runner", _no_aot)
+    monkeypatch.setattr(
+        cpu_pack,
+        "_verified",
+        lambda folder, path: "crashes (SIGSEGV)" if path == "aot" else checked(folder, path),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a working fallback is no reason for a warning
+        runners = cpu_pack.compiled_kernels()
+    assert runners["u4_offset"].__qualname__.startswith("_jit_runners")
+    assert "with torch.compile (aot: crashes (SIGSEGV))" in capsys.readouterr().err
+    w, w64 = quant_weight("Q4_K", n=32, k=256)
+    x = torch.randn(1, 256)
+    assert w.packed.gemv is not None
+    assert_matmul_close(linear(x, w), x, w64)
+
+
+@pytest.mark.parametrize("path", ["auto", "jit"])
+def test_without_any_compiled_kernel_decode_is_dequantized(monkeypatch, path):
+    monkeypatch.setenv("LLMX_CPU_GEMV", path)
+    monkeypatch.setattr(cpu_pack, "_RUNNERS", [])
+    monkeypatch.setattr(cpu_pack, "_build_all", lambda *_: None)
+    monkeypatch.setattr(cpu_pack, "_verified", lambda folder, path: None if path == "jit" else "crashes")
+
+    def compiler_fails():
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(cpu_pack, "_jit_runners", compiler_fails)
+    expected = "aot: crashes; jit: InvalidCxxCompiler" if path == "auto" else r"\(jit: InvalidCxxCompiler"
+    with pytest.warns(UserWarning, match=expected):
+        assert cpu_pack.compiled_kernels() == {}
+    w, w64 = quant_weight("Q5_1", n=32, k=256)
+    assert w.packed.gemv is None
+    x = torch.randn(1, 256)
+    assert_matmul_close(linear(x, w), x, w64)
+
+
+def test_cpu_gemv_eager_and_bad_values(monkeypatch):
+    monkeypatch.setattr(cpu_pack, "_RUNNERS", [])
+    monkeypatch.setattr(cpu_pack, "_aot_kernels", _no_aot)
+    monkeypatch.setattr(cpu_pack, "_jit_kernels", _no_aot)
+    monkeypatch.setenv("LLMX_CPU_GEMV", "eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for: no warning
+        assert cpu_pack.compiled_kernels() == {}
+    monkeypatch.setattr(cpu_pack, "_RUNNERS", [])
+    monkeypatch.setenv("LLMX_CPU_GEMV", "fast")
+    with pytest.raises(LlmxError, match="LLMX_CPU_GEMV='fast' is not one of auto, aot, jit, eager"):
+        cpu_pack.compiled_kernels()

@@ -6,11 +6,17 @@ wider ones as int8) and float32 scales/offsets. Nothing is rounded: every scale 
 float32 value the reference computes, so results are exact up to float32 summation order.
 
 Kernels:
-- `gemv` (one row of x, i.e. decode): `gemv_torch` below, compiled ahead of time by AOTInductor
-  into one vectorized OpenMP loop per code width. The packages are built once per machine and
-  torch version in a subprocess (~1 min; cached under LLMX_CACHE_DIR, default ~/.cache/llmx), so
-  the serving process never imports the compiler and pays ~5-10 us per call. Without a working
-  C++ toolchain there is no GEMV and every batch takes the dequantize path (slower, same results).
+- `gemv` (one row of x, i.e. decode): `gemv_torch` below, compiled by Inductor into one vectorized
+  OpenMP loop per code width (every shape shares it). LLMX_CPU_GEMV picks how; the default, auto,
+  takes the first of these that works:
+  - aot: AOTInductor packages, built once per machine and torch version in a subprocess (~1 min;
+    cached under LLMX_CACHE_DIR, default ~/.cache/llmx), so the serving process never imports the
+    compiler and pays ~5-10 us per call;
+  - jit: where those cannot be built or loaded (some torch builds crash in the package loader),
+    torch.compile in this process at load (~5 s, ~30 s the first time on a machine), the same loops
+    at ~25 us per call;
+  - eager: no compiled GEMV: every batch takes the dequantize path (slower, same results), as it does
+    without a working C++ toolchain.
 - `dequantize_into` (many rows of x, i.e. prompts): eager in-place unpacking of a chunk of rows
   into a reused float32 buffer, followed by a dense `torch.mm` in the caller.
 
@@ -21,24 +27,28 @@ and `lo * scale` is folded into the offset.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import inspect
 import mmap
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from llmx.cache_dir import cache_dir
+from llmx.errors import LlmxError
 from llmx.quant import QType
 from llmx.quant import torch_ops as T
 
@@ -159,6 +169,7 @@ def dequantize_into(pk: PackedCodes, out: torch.Tensor) -> torch.Tensor:
 Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 Gemv = Callable[[torch.Tensor], torch.Tensor]
 _VARIANTS = ("u4_offset", "i8", "i8_offset")  # what pack() produces: 4-bit codes always have an offset
+PATHS = ("auto", "aot", "jit", "eager")  # the values of LLMX_CPU_GEMV
 _RUNNERS: list[dict[str, Runner]] = []  # the compiled kernels by variant, once loaded ({}: none)
 
 
@@ -181,6 +192,55 @@ def compiled_kernels() -> dict[str, Runner]:
 
 def _variant(pk: PackedCodes) -> str:
     return "u4_offset" if pk.bits == 4 else ("i8_offset" if pk.offset is not None else "i8")
+
+
+def _load_or_build() -> dict[str, Runner]:
+    """The kernels of the path LLMX_CPU_GEMV picks: AOTInductor's packages (built first if missing), else
+    torch.compile's; {} (with a warning) when neither works, in which case every batch takes the
+    dequantize path."""
+    path = os.environ.get("LLMX_CPU_GEMV", "auto")
+    if path not in PATHS:
+        raise LlmxError(f"LLMX_CPU_GEMV={path!r} is not one of {', '.join(PATHS)}")
+    folder, problems = _cache_dir(), []
+    for name, kernels in (("aot", _aot_kernels), ("jit", _jit_kernels)):
+        if path in ("auto", name):
+            runners, problem = kernels(folder, problems)
+            if runners:
+                return runners
+            problems.append(f"{name}: {problem}")
+    if problems:
+        warnings.warn(
+            f"llmx: no compiled CPU kernels ({'; '.join(problems)}); decoding will be slower", stacklevel=3
+        )
+    return {}
+
+
+def _aot_kernels(folder: Path, _: list[str]) -> tuple[dict[str, Runner], str | None]:
+    """The AOTInductor packages of every variant, built first if missing; or why there are none."""
+    missing = [v for v in _VARIANTS if not (folder / f"{v}.pt2").exists()]
+    problem = _build_all(folder, missing) if missing else None
+    if problem is None:
+        problem = _verified(folder, "aot")
+    if problem is not None:
+        return {}, problem
+    return {v: _runner(folder, v) for v in _VARIANTS}, None
+
+
+def _jit_kernels(folder: Path, problems: list[str]) -> tuple[dict[str, Runner], str | None]:
+    """gemv_torch compiled in this process by torch.compile (Inductor's C++/OpenMP code), checked against
+    the eager kernel and warmed up here so that the first token does not pay for it; or why there are
+    none. ~5 s on 2 cores; ~30 s the first time on a machine (the check in a subprocess, a cold cache)."""
+    problem = _verified(folder, "jit")  # a crash while compiling or running must not take this process down
+    if problem is not None:
+        return {}, problem
+    after = f" ({problems[-1]})" if problems else ""
+    print(f"llmx: compiling CPU kernels {', '.join(_VARIANTS)} with torch.compile{after}", file=sys.stderr)
+    try:
+        runners = _jit_runners()
+        _check(runners)
+    except Exception as e:  # any failure of the compiler means: no kernels
+        return {}, (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return runners, None
 
 
 class _Gemv(torch.nn.Module):
@@ -220,20 +280,6 @@ def _read(path: str) -> str:
         return ""
 
 
-def _load_or_build() -> dict[str, Runner]:
-    """The packages of every variant, built first if missing; {} (with a warning) when that fails,
-    in which case every batch takes the dequantize path."""
-    folder = _cache_dir()
-    missing = [v for v in _VARIANTS if not (folder / f"{v}.pt2").exists()]
-    problem = _build_all(folder, missing) if missing else None
-    if problem is None and not _verified(folder):
-        problem = "they do not run with this torch"
-    if problem is not None:
-        warnings.warn(f"llmx: no compiled CPU kernels ({problem}); decoding will be slower", stacklevel=3)
-        return {}
-    return {v: _runner(folder, v) for v in _VARIANTS}
-
-
 def _build_all(folder: Path, variants: list[str]) -> str | None:
     """Build `variants` into `folder`, one subprocess each, in parallel (the compiler never enters
     this process); the reason it failed, or None."""
@@ -259,34 +305,53 @@ def _runner(folder: Path, variant: str) -> Runner:
     return load(str(folder / f"{variant}.pt2"), "model", False, 1, -1).run
 
 
-def _verified(folder: Path) -> bool:
-    """Whether the packages load and run: tried once in a subprocess (some torch builds crash in the
-    package loader, which must not take the serving process down), the verdict kept beside them."""
-    marker = folder / "verified"
+def _verified(folder: Path, path: str) -> str | None:
+    """None if the kernels of `path` run here ("aot": the packages in `folder`; "jit": torch.compile's),
+    else why not: tried once in a subprocess (some torch builds crash in AOTInductor's package loader,
+    which must not take the serving process down), the verdict kept in `folder` where it can be."""
+    tag = "" if path == "aot" else "-jit-" + hashlib.sha256(_JIT_SOURCE.encode()).hexdigest()[:12]
+    marker = folder / f"verified{tag}"
     if not marker.exists():
         check = subprocess.run(
-            [sys.executable, "-m", "llmx.quant.cpu_pack", str(folder), "--check"], capture_output=True
+            [sys.executable, "-m", "llmx.quant.cpu_pack", str(folder), f"--check-{path}"], capture_output=True
         )
-        marker.write_text("ok" if check.returncode == 0 else "crashes")
-    return marker.read_text() == "ok"
+        last = (check.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
+        if check.returncode == 0:
+            verdict = "ok"
+        elif check.returncode < 0:
+            verdict = f"they crash with this torch ({signal.Signals(-check.returncode).name})"
+        else:
+            verdict = f"they fail with this torch: {last}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            marker.write_text(verdict)
+        except OSError:
+            return None if verdict == "ok" else verdict  # checked again next time
+    verdict = marker.read_text()
+    return None if verdict == "ok" else verdict
 
 
-def _check(folder: Path) -> None:
-    """Run every variant once on a small packed matrix against the eager kernel (the subprocess side)."""
+def _check(runners: dict[str, Runner]) -> None:
+    """Run every variant against the eager kernel: on a decode-sized matrix (the first call, which a JIT
+    kernel is compiled for: its sizes pick the loops that OpenMP shares out), a tiny one and one with
+    K > 8192 (the latter two must reuse that kernel)."""
     rng = torch.Generator().manual_seed(0)
     for variant in _VARIANTS:
         four_bit, with_offset = variant.startswith("u4"), variant.endswith("offset")
-        n, g, width = 8, 3, 16
-        codes = torch.randint(0, 255, (n, g, width), generator=rng, dtype=torch.uint8)
-        codes = codes if four_bit else codes.view(torch.int8)
-        scale, offset = (
-            torch.rand(n, g, generator=rng),
-            torch.rand(n, g, generator=rng) if with_offset else None,
-        )
-        x = torch.randn(1, g, 2 * width if four_bit else width, generator=rng)
-        args = [x, codes, scale] + ([offset] if offset is not None else [])
-        got = _runner(folder, variant)(args)[0]
-        assert torch.allclose(got, gemv_torch(x, codes, scale, offset), atol=1e-4), variant
+        for n, g, width in ((1536, 136, 16 if four_bit else 32), (8, 3, 16), (24, 520, 16)):
+            codes = torch.randint(0, 255, (n, g, width), generator=rng, dtype=torch.uint8)
+            codes = codes if four_bit else codes.view(torch.int8)
+            scale, offset = (
+                torch.rand(n, g, generator=rng),
+                torch.rand(n, g, generator=rng) if with_offset else None,
+            )
+            x = torch.randn(1, g, 2 * width if four_bit else width, generator=rng)
+            args = [x, codes, scale] + ([offset] if offset is not None else [])
+            got, want = runners[variant](args)[0], gemv_torch(x, codes, scale, offset)
+            magnitude = codes if four_bit else codes.short().abs()  # scale, offset >= 0 here
+            size = gemv_torch(x.abs(), magnitude, scale, offset)  # sum |x w|: bounds any rounding
+            if not ((got - want).abs() <= 2e-5 * size).all():  # float32 sums in another order, no worse
+                raise ValueError(f"the {variant} kernel is wrong for a {n}x{g}x{width} matrix")
 
 
 def _build(folder: Path, variant: str) -> None:
@@ -312,6 +377,72 @@ def _build(folder: Path, variant: str) -> None:
         os.replace(package, folder / f"{variant}.pt2")  # atomic: a concurrent loader sees all or nothing
 
 
+# --- the same kernels compiled in-process, where AOTInductor's packages cannot be loaded --------------
+
+
+_JIT_CONFIG = {"cpp.enable_floating_point_contract_flag": "fast"}  # as `_build`: FMAs, float32 sums
+
+
+@functools.cache
+def _jit_compile() -> Callable[..., torch.Tensor]:
+    """gemv_torch through torch.compile (one per process: every variant and shape shares it).
+
+    All sizes are symbolic (dynamic=True), so one kernel per variant serves every matrix; its loops are
+    those of the AOT packages, with the same FP-contract flag. Inductor would sum float32 reductions
+    longer than 4096 through a cascade helper, and guard on that length (a second kernel per variant,
+    ~2x slower at K=14336): `_plain_float_sums` keeps the one vectorized accumulation, as in AOT.
+    """
+    from torch._inductor.compile_fx import compile_fx  # only loaded when this path is taken
+
+    def inductor(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        with _plain_float_sums():
+            return compile_fx(gm, example_inputs, config_patches=_JIT_CONFIG)
+
+    return torch.compile(gemv_torch, backend=inductor, dynamic=True, fullgraph=True)
+
+
+@contextlib.contextmanager
+def _plain_float_sums() -> Iterator[None]:
+    """Inductor's C++ code generator without its cascade summation of long float32 reductions (a no-op
+    on a torch whose code generator is laid out otherwise: there, K > 4096 costs a second kernel)."""
+    from torch._inductor.codegen import cpp
+
+    kernel = getattr(cpp, "CppKernel", None)
+    original = getattr(kernel, "need_use_acc_helper", None)
+    if original is None:
+        yield
+        return
+
+    def need_use_acc_helper(self, reduction_type, dtype, use_scalar):
+        return reduction_type != "sum" and original(self, reduction_type, dtype, use_scalar)
+
+    kernel.need_use_acc_helper = need_use_acc_helper
+    try:
+        yield
+    finally:
+        kernel.need_use_acc_helper = original
+
+
+def _jit_runners() -> dict[str, Runner]:
+    """A Runner per variant over `_jit_compile()`, every call made in inference mode with an inference x
+    (the state the kernel was compiled for: anything else would compile it again); outside inference
+    mode (tests) the result is copied out as a normal tensor."""
+    gemv = _jit_compile()
+
+    def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                y = run(args)[0]
+            return [y.clone()]
+        x, *weights = args
+        return [gemv(x if x.is_inference() else x.clone(), *weights, *[None] * (3 - len(weights)))]
+
+    return dict.fromkeys(_VARIANTS, run)
+
+
+_JIT_SOURCE = "".join(inspect.getsource(f) for f in (_jit_compile, _plain_float_sums, _jit_runners, _check))
+
+
 # --- giving back the pages of the file --------------------------------------------------------------
 
 _MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages (clean file pages are dropped, never lost)
@@ -332,4 +463,9 @@ def release_pages(t: torch.Tensor) -> None:
 
 
 if __name__ == "__main__":
-    _check(Path(sys.argv[1])) if sys.argv[2] == "--check" else _build(Path(sys.argv[1]), sys.argv[2])
+    if sys.argv[2] == "--check-aot":
+        _check({v: _runner(Path(sys.argv[1]), v) for v in _VARIANTS})
+    elif sys.argv[2] == "--check-jit":
+        _check(_jit_runners())
+    else:
+        _build(Path(sys.argv[1]), sys.argv[2])
