@@ -261,8 +261,11 @@ def kernel_for(w: QWeight, m: int, kernel: str | None = None) -> str:
 
 def default_dot8(name: str, m: int) -> GemvConfig:
     """Integer-dot GEMV launch shape: BN rows a program, BK weights a step (a multiple of the type's
-    block), so that each program has a few KB of codes in flight per step."""
-    return {"Q8_0": GemvConfig(4, 512, 4), "Q4_K": GemvConfig(4, 512, 4)}.get(name, GemvConfig(4, 256, 4))
+    block); from an H200 sweep on the Llama-3-8B FFN shapes (bench/kernels.py --sweep)."""
+    return _DOT8_M1.get(name, GemvConfig(4, 1024, 4))
+
+
+_DOT8_M1 = {"Q8_0": GemvConfig(2, 1024, 2), "Q4_K": GemvConfig(4, 2048, 4), "Q6_K": GemvConfig(4, 1024, 4)}
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:

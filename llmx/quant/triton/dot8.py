@@ -22,7 +22,7 @@ Under TRITON_INTERPRET=1 (no PTX) `dp4a` is spelled out with shifts, with the sa
 import triton
 import triton.language as tl
 
-from llmx.quant.triton.bits import f16, u8
+from llmx.quant.triton.bits import f16
 from llmx.quant.triton.kquants import scale_min_k4
 
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
@@ -90,34 +90,45 @@ def _x(xq_ptr, word, ok):
 
 
 @triton.jit
-def _q8_0(w_ptr, xq_ptr, dx_ptr, row_w, u, ok, K, ASM: tl.constexpr):
-    """[BN, U, 2] partial dots of Q8_0 blocks `u` (prepared rows: 32-byte bodies, then the fp16 d's)."""
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    words = _quad(row_w, 8, u, 2, 4)
-    ok4 = ok[None, :, None, None]
-    dot = tl.sum(
-        dp4a(tl.load(w32 + words), _x(xq_ptr, words - row_w[:, None, None, None], ok4), True, ASM), 3
+def _q8_0_load(w_ptr, row_w, u, K):
+    """Q8_0 blocks `u` of the rows (prepared: 32-byte bodies, then the fp16 d's): codes
+    [BN, U, 2, 4] words and d [BN, U, 2] (each block's d twice: shaped like the partial sums, so
+    that both land in one register layout without a shared-memory shuffle)."""
+    codes = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + _quad(row_w, 8, u, 2, 4))
+    half = tl.arange(0, 2)[None, None, :]
+    d = f16(w_ptr, row_w[:, None, None] * 4 + (K // 32) * 32 + u[None, :, None] * 2 + 0 * half)
+    return codes, d
+
+
+@triton.jit
+def _q8_0(codes, d, xq_ptr, dx_ptr, row_w, u, ok, ASM: tl.constexpr):
+    """[BN, U, 2] partial dots of loaded Q8_0 blocks `u`."""
+    xw = _x(xq_ptr, _quad(row_w * 0, 8, u, 2, 4), ok[None, :, None, None])
+    dot = tl.sum(dp4a(codes, xw, True, ASM), 3)
+    dx = tl.load(
+        dx_ptr + u[None, :, None] + 0 * tl.arange(0, 2)[None, None, :], mask=ok[None, :, None], other=0.0
     )
-    d = f16(w_ptr, row_w[:, None, None] * 4 + (K // 32) * 32 + u[None, :, None] * 2)
-    dx = tl.load(dx_ptr + u[None, :, None], mask=ok[None, :, None], other=0.0)
     return dot.to(tl.float32) * d * dx
 
 
 @triton.jit
-def _q4_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr):
-    """[BN, U, 8] partial dots of Q4_K super-blocks `u` (144 bytes: d, dmin, 12 scale bytes, 128
-    code bytes). Code word i holds weights 4(i%8)..+3 of sub-block 2(i//8) in its low nibbles and
-    of sub-block 2(i//8)+1 in its high nibbles; quad e is words 4e..4e+3."""
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    codes = tl.load(w32 + _quad(row_w, 36, u, 8, 4) + 4)
+def _q4_k_load(w_ptr, row_w, u):
+    """Q4_K super-blocks `u` (144 bytes: d, dmin, 12 scale bytes, 128 code bytes): the codes,
+    [BN, U, 8, 4] words. The header shares the codes' first 32-byte sector, so it arrives with them."""
+    return tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + _quad(row_w, 36, u, 8, 4) + 4)
+
+
+@triton.jit
+def _q4_k(codes, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr):
+    """[BN, U, 8] partial dots of loaded Q4_K super-blocks `u`. Code word i holds weights
+    4(i%8)..+3 of sub-block 2(i//8) in its low nibbles and of sub-block 2(i//8)+1 in its high
+    nibbles; quad e is words 4e..4e+3."""
     xw = _quad(row_w * 0, 64, u, 8, 4)  # x words of the same weights if they were all low nibbles
     e4 = tl.arange(0, 8)[None, None, :, None]
-    x_lo = xw + 8 * (e4 // 2)  # low nibbles of quad e: x words 16(e//2) + 4(e%2) + lane ...
+    x_lo = xw + 8 * (e4 // 2)  # low nibbles of quad e: x words 16(e//2) + 4(e%2) + lane; high: 8 on
     ok4 = ok[None, :, None, None]
     s_lo = tl.sum(dp4a(codes & LOW_NIBBLES, _x(xq_ptr, x_lo, ok4), False, ASM), 3)
-    s_hi = tl.sum(
-        dp4a((codes >> 4) & LOW_NIBBLES, _x(xq_ptr, x_lo + 8, ok4), False, ASM), 3
-    )  # ... high: 8 on
+    s_hi = tl.sum(dp4a((codes >> 4) & LOW_NIBBLES, _x(xq_ptr, x_lo + 8, ok4), False, ASM), 3)
     e = tl.arange(0, 8)[None, None, :]
     j = 2 * (e // 2)  # sub-block of the low nibbles; j + 1 for the high ones
     blk_b = (row_w[:, None] + u[None, :] * 36)[:, :, None] * 4
@@ -135,41 +146,64 @@ def _q4_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q6_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, K, ASM: tl.constexpr):
-    """[BN, U, 4] partial dots of Q6_K super-blocks `u` (prepared rows: 208-byte bodies first).
+def _q6_k_load(w_ptr, row_w, u):
+    """Q6_K super-blocks `u` (prepared rows: 208-byte bodies of ql[128], qh[64], scales[16]):
+    ql_a, ql_b, qh [BN, U, 4, 4] words and the two scale words of each quad, [BN, U, 4].
 
     Per half h of 128 weights: ql word c (c < 8) holds the low nibbles of quarter 0 (and, high
     nibbles, quarter 2) at weights 4c..4c+3, ql word 8 + c those of quarters 1 and 3, and qh word c
     the 2 high bits of all four quarters at bits 0-1, 2-3, 4-5, 6-7 of each byte. Quad e = (h,
-    c//4) of the qh words meets quads of ql at 16h + 4(e%2) and 8 words on.
+    c//4) of the qh words meets quads of ql at 16h + 4(e%2) and 8 words on; its scales (one per
+    16 weights, 8h + 2 * quarter + e%2) are in scale words 2h (quarters 0, 1) and 2h + 1.
     """
     w32 = w_ptr.to(tl.pointer_type(tl.int32))
     e4 = tl.arange(0, 4)[None, None, :, None]
     qh_w = _quad(row_w, 52, u, 4, 4) + 32
-    ql_w = qh_w - 32 + 8 * (e4 // 2)  # 16h + 4(e%2) + lane
-    ql_a, ql_b, qh = tl.load(w32 + ql_w), tl.load(w32 + ql_w + 8), tl.load(w32 + qh_w)
+    ql_w = qh_w - 32 + 8 * (e4 // 2)
+    e = tl.arange(0, 4)[None, None, :]
+    sc_w = (row_w[:, None] + u[None, :] * 52)[:, :, None] + 48 + 2 * (e // 2)
+    return (
+        tl.load(w32 + ql_w),
+        tl.load(w32 + ql_w + 8),
+        tl.load(w32 + qh_w),
+        tl.load(w32 + sc_w),
+        tl.load(w32 + sc_w + 1),
+    )
+
+
+@triton.jit
+def _q6_k(ql_a, ql_b, qh, sc01, sc23, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, K, ASM: tl.constexpr):
+    """[BN, U, 4] partial dots of loaded Q6_K super-blocks `u` (see `_q6_k_load`)."""
     quarters = (
         (ql_a & LOW_NIBBLES) | ((qh << 4) & HIGH_PAIRS),
         (ql_b & LOW_NIBBLES) | ((qh << 2) & HIGH_PAIRS),
         ((ql_a >> 4) & LOW_NIBBLES) | (qh & HIGH_PAIRS),
         ((ql_b >> 4) & LOW_NIBBLES) | ((qh >> 2) & HIGH_PAIRS),
     )
+    e4 = tl.arange(0, 4)[None, None, :, None]
     x0 = _quad(row_w * 0, 64, u, 4, 4) + 24 * (e4 // 2)  # quarter 0's x: word 32h + 4(e%2) + lane
     ok4 = ok[None, :, None, None]
     e = tl.arange(0, 4)[None, None, :]
-    body_b = (row_w[:, None] + u[None, :] * 52)[:, :, None] * 4
     ok3 = ok[None, :, None]
-    acc = tl.zeros(body_b.shape, tl.float32)
+    acc = tl.zeros(sc01.shape, tl.float32)
     for kq in tl.static_range(4):
         s = tl.sum(dp4a(quarters[kq], _x(xq_ptr, x0 + 8 * kq, ok4), False, ASM), 3)
-        grp16 = 8 * (e // 2) + 2 * kq + e % 2  # scale index: 16 weights a scale
-        sc = ((u8(w_ptr, body_b + 192 + grp16) ^ 0x80) - 128).to(tl.float32)
-        row16 = u[None, :, None] * 16 + grp16
+        word = sc01 if kq < 2 else sc23
+        byte = 2 * (kq % 2) + e % 2
+        sc = ((word << (24 - 8 * byte)) >> 24).to(tl.float32)  # the int8 scale
+        row16 = u[None, :, None] * 16 + 8 * (e // 2) + 2 * kq + e % 2
         dx = tl.load(dx_ptr + row16 // 2, mask=ok3, other=0.0)
         xsum = tl.load(xs_ptr + row16, mask=ok3, other=0)
         acc += sc * dx * (s - 32 * xsum).to(tl.float32)
     d = f16(w_ptr, row_w[:, None, None] * 4 + (K // 256) * 208 + u[None, :, None] * 2)
     return d * acc
+
+
+@triton.jit
+def _units(u0, BU: tl.constexpr, n_units):
+    """Blocks u0..u0+BU-1, clamped to the last one (for loads), and which of them exist."""
+    u = u0 + tl.arange(0, BU)
+    return tl.minimum(u, n_units - 1), u < n_units
 
 
 @triton.jit
@@ -179,23 +213,39 @@ def gemv8_kernel(
     ASM: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
-    for Q8_0, 256 for the K-quants; QUADS: partial sums a block). Partial sums stay in registers,
-    [BN, BU, QUADS], and are reduced once after the loop, so the loop has no cross-thread traffic.
-    Out-of-range rows are clamped to the last one (and not stored); out-of-range blocks read x as 0.
+    for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
+
+    Each step loads the next step's weights before computing on the current ones (Triton does not
+    pipeline loads that feed no tl.dot), so two steps of codes are in flight. Partial sums stay
+    in registers, [BN, BU, QUADS], and are reduced once after the loop: the loop has no
+    cross-thread traffic. Out-of-range rows are clamped to the last one (and not stored);
+    out-of-range blocks read x as 0.
     """
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     row_w = tl.minimum(rn, N - 1).to(tl.int64) * swn_words
     n_units = K // UNIT
     acc = tl.zeros([BN, BU, QUADS], tl.float32)
-    for u0 in range(0, n_units, BU):
-        u = u0 + tl.arange(0, BU)
-        ok = u < n_units
-        uc = tl.minimum(u, n_units - 1)
-        if QT == "Q8_0":
-            acc += _q8_0(w_ptr, xq_ptr, dx_ptr, row_w, uc, ok, K, ASM)
-        elif QT == "Q4_K":
-            acc += _q4_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, uc, ok, ASM)
-        else:
-            tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
-            acc += _q6_k(w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, uc, ok, K, ASM)
+    u, ok = _units(0, BU, n_units)
+    if QT == "Q8_0":
+        codes, d = _q8_0_load(w_ptr, row_w, u, K)
+        for u0 in range(0, n_units, BU):
+            u_next, ok_next = _units(u0 + BU, BU, n_units)
+            codes_next, d_next = _q8_0_load(w_ptr, row_w, u_next, K)
+            acc += _q8_0(codes, d, xq_ptr, dx_ptr, row_w, u, ok, ASM)
+            codes, d, u, ok = codes_next, d_next, u_next, ok_next
+    elif QT == "Q4_K":
+        codes = _q4_k_load(w_ptr, row_w, u)
+        for u0 in range(0, n_units, BU):
+            u_next, ok_next = _units(u0 + BU, BU, n_units)
+            codes_next = _q4_k_load(w_ptr, row_w, u_next)
+            acc += _q4_k(codes, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM)
+            codes, u, ok = codes_next, u_next, ok_next
+    else:
+        tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
+        ql_a, ql_b, qh, sc01, sc23 = _q6_k_load(w_ptr, row_w, u)
+        for u0 in range(0, n_units, BU):
+            u_next, ok_next = _units(u0 + BU, BU, n_units)
+            na, nb, nh, n01, n23 = _q6_k_load(w_ptr, row_w, u_next)
+            acc += _q6_k(ql_a, ql_b, qh, sc01, sc23, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, K, ASM)
+            ql_a, ql_b, qh, sc01, sc23, u, ok = na, nb, nh, n01, n23, u_next, ok_next
     tl.store(out_ptr + rn, tl.sum(tl.sum(acc, axis=2), axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
