@@ -191,9 +191,7 @@ def jit_kernels():
         mp.setattr(cpu_pack, "_RUNNERS", [])
         mp.setattr(cpu_pack, "_aot_kernels", _no_aot)
         graphs = counters["stats"]["unique_graphs"]
-        runners = (
-            cpu_pack.compiled_kernels()
-        )  # compiles, unless an earlier test did, and checks every variant
+        runners = cpu_pack.compiled_kernels()  # compiled unless an earlier test did; checked here
     assert set(runners) == {"u4_offset", "i8", "i8_offset"}
     return runners, counters["stats"]["unique_graphs"] - graphs
 
@@ -249,7 +247,7 @@ def test_auto_falls_back_to_jit_when_the_aot_packages_crash(monkeypatch, capsys,
     monkeypatch.setattr(
         cpu_pack,
         "_verified",
-        lambda folder, path: "crashes (SIGSEGV)" if path == "aot" else checked(folder, path),
+        lambda folder, kind: "crashes (SIGSEGV)" if kind == "aot" else checked(folder, kind),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a working fallback is no reason for a warning
@@ -267,7 +265,7 @@ def test_without_any_compiled_kernel_decode_is_dequantized(monkeypatch, path):
     monkeypatch.setenv("LLMX_CPU_GEMV", path)
     monkeypatch.setattr(cpu_pack, "_RUNNERS", [])
     monkeypatch.setattr(cpu_pack, "_build_all", lambda *_: None)
-    monkeypatch.setattr(cpu_pack, "_verified", lambda folder, path: None if path == "jit" else "crashes")
+    monkeypatch.setattr(cpu_pack, "_verified", lambda folder, kind: None if kind == "jit" else "crashes")
 
     def compiler_fails():
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
