@@ -78,3 +78,21 @@ def test_allocated_bytes_match_the_plan(model_path):
     use = model.plan.device_use("cuda:0")
     planned = use.weights + use.kv
     assert abs(measured - planned) <= 0.05 * planned, (measured, planned)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"n_gpu_layers": "all", "split_mode": "layer", "tensor_split": "1,1"},
+        {"n_gpu_layers": "all", "split_mode": "row", "tensor_split": "1,1"},
+        {"n_gpu_layers": 20, "split_mode": "layer", "tensor_split": "3,1"},
+    ],
+    ids=["layer-split", "row-split", "layer-split-hybrid"],
+)
+def test_two_gpus_greedy_matches_cpu(model_path, cpu_tokens, options):
+    model = llmx.load(model_path, ctx_size=512, **options)
+    devices = {str(d) for d in model.engine.executor.layer_devices}
+    assert {"cuda:0", "cuda:1"} <= devices or options["split_mode"] == "row"
+    assert greedy_ids(model) == cpu_tokens
