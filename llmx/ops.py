@@ -25,6 +25,7 @@ __all__ = [
     "LayerKV",
     "Rope",
     "RowSplit",
+    "add_rms_norm",
     "attention",
     "causal_mask",
     "embedding",
@@ -41,6 +42,14 @@ __all__ = [
 FUSED_ATTENTION = os.environ.get("LLMX_FUSED_ATTENTION", "auto")
 if FUSED_ATTENTION not in ("auto", "on", "off"):
     raise LlmxError(f"LLMX_FUSED_ATTENTION={FUSED_ATTENTION!r} is not one of auto, on, off")
+
+# Likewise for the row ops of a decode step (rms_norm, add_rms_norm, swiglu's silu(g) * u): steps of
+# at most FUSED_NORM_MAX_TOKENS tokens on a GPU take `llmx.kernels.norm` ("auto"), one launch each.
+FUSED_NORM = os.environ.get("LLMX_FUSED_NORM", "auto")
+if FUSED_NORM not in ("auto", "on", "off"):
+    raise LlmxError(f"LLMX_FUSED_NORM={FUSED_NORM!r} is not one of auto, on, off")
+FUSED_NORM_MAX_TOKENS = 16
+FUSED_NORM_MAX_WIDTH = 16384  # the widest row the norm kernels hold in registers (norm.MAX_WIDTH)
 
 
 @dataclass
@@ -66,8 +75,36 @@ def linear(x: torch.Tensor, w: QWeight | RowSplit) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., E] scaled to unit root-mean-square, then by `weight` [E] (brought to x: a few KB)."""
+    """x [T, ..., E] scaled to unit root-mean-square, then by `weight` [E] (brought to x: a few KB)."""
+    if _fused_rows(x) and x.shape[-1] <= FUSED_NORM_MAX_WIDTH:
+        from llmx.kernels import norm
+
+        return norm.rms_norm(x, weight.to(x.device), eps)
     return F.rms_norm(x, (x.shape[-1],), weight.to(x.device), eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's next value and its norm: h = x + delta, (h, rms_norm(h, weight, eps)).
+    One launch for decode steps on a GPU (see FUSED_NORM)."""
+    same = delta.shape == x.shape and delta.dtype == x.dtype and delta.device == x.device
+    if same and _fused_rows(x) and x.shape[-1] <= FUSED_NORM_MAX_WIDTH:
+        from llmx.kernels import norm
+
+        return norm.add_rms_norm(x, delta, weight.to(x.device), eps)
+    h = x + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def _fused_rows(x: torch.Tensor) -> bool:
+    """Whether `llmx.kernels.norm` takes x [T, ..., E]: a few tokens of a float dtype, and Triton
+    at hand (FUSED_NORM "auto" also wants x on a GPU)."""
+    if FUSED_NORM == "off" or x.dim() == 0 or (x.dim() > 1 and x.shape[0] > FUSED_NORM_MAX_TOKENS):
+        return False
+    if FUSED_NORM == "auto" and not (x.is_cuda and _has_triton()):
+        return False
+    return x.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
 def linear_many(x: torch.Tensor, ws: list[QWeight | RowSplit]) -> list[torch.Tensor]:
@@ -81,6 +118,10 @@ def linear_many(x: torch.Tensor, ws: list[QWeight | RowSplit]) -> list[torch.Ten
 def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor:
     """The gated FFN of Llama-family models: down(silu(gate(x)) * up(x))."""
     g, u = linear_many(x, [gate, up])
+    if _fused_rows(g) and u.shape == g.shape and u.dtype == g.dtype and u.device == g.device:
+        from llmx.kernels import norm
+
+        return linear(norm.silu_mul(g, u), down)
     return linear(F.silu(g) * u, down)
 
 

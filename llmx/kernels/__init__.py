@@ -4,4 +4,5 @@ Only `llmx.ops` imports them, lazily and only for CUDA tensors (or when a test f
 TRITON_INTERPRET=1), so CPU-only installs never load triton.
 
 - `decode_attention`: one decode token's RoPE, KV-cache write and attention in two launches.
+- `norm`: RMSNorm, residual add + RMSNorm, and silu(g) * u of a few rows, one launch each.
 """

@@ -20,7 +20,7 @@ from typing import Any, Self
 import torch
 
 from llmx.models.common import Config, Model, Step, TensorGroup
-from llmx.ops import gelu_tanh, linear, linear_many, rms_norm
+from llmx.ops import add_rms_norm, gelu_tanh, linear, linear_many, rms_norm
 
 LOCAL_ROPE_BASE = 10000.0
 GEMMA3_27B_LAYERS = 62
@@ -70,8 +70,8 @@ class Gemma3(Model):
         rope, window = (self.rope, None) if c.is_global(i) else (self.local_rope, c.sliding_window)
         h = rms_norm(x, w.attn_norm, eps)
         attn = self.self_attention(w, h, step, cache_kv, rope=rope, window=window, scale=c.query_scale)
-        x = x + rms_norm(linear(attn, w.attn_output), w.post_attention_norm, eps)
-        h = rms_norm(x, w.ffn_norm, eps)
+        attn = rms_norm(linear(attn, w.attn_output), w.post_attention_norm, eps)
+        x, h = add_rms_norm(x, attn, w.ffn_norm, eps)  # x + attn, and its norm
         gate, up = linear_many(h, [w.ffn_gate, w.ffn_up])
         ffn = linear(gelu_tanh(gate) * up, w.ffn_down)
         return x + rms_norm(ffn, w.post_ffw_norm, eps)

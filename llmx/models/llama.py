@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from llmx.models.common import Model, Step
-from llmx.ops import linear, rms_norm, swiglu
+from llmx.ops import add_rms_norm, linear, rms_norm, swiglu
 
 
 class Llama(Model):
@@ -17,8 +17,9 @@ class Llama(Model):
 
     def block(self, i: int, x: torch.Tensor, step: Step, cache_kv) -> torch.Tensor:
         w, eps = self.layers[i], self.config.norm_eps
-        x = x + linear(self.self_attention(w, rms_norm(x, w.attn_norm, eps), step, cache_kv), w.attn_output)
-        return x + swiglu(rms_norm(x, w.ffn_norm, eps), w.ffn_gate, w.ffn_up, w.ffn_down)
+        attn = self.self_attention(w, rms_norm(x, w.attn_norm, eps), step, cache_kv)
+        h, normed = add_rms_norm(x, linear(attn, w.attn_output), w.ffn_norm, eps)
+        return h + swiglu(normed, w.ffn_gate, w.ffn_up, w.ffn_down)
 
 
 MODEL = Llama

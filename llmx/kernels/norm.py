@@ -1,0 +1,106 @@
+"""RMSNorm, residual add + RMSNorm, and SiLU-gating for decode steps, one launch each.
+
+A decode step's norms are a handful of [1, E] rows: ATen spends ~5 µs a call on them, and the
+residual add before a norm and the `F.silu(g) * u` of a SwiGLU FFN are separate launches again.
+
+- `rms_norm_kernel`, grid (rows,): one program holds a whole row (E <= MAX_WIDTH) in registers,
+  optionally adds the residual delta first (writing the sum too), and scales the row by
+  weight / sqrt(mean(x^2) + eps).
+- `silu_mul_kernel`, grid (rows, column blocks): silu(g) * u for gate and up rows that may be
+  column views of one joined [T, 2F] projection.
+
+Math is float32; outputs take the input's dtype. Intermediates that eager PyTorch rounds to the
+input's dtype (x + delta, silu(g)) are rounded here too, so f16/bf16 results match it closely.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_WIDTH = 16384  # widest row held in registers (16 warps x 32 floats a thread)
+SILU_BLOCK = 1024  # columns per silu_mul program
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`F.rms_norm(x, (E,), weight, eps)` for x [..., E] (E <= MAX_WIDTH), weight [E]: x's dtype out."""
+    return _launch(x, None, weight, eps)[1]
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + delta and rms_norm(h, weight, eps) in one pass: (h, normed), both [..., E] in x's dtype."""
+    return _launch(x, delta, weight, eps)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for g, u [..., F] of one dtype (last axis contiguous, rows may be strided)."""
+    f = g.shape[-1]
+    g2, u2 = _rows(g), _rows(u)
+    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    rows = g2.shape[0]
+    if rows:
+        grid = (rows, triton.cdiv(f, SILU_BLOCK))
+        silu_mul_kernel[grid](g2, u2, out, g2.stride(0), u2.stride(0), f, BLOCK=SILU_BLOCK, num_warps=4)
+    return out
+
+
+def _launch(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    e = x.shape[-1]
+    if e > MAX_WIDTH:
+        raise ValueError(f"rows of {e} exceed the kernel's {MAX_WIDTH}")
+    x2 = _rows(x)
+    d2 = x2 if delta is None else _rows(delta)
+    h = x2 if delta is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    block = triton.next_power_of_2(e)
+    if x2.shape[0]:
+        rms_norm_kernel[(x2.shape[0],)](
+            x2, d2, weight, h, y, x2.stride(0), d2.stride(0), e, eps,
+            ADD=delta is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+        )  # fmt: skip
+    return h, y
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, last] with a unit stride along the last axis (a view where possible)."""
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    return t.reshape(-1, t.shape[-1])
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, sx, sd, n, eps, ADD: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Row r of y = rms_norm(x (+ d)); with ADD the sum also goes to h. h and y are contiguous [rows, n]."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        d = tl.load(d_ptr + row * sd + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (x + d).to(h_ptr.dtype.element_ty)  # rounded as eager's x + delta, then normalized
+        tl.store(h_ptr + row * n + cols, h, mask=mask)
+        x = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(g_ptr, u_ptr, out_ptr, sg, su, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(g_ptr + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * su + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty).to(tl.float32)  # eager rounds silu(g)
+    tl.store(out_ptr + row * n + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
