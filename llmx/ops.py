@@ -61,7 +61,10 @@ class RowSplit:
     main: torch.device
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [qw.linear(x.to(p.raw.device, non_blocking=True), p) for p in self.parts]
+        outs = []
+        for p in self.parts:  # Triton launches on the current device: make it the part's
+            with torch.cuda.device(p.raw.device):
+                outs.append(qw.linear(x.to(p.raw.device, non_blocking=True), p))
         return torch.cat([o.to(self.main, non_blocking=True) for o in outs], dim=-1)
 
 

@@ -14,6 +14,7 @@ and bytes of its CPU segments. The engine turns them into the host-time and CPU-
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +49,13 @@ def segments(layer_devices: list[torch.device], head_device: torch.device) -> li
     else:
         out.append(Segment(head_device, range(0), True))
     return out
+
+
+def current_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make `device` CUDA's current device while a segment runs there: Triton launches its kernels
+    on the current device, whatever their tensors' device (on another GPU that is an illegal
+    memory access)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _devices(value: QWeight | RowSplit | torch.Tensor) -> set[torch.device]:
@@ -168,19 +176,25 @@ class Executor:
         """Logits [T or 1, vocab] (float32, CPU) for `ids` placed at positions n_past, n_past+1, ..."""
         t = len(ids)
         counters = self.last = StepCounters()
-        x = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.embed_device))
+        with current_device(self.embed_device):
+            x = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.embed_device))
         positions = torch.arange(n_past, n_past + t)
         for k, seg in enumerate(self._segments):
             arriving = time.perf_counter()
             x = x.to(seg.device)  # from a GPU to the CPU this waits for the GPU's work so far
             if t == 1 and self.use_graphs and seg.device.type == "cuda" and self._graphable[k]:
-                x = self._replay(k, seg, x, n_past)
+                with current_device(seg.device):
+                    x = self._replay(k, seg, x, n_past)
             elif self._offloads(seg, t):
-                x = self._run_streamed(seg, x.to(self._streamer.device), positions, n_past + t, all_logits)
+                with current_device(self._streamer.device):
+                    x = self._run_streamed(
+                        seg, x.to(self._streamer.device), positions, n_past + t, all_logits
+                    )
             else:
                 step = Step(positions.to(seg.device), masked=t > 1, n_read=n_past + t)
                 started = time.perf_counter()
-                x = self._run_segment(seg, x, step, all_logits)
+                with current_device(seg.device):
+                    x = self._run_segment(seg, x, step, all_logits)
                 if seg.device.type == "cpu":
                     counters.waited += started - arriving
                     counters.cpu_seconds += time.perf_counter() - started
