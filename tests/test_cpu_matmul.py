@@ -219,7 +219,8 @@ def test_jit_gemv_matches_the_reference(monkeypatch, jit_kernels, name, n, k, in
 
 
 def test_jit_kernels_serve_every_shape_without_recompiling(monkeypatch, jit_kernels):
-    """One kernel per variant (dynamic sizes; long sums of K > 8192 included) in every grad mode."""
+    """One kernel per variant (dynamic sizes; long sums of K > 8192 included), whichever mode made the
+    weights and x."""
     runners, compiled = jit_kernels
     assert compiled in (0, 3)  # the check at load ran small, decode-sized and long-K matrices
     monkeypatch.setattr(cpu_pack, "_RUNNERS", [runners])
@@ -230,6 +231,7 @@ def test_jit_kernels_serve_every_shape_without_recompiling(monkeypatch, jit_kern
     ws += [quant_weight("Q4_K", 24, 65 * 256), quant_weight("Q8_0", 24, 264 * 32)]  # sums over K > 8192
     for inference in (False, True):
         with torch.inference_mode(inference):
+            ws.append(quant_weight("Q5_K", 24, 256))  # weights loaded in either mode
             x = torch.randn(1, 128)
             linear_many(x, [w for w, _ in ws[:3]])  # row views of one joined matrix (storage offsets)
             for w, w64 in ws:

@@ -180,7 +180,17 @@ def bind_gemv(pk: PackedCodes) -> Gemv | None:
         return None
     g = pk.scale.shape[1]
     tensors = [pk.codes, pk.scale] + ([pk.offset] if pk.offset is not None else [])
+    tensors = [_inference_alias(t) for t in tensors]  # whichever mode made them: one JIT kernel for all
     return lambda x: run([x.view(1, g, -1), *tensors])[0]
+
+
+def _inference_alias(t: torch.Tensor) -> torch.Tensor:
+    """`t` as an inference tensor: the same memory (no copy), made in inference mode."""
+    if t.is_inference():
+        return t
+    with torch.inference_mode():
+        alias = torch.empty(0, dtype=t.dtype)
+        return alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
 def compiled_kernels() -> dict[str, Runner]:
@@ -346,7 +356,8 @@ def _check(runners: dict[str, Runner]) -> None:
                 torch.rand(n, g, generator=rng) if with_offset else None,
             )
             x = torch.randn(1, g, 2 * width if four_bit else width, generator=rng)
-            args = [x, codes, scale] + ([offset] if offset is not None else [])
+            weights = [codes, scale] + ([offset] if offset is not None else [])
+            args = [x] + [_inference_alias(t) for t in weights]  # as `bind_gemv` passes them
             got, want = runners[variant](args)[0], gemv_torch(x, codes, scale, offset)
             magnitude = codes if four_bit else codes.short().abs()  # scale, offset >= 0 here
             size = gemv_torch(x.abs(), magnitude, scale, offset)  # sum |x w|: bounds any rounding
@@ -424,9 +435,10 @@ def _plain_float_sums() -> Iterator[None]:
 
 
 def _jit_runners() -> dict[str, Runner]:
-    """A Runner per variant over `_jit_compile()`, every call made in inference mode with an inference x
-    (the state the kernel was compiled for: anything else would compile it again); outside inference
-    mode (tests) the result is copied out as a normal tensor."""
+    """A Runner per variant over `_jit_compile()`, every call made in inference mode with inference
+    tensors (the state the kernel was compiled for, which dynamo's guards check: anything else would
+    compile it again; `bind_gemv` passes the weights so); outside inference mode (tests) the result is
+    copied out as a normal tensor."""
     gemv = _jit_compile()
 
     def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
