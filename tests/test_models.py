@@ -240,3 +240,12 @@ def test_tiny_gemma3_slides_its_window(tiny):
 
 def test_tiny_prefill_equals_token_by_token_decode(tiny):
     assert prefill_vs_decode(tiny.model, tiny.prompts[0][:40]) < PREFILL_DECODE_MAX_ABS_DIFF
+
+
+@pytest.mark.parametrize(("arch", "packed"), [("llama", False), ("gemma3", True)])
+def test_embedding_table_is_repacked_only_when_it_is_also_the_output(arch, packed, tmp_path):
+    """Llama has its own output matrix, so its token-embedding table is only looked up (a few rows a
+    step) and stays as raw blocks; Gemma 3's tied table is also the head's matrix, so it is packed."""
+    model = llmx.load(write_tiny(arch, "Q8_0", tmp_path), ctx_size=64)
+    table = model.engine.executor.model.top.token_embd
+    assert (table.packed is not None) is packed

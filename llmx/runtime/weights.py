@@ -188,7 +188,15 @@ def load_weights(
             ]
             placed[info.name] = RowSplit(parts, torch.device(plan.device_of(info.name)))
             continue
-        placed[info.name] = w = _finish(info.name, info.qtype, info.shape, raws[info.name], repack)
+        # A token-embedding table that is not also the output matrix here is only read a few rows at
+        # a time: repacking it for the CPU GEMV would cost memory (and, on a first run, building
+        # the CPU kernels) for nothing.
+        lookup_only = info.name == "token_embd.weight" and (
+            "output.weight" in mf.tensors or info.name in plan.extra_copies
+        )
+        placed[info.name] = w = _finish(
+            info.name, info.qtype, info.shape, raws[info.name], repack and not lookup_only
+        )
         if isinstance(w, QWeight) and w.raw.device.type == "cpu":
             report.cpu_formats[w.describe()] = report.cpu_formats.get(w.describe(), 0) + 1
     for name, dev in plan.extra_copies.items():
