@@ -3,6 +3,7 @@ crafting files (good and deliberately broken) without any library in between."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -19,6 +20,14 @@ def _has_cuda() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+# Without a GPU every Triton kernel runs in the interpreter. Triton decides per function when it is
+# decorated, and its own library functions (tl.cdiv, tl.max, ...) are decorated when triton is first
+# imported, which can happen early and indirectly (torch.compile imports it): so it is set here,
+# before any test module is collected.
+if not _has_cuda():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):
