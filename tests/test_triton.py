@@ -175,7 +175,7 @@ def test_dot8(name: str, bk: int) -> None:
     # 6 super-blocks (48 blocks for Q8_0) leave a partial step at BK = 1024; N = 9 a partial program.
     w, ref = random_weight(name, 9, 1536, seed=60)
     w = w if name == "Q4_K" else laid_out(w, name, "prepared")
-    assert tops.kernel_for(w, 1) == "dot8" and tops.kernel_for(w, 2) == "gemv"
+    assert tops.kernel_for(w, 1, "dot8") == "dot8" and tops.kernel_for(w, 2, "dot8") == "gemv"
     check_linear(w, ref, 1, torch.float32, seed=bk, kernel="dot8", gemv=tops.GemvConfig(4, bk, 4))
 
 
@@ -184,13 +184,27 @@ def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:
     w6, ref6 = random_weight("Q6_K", 7, 512, seed=71)
     w8, ref8 = random_weight("Q8_0", 3, 96, seed=72)  # 3 blocks: 102-byte rows, not word-aligned
     w6, w8 = laid_out(w6, "Q6_K", "prepared"), laid_out(w8, "Q8_0", "prepared")
-    assert [tops.kernel_for(w, 1) for w in (w4, w6, w8)] == ["dot8", "dot8", "gemv"]
+    assert [tops.kernel_for(w, 1, "dot8") for w in (w4, w6, w8)] == ["dot8", "dot8", "gemv"]
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(73))
-    outs = tops.linear_many(x.to(DEVICE), [w4, w6])
+    outs = tops.linear_many(x.to(DEVICE), [w4, w6, w6])  # Q4_K on the float GEMV, Q6_K on dot8
     xq = quantized_x_ref(x.numpy())
-    assert rel_err(outs[0], xq @ ref4.T) < TOL[torch.float32]
+    assert rel_err(outs[0], x.double().numpy() @ ref4.T) < TOL[torch.float32]
     assert rel_err(outs[1], xq @ ref6.T) < TOL[torch.float32]
+    assert torch.equal(outs[1], outs[2])
     check_linear(w8, ref8, 1, torch.float32, seed=74)
+
+
+@pytest.mark.parametrize("chunk", [1 << 30, 5 * 512 * 2])
+def test_dequant_matmul_in_half_precision_chunks(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 5 rows a chunk: 33 rows take 7 chunks, the last one partial.
+    monkeypatch.setattr(tops, "DEQUANT_CHUNK_BYTES", chunk)
+    w, ref = random_weight("Q4_K", 33, 512, seed=80)
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(81))
+    x[3] *= 1e6  # far outside fp16's range: the per-row scale keeps it in
+    out = tops.linear(x.to(DEVICE), w, kernel="dequant")
+    assert out.dtype == torch.float32 and out.shape == (17, 33)
+    assert rel_err(out, x.double().numpy() @ ref.T) < GEMM_TOL[torch.float32]
+    assert rel_err(out[3:4], x[3:4].double().numpy() @ ref.T) < GEMM_TOL[torch.float32]
 
 
 def test_quantize_x_matches_the_reference() -> None:
@@ -203,9 +217,10 @@ def test_quantize_x_matches_the_reference() -> None:
 
 
 def test_kernel_choice() -> None:
-    assert [tops.pick_kernel("Q4_K", m) for m in (1, 2, 4, 5, 15, 16)] == ["dot8", "gemv", "gemv"] + [
-        "gemm"
-    ] * 2 + ["dequant"]
+    assert [tops.pick_kernel("Q4_K", m) for m in (1, 4, 5, 15, 16)] == ["gemv"] * 2 + ["gemm"] * 2 + [
+        "dequant"
+    ]
+    assert [tops.pick_kernel("Q6_K", m) for m in (1, 2)] == ["dot8", "gemv"]
     assert [tops.pick_kernel("Q4_1", m) for m in (1, 4, 5)] == ["gemv"] * 2 + ["gemm"]
     assert [tops.pick_kernel("IQ4_XS", m) for m in (8, 9)] == ["gemv", "dequant"]
 

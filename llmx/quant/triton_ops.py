@@ -5,16 +5,19 @@ blocks in registers. triton is imported on first use, so importing this module c
 CPU-only installs. Under TRITON_INTERPRET=1 the same code runs on CPU tensors (the tests do that).
 
 Which kernel runs (`pick_kernel`, by type and M = rows of x; measured on an H200, bench/RESULTS.md):
-- M <= 4, Q4_K/Q6_K/Q8_0: "dot8", x quantized to int8 per 32 values, then int8 dot products
-  (dp4a) on the weight codes read as 32-bit words (`llmx.quant.triton.dot8`, llama.cpp's mmvq);
-- M <= 4 (IQ4 types: 8), other types: "gemv", fp32 FMAs on the unpacked codes, one program per
-  few weight rows; its time grows with M, since every input row costs an FMA per weight.
+- M = 1, Q6_K: "dot8", x quantized to int8 per 32 values, then int8 dot products (dp4a) on the
+  weight codes read as 32-bit words (`llmx.quant.triton.dot8`, llama.cpp's mmvq); 1.3-1.4x the
+  float GEMV for Q6_K on an H200, no faster for Q4_K and Q8_0 (which it also reads, when forced);
+- M <= 4 (IQ4 types: 8): "gemv", fp32 FMAs on the unpacked codes, one program per few weight
+  rows; its time grows with M, since every input row costs an FMA per weight.
 - M < DEQUANT_MATMUL_MIN_M: "gemm", tiles dequantized in registers and multiplied with tl.dot on
   the tensor cores, autotuned per (type, M bucket, N, K); its time is flat in M up to its tile.
   Not for IQ4 types, whose per-code table lookups make it slower than the next path.
-- larger M: "dequant", the whole weight dequantized to x's dtype, then torch's matmul (cuBLAS):
+- larger M: "dequant", the weight dequantized a chunk of rows at a time (DEQUANT_CHUNK_BYTES) to
+  fp16 (or x's dtype when that is fp16/bf16), then torch's matmul (cuBLAS, fp32 accumulation):
   faster here than the fused GEMM from M = 16 on (2.5-4x at M = 512, where it reaches about half
-  the bf16 matrix rate). It needs a transient N x K buffer of x's dtype.
+  the bf16 matrix rate). Float32 x is scaled per row into [-1, 1] and rounded to fp16 for it: a
+  float32 matmul would run at the FP32 rate, about a twelfth of the half-precision tensor cores.
 
 `prepare(w)` is an optional one-time repack at load for the types whose fp16 block scales leave
 their codes 2-byte aligned (Q4_0, Q8_0, Q6_K, ...): the same bytes, each row's scales moved after
@@ -58,6 +61,8 @@ GEMV_MAX_M = 8  # the GEMV kernel's limit (a static loop over input rows)
 DOT8_UNIT = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # integer-dot GEMV types: weights a block
 DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # its partial sums a block (see dot8.gemv8_kernel)
 DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integer-dot passes
+DOT8_BY_DEFAULT = ("Q6_K",)  # where it measured faster than "gemv" (bench/RESULTS.md)
+DEQUANT_CHUNK_BYTES = 64 << 20  # half-precision weight rows dequantized at a time for "dequant"
 DEQUANT_MATMUL_MIN_M = 16
 
 
@@ -119,7 +124,7 @@ def linear(
     m = x2.shape[0]
     choice = kernel_for(w, m, kernel)
     if choice == "dequant":
-        return torch.nn.functional.linear(x, dequantize(w, x.dtype))
+        return _dequant_matmul(x2, w).reshape(*x.shape[:-1], n)
     if choice == "gemv" and m > GEMV_MAX_M:
         raise LlmxError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows of x, got {m}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -164,6 +169,30 @@ def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
     if any(kernel_for(w, m) == "dot8" for w in ws):
         qx = quantize_x(x2 if x2.stride(-1) == 1 else x2.contiguous())
     return [linear(x, w, qx=qx) for w in ws]
+
+
+def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x2 [M, K] @ W.T on the half-precision tensor cores, W dequantized a chunk of rows at a time
+    (so the transient buffer stays under DEQUANT_CHUNK_BYTES); the result in x2's dtype."""
+    m, k = x2.shape
+    n = w.shape[0]
+    scale = None
+    if x2.dtype in (torch.float16, torch.bfloat16):
+        xh = x2
+    else:  # per-row scaling keeps any activation inside fp16's range
+        scale = x2.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+        xh = (x2 / scale).to(torch.float16)
+    step = max(1, DEQUANT_CHUNK_BYTES // (2 * k))
+    if step >= n:
+        y = xh @ dequantize(w, xh.dtype).t()
+    else:
+        y_t = torch.empty((n, m), dtype=xh.dtype, device=x2.device)  # rows of W give rows of y.T
+        for r0 in range(0, n, step):
+            rows = torch.arange(r0, min(n, r0 + step), device=x2.device)
+            torch.mm(embedding(rows, w, xh.dtype), xh.t(), out=y_t[r0 : r0 + rows.numel()])
+        y = y_t.t()
+    y = y.to(x2.dtype)
+    return y if scale is None else y * scale
 
 
 def quantize_x(x2: torch.Tensor) -> QuantizedX:
@@ -228,7 +257,7 @@ def prepare(w: QWeight) -> QWeight:
 
 def pick_kernel(name: str, m: int) -> str:
     """The fastest kernel measured for type `name` at M rows of x (see the module docstring)."""
-    if name in DOT8_UNIT and m <= DOT8_MAX_M:
+    if name in DOT8_BY_DEFAULT and m <= DOT8_MAX_M:
         return "dot8"
     iq4 = name.startswith("IQ4")
     if m <= (GEMV_MAX_M if iq4 else 4):
