@@ -28,6 +28,7 @@ __all__ = [
     "add_rms_norm",
     "attention",
     "causal_mask",
+    "causal_prompt_attention",
     "embedding",
     "gelu_tanh",
     "linear",
@@ -125,7 +126,8 @@ def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.
         from llmx.kernels import norm
 
         return linear(norm.silu_mul(g, u), down)
-    return linear(F.silu(g) * u, down)
+    # in place: g is this call's own, and a prompt's gate is -ub x n_ff floats (twice saved)
+    return linear(F.silu(g, inplace=True).mul_(u), down)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -231,7 +233,36 @@ def rope_attention(
         )  # fmt: skip
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     keys, values = cache(k, v)
+    # A prompt batch ends at the last cached key, so its mask is causal aligned to the bottom right,
+    # unless a sliding window cuts in; then a GPU can attend without materializing the scores.
+    if q.is_cuda and q.shape[0] > 1 and softcap is None and (window is None or cache.n_read <= window):
+        return causal_prompt_attention(q, keys, values, scale)
     return attention(q, keys, values, mask, scale, softcap)
+
+
+def causal_prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """`attention` for T queries at the last T of N positions, each seeing the keys up to its own.
+
+    On a GPU this is PyTorch's flash or memory-efficient kernel (the mask is implicit, the scores are
+    never stored: -ub x context x heads x ~13 bytes on the math path); on the CPU it falls back to
+    the masked math path. q [T, H, D], k and v [N, Hk, D] -> [T, H * D].
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    t, n_head, head_dim = q.shape
+    n_keys, n_head_kv = k.shape[0], k.shape[1]
+    dtype = k.dtype if q.is_cuda else q.dtype
+    qh = q.transpose(0, 1)[None].to(dtype)
+    kh, vh = k.transpose(0, 1)[None].to(dtype), v.transpose(0, 1)[None].to(dtype)
+    if t == n_keys:  # the first batch of a sequence: plain causal, GQA done by the kernel
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # the bottom-right variant reaches the fused kernels only with one K/V head per query head
+        group = n_head // n_head_kv
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, n_keys), scale=scale)
+    return out[0].transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
 
 
 def _fused_decode(q: torch.Tensor, v: torch.Tensor, cache: LayerKV) -> bool:

@@ -216,3 +216,35 @@ def test_gpu_cuda_graph_replays_at_every_position(monkeypatch) -> None:
         ref = run(at, "off", q, k, v, ref_k, ref_v, monkeypatch)
         assert relative_error(out, ref) < TOL[F16]
         torch.testing.assert_close(kc[pos].float(), ref_k[pos].float(), rtol=1e-3, atol=1e-6)
+
+
+# --- prompt batches: the implicit causal mask of causal_prompt_attention --------------------------
+
+
+@pytest.mark.parametrize(("t", "n_keys"), [(7, 7), (5, 12)], ids=["first-batch", "later-batch"])
+@pytest.mark.parametrize("n_head_kv", [1, 2, 4])
+def test_causal_prompt_attention_matches_the_masked_path(t: int, n_keys: int, n_head_kv: int) -> None:
+    gen = torch.Generator().manual_seed(t * 10 + n_head_kv)
+    q = torch.randn(t, 4, 16, generator=gen)
+    k, v = (
+        torch.randn(n_keys, n_head_kv, 16, generator=gen),
+        torch.randn(n_keys, n_head_kv, 16, generator=gen),
+    )
+    mask = causal_mask(torch.arange(n_keys - t, n_keys), n_keys)
+    expected = ops.attention(q, k, v, mask, scale=0.3)
+    got = ops.causal_prompt_attention(q, k, v, scale=0.3)
+    assert got.shape == expected.shape == (t, 64)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "n_keys"), [(512, 512), (512, 4096)])
+def test_gpu_causal_prompt_attention(t: int, n_keys: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(t, 32, 128, device="cuda", generator=gen)
+    k = torch.randn(n_keys, 8, 128, device="cuda", generator=gen).half()
+    v = torch.randn(n_keys, 8, 128, device="cuda", generator=gen).half()
+    mask = causal_mask(torch.arange(n_keys - t, n_keys, device="cuda"), n_keys)
+    expected = ops.attention(q, k, v, mask)
+    got = ops.causal_prompt_attention(q, k, v)
+    assert torch.allclose(got, expected, atol=2e-3, rtol=2e-3)
