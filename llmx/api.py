@@ -110,7 +110,7 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
         layer_devices,
         torch.device(plan.device_of("token_embd.weight")),
         torch.device(plan.device_of("output_norm.weight")),
-        op_offload=not opts.no_op_offload,
+        op_offload=plan.op_offload,
     )
     engine = Engine(executor, ubatch=opts.n_ubatch)
     return LoadedModel(mf, config, engine, tokenizer, opts, plan, report, time.perf_counter() - t0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 from llmx.errors import LlmxError
 from llmx.plan import ModelSpec, Options, get_shape, parse_devices, place, plan
 from llmx.plan.devices import GiB, parse_size
-from llmx.plan.memory import kv_layer_bytes
+from llmx.plan.memory import compute_bytes, kv_layer_bytes, stream_bytes
 
 SEED_MACHINE = "cuda0=16GiB,cuda1=8GiB,cpu=64GiB"
 # The seed's RTX 4080 also drives the display: 2.5 GiB of it is in use before llmx starts.
@@ -263,3 +264,43 @@ def test_the_planner_and_a_dry_run_never_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- compute scratch: what the runtime's kernels allocate ---
+
+
+def test_gpu_prompt_attention_stores_no_scores_but_the_cpu_and_sliding_windows_do():
+    m = model("llama3-8b")
+    g = dataclasses.replace(m, sliding_window=1024)  # as Gemma 3's local layers
+    opts = Options(ctx_size=32768)
+
+    def attn(spec: ModelSpec, gpu: bool, ctx: int) -> int:
+        o = opts.replace(ctx_size=ctx)
+        return compute_bytes(spec, o, attention=True, ffn=False, output=False, inp=False, gpu=gpu)
+
+    # GPU, full attention: grows with the context through K/V only (MB per 1k tokens, not 100s)
+    assert attn(m, True, 32768) - attn(m, True, 4096) < 32768 * 32 * 128 * 2 * 2
+    # the CPU's math path stores a score per (head, query, key): over -ub x ctx x heads bytes
+    assert attn(m, False, 32768) > 512 * 32768 * 32 * 13
+    # sliding-window layers (window < ctx) take the masked path on a GPU too
+    assert attn(g, True, 32768) > 512 * 32768 * g.n_head * 13 and attn(g, True, 1024) == attn(m, True, 1024)
+
+
+def test_op_offload_buffers_are_reserved_on_the_first_gpu_or_planned_off():
+    m = model("llama3-8b")
+    roomy = plan(m, parse_devices("cuda0=80GiB,cpu=64GiB"), Options(n_gpu_layers=16))
+    assert roomy.op_offload and not any("op offload" in n for n in roomy.notes)
+    without = place(m, parse_devices("cuda0=80GiB,cpu=64GiB"), Options(n_gpu_layers=16, no_op_offload=True))
+    cpu_layers = [i for i, d in enumerate(roomy.layer_device) if d == "cpu"]
+    added = stream_bytes(m, cpu_layers)
+    assert added > 0 and not without.op_offload
+    gpu = next(u for u in roomy.usage if u.device == "cuda:0")
+    assert gpu.compute - next(u for u in without.usage if u.device == "cuda:0").compute == added
+
+    # a GPU with room for its layers but not for the streamed ones: planned off, with a note
+    weights_16 = gpu.weights + gpu.kv + gpu.compute - added
+    tight = parse_devices(f"cuda0={(weights_16 + 1.1 * GiB) / GiB:.3f}GiB,cpu=64GiB")  # margin 1 GiB
+    p = place(m, tight, Options(n_gpu_layers=16))
+    assert not p.op_offload and p.over_budget() == []
+    assert any(n.startswith("op offload off: streaming CPU layers to cuda:0") for n in p.notes)
+    assert not place(m, parse_devices("cuda0=80GiB,cpu=64GiB"), Options(n_gpu_layers=0)).op_offload

@@ -135,11 +135,11 @@ def _layer_counts(
             cost[n] += t.nbytes
     if not any(t.name == "output.weight" for t in model.tensors):
         cost[n] += next(t.nbytes for t in model.tensors if t.name == "token_embd.weight")
-    cost[n] += compute_bytes(model, opts, attention=False, ffn=False, output=True, inp=False)
+    cost[n] += compute_bytes(model, opts, attention=False, ffn=False, output=True, inp=False, gpu=True)
     if not opts.no_kv_offload:
         kv = kv_layer_bytes(model, opts)
         cost[:n] = [c + kv for c in cost[:n]]
-    scratch = compute_bytes(model, opts, attention=True, ffn=True, output=False, inp=False)
+    scratch = compute_bytes(model, opts, attention=True, ffn=True, output=False, inp=False, gpu=True)
     room = [g.free - margins[g.name] - fixed[g.name] - scratch for g in inv.gpus]
     layers = cost[start : start + act]
 

@@ -2,9 +2,10 @@
 
 The KV cache is exact arithmetic: K and V rows per token in the cache type (`-ctk`, `-ctv`), for a
 context padded to 256 tokens as llama.cpp pads it (sliding-window layers are counted at the full
-context, which errs high for Gemma-style models). Compute buffers are an estimate that errs high:
-it adds up the activations of one physical batch (`-ub` tokens) that a device's layers produce,
-where a graph allocator would reuse some of that memory.
+context, which errs high for Gemma-style models). Compute buffers are an estimate meant to err
+high: the peak bytes llmx's runtime allocates beyond weights and KV while it processes one physical
+batch (`-ub` tokens) at the end of the context, term by term from what its ops allocate. `llmx
+bench` measures the peak on each GPU beside it, and tests/test_memory_gpu.py checks it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ from llmx.quant import qtype
 
 CTX_PAD = 256
 F32 = 4
+F16 = 2
+MiB = 2**20
+# What the runtime allocates (llmx.quant.triton_ops, llmx.quant.weight, llmx.runtime.offload):
+GPU_DEQUANT_MIN_M = 16  # from this many rows a GPU matmul dequantizes the weight for cuBLAS ...
+GPU_DEQUANT_CHUNK_BYTES = 64 * MiB  # ... this much of it at a time
+CPU_DEQUANT_CHUNK_BYTES = 4 * MiB  # the CPU's float32 chunk of weight rows for a prompt matmul
+# cuBLAS takes a workspace per stream it runs on: 32 MiB each on Hopper. Two: the compute stream
+# and the CUDA-graph capture's warm-up stream.
+CUBLAS_WORKSPACES = 2 * 32 * MiB
+STREAMED_LAYERS = 3
 
 
 def context_length(model: ModelSpec, opts: Options) -> int:
@@ -32,30 +43,73 @@ def kv_layer_bytes(model: ModelSpec, opts: Options) -> int:
 
 
 def compute_bytes(
-    model: ModelSpec, opts: Options, *, attention: bool, ffn: bool, output: bool, inp: bool
+    model: ModelSpec, opts: Options, *, attention: bool, ffn: bool, output: bool, inp: bool, gpu: bool
 ) -> int:
     """Scratch for one device: `attention`/`ffn` if it runs those ops, `output` if it computes the
-    logits, `inp` if it looks up the token embeddings."""
-    ub = opts.n_ubatch
+    logits, `inp` if it looks up the token embeddings; `gpu` for a GPU (whose kernels differ).
+
+    Terms follow what llmx's runtime allocates for one physical batch (`-ub` tokens) at the end of
+    the context. The attention and FFN phases of a block never overlap, so the larger of the two
+    counts, on top of the residual stream that lives through both.
+    """
+    ub, ctx = opts.n_ubatch, context_length(model, opts)
     total = 0
     if attention or ffn:
         total += 4 * ub * model.n_embd * F32  # residual stream, normed input, op output, sum
-    if attention:
-        heads_k = model.head_dim_k or model.head_dim_v
-        total += ub * (model.n_head + 2 * model.n_head_kv) * heads_k * F32  # q, k, v
-        if opts.flash_attn == "off":
-            # Without flash attention the scores (and their softmax) are materialized in f32.
-            scores = 2 * ub * model.n_head * context_length(model, opts) * F32
-            if opts.attn_max_batch:
-                scores = min(scores, opts.attn_max_batch * 2**20)
-            total += scores
-        else:
-            total += ub * model.n_head * max(model.head_dim_v, 128) * F32
-    if ffn:
-        width = max(model.n_ff, model.n_ff_exp * max(model.n_expert_used, 1))
-        total += 2 * ub * width * F32  # gate and up activations
+        attn = _attention_bytes(model, ub, ctx, gpu) if attention else 0
+        total += max(attn, 2 * ub * _ffn_width(model) * F32 if ffn else 0)  # gate and up (silu in place)
+        total += _matmul_bytes(model, ub, gpu)
+        if gpu:
+            total += CUBLAS_WORKSPACES
     if output:
         total += ub * model.n_vocab * F32  # worst case: logits for every token of the batch
     if inp:
         total += ub * model.n_embd * F32
     return total
+
+
+def stream_bytes(model: ModelSpec, cpu_layers: list[int]) -> int:
+    """Op offload's share of the streaming GPU: prompt batches of the CPU layers run there with the
+    layers' weights copied over, one ahead of the compute, so about STREAMED_LAYERS at a time (the
+    allocator reuses a layer's blocks only once the compute stream is past it)."""
+    per_layer = dict.fromkeys(cpu_layers, 0)
+    for t in model.tensors:
+        if t.layer in per_layer:
+            per_layer[t.layer] += t.nbytes
+    return STREAMED_LAYERS * max(per_layer.values(), default=0)
+
+
+def _ffn_width(model: ModelSpec) -> int:
+    return max(model.n_ff, model.n_ff_exp * max(model.n_expert_used, 1))
+
+
+def _attention_bytes(model: ModelSpec, ub: int, ctx: int, gpu: bool) -> int:
+    """The attention phase of one block for `ub` queries over a full cache of `ctx` positions."""
+    h, hk = model.n_head, model.n_head_kv
+    d = max(model.head_dim_k, model.head_dim_v)
+    total = ub * (h + 2 * hk) * d * F32  # q, k, v
+    total += 3 * ub * h * d * F32  # RoPE's rotated halves and products
+    total += 2 * (1 << max(8, (ctx - 1).bit_length())) * (d // 2) * F32  # RoPE tables, kept
+    total += 3 * ub * h * d * F32  # the output, in the cache's dtype, then float, then reshaped
+    if gpu and not (model.sliding_window and model.sliding_window < ctx):
+        # PyTorch's fused causal kernels: no scores; after the first batch of a sequence K and V
+        # are repeated to every query head (the bottom-right causal variant needs it).
+        return total + 2 * ctx * h * d * F16 + ub * h * d * F16
+    # The masked math path (the CPU; a GPU's sliding-window layers): q, K and V in f32, K and V
+    # repeated to every query head and K scaled, then per score the product, its softmax, the
+    # NaN-safe select over it and a bool (13 bytes), plus the mask in bool and float.
+    total += ctx * (2 * hk + 3 * h) * d * F32
+    return total + 13 * h * ub * ctx + ub * ctx * (1 + F32)
+
+
+def _matmul_bytes(model: ModelSpec, ub: int, gpu: bool) -> int:
+    """A matmul's own scratch beyond its output, at `ub` rows. GPU: from 16 rows the weight is
+    dequantized DEQUANT_CHUNK_BYTES of half-precision rows at a time, with x in fp16 and the
+    output transposed, converted and scaled. CPU: one chunk of float32 rows and a transposed output."""
+    widest = max((t.shape[0] for t in model.tensors if t.is_matrix and t.layer is not None), default=0)
+    deepest = max((t.shape[1] for t in model.tensors if t.is_matrix and t.layer is not None), default=0)
+    if not gpu:
+        return CPU_DEQUANT_CHUNK_BYTES + 2 * ub * widest * F32
+    if ub < GPU_DEQUANT_MIN_M:
+        return 0
+    return GPU_DEQUANT_CHUNK_BYTES + ub * deepest * F16 + ub * widest * (F16 + 2 * F32)

@@ -80,6 +80,7 @@ class ModelSpec:
     n_expert_used: int
     ctx_train: int
     tensors: tuple[TensorSpec, ...]
+    sliding_window: int = 0  # tokens a local-attention layer sees (Gemma 3); 0 = none
 
     @classmethod
     def from_metadata(cls, name: str, md: dict[str, Any], tensors: list[TensorSpec]) -> ModelSpec:
@@ -116,6 +117,7 @@ class ModelSpec:
             n_expert_used=int(key("expert_used_count", 0)),
             ctx_train=int(key("context_length", 4096)),
             tensors=tuple(tensors),
+            sliding_window=int(key("attention.sliding_window", 0)),
         )
 
     @classmethod

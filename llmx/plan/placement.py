@@ -72,6 +72,7 @@ class Plan:
     extra_copies: dict[str, str] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # how the options came about (e.g. what --fit chose)
+    op_offload: bool = False  # prompt batches of CPU layers run on a GPU (its buffers are counted)
 
     # --- what the runtime asks ---
 
@@ -138,5 +139,6 @@ class Plan:
             "extra_copies": self.extra_copies,
             "warnings": list(self.warnings),
             "notes": list(self.notes),
+            "op_offload": self.op_offload,
             "errors": self.over_budget(),
         }

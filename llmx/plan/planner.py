@@ -14,11 +14,11 @@ A layer's KV cache lives with the layer, or on the CPU with `--no-kv-offload`.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmx.errors import LlmxError
-from llmx.plan.devices import Device, Inventory, MiB
-from llmx.plan.memory import compute_bytes, context_length, kv_layer_bytes
+from llmx.plan.devices import Device, GiB, Inventory, MiB
+from llmx.plan.memory import compute_bytes, context_length, kv_layer_bytes, stream_bytes
 from llmx.plan.model import ROLES, ModelSpec, TensorSpec
 from llmx.plan.options import ALL_LAYERS, Options
 from llmx.plan.placement import DeviceUse, LayerRow, Plan
@@ -78,6 +78,8 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
     kv_devices = tuple("cpu" if opts.no_kv_offload else d for d in layer_dev)
     where = _Where(tensor_device, row_splits, extra_copies, layer_dev, output_dev, kv_devices)
     usage = _usage(model, inv, opts, where)
+    usage, op_offload, offload_notes = _reserve_streaming(model, opts, layer_dev, output_dev, usage)
+    notes = (*notes, *offload_notes)
     warnings = [f"{r.source} matched no tensor" for r, n in zip(rules, hits, strict=True) if n == 0]
     warnings += _empty_gpu_warnings(opts, gpus, usage, n_offloaded)
     if not inv.gpus and opts.n_gpu_layers:
@@ -98,7 +100,32 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         extra_copies=extra_copies,
         warnings=tuple(warnings),
         notes=notes,
+        op_offload=op_offload,
     )
+
+
+def _reserve_streaming(
+    model: ModelSpec, opts: Options, layer_dev: list[str], output_dev: str, usage: tuple[DeviceUse, ...]
+) -> tuple[tuple[DeviceUse, ...], bool, tuple[str, ...]]:
+    """Op offload (prompt batches of CPU layers computed on a GPU with their weights streamed) where
+    the runtime would do it: some layers on the CPU, and a GPU (the first one in layer order) to
+    stream to. Its buffers are added to that GPU's compute when they fit within its free memory
+    and margin; when they do not, op offload is planned off, and a note says so."""
+    gpus = [d for d in (*layer_dev, output_dev) if d != "cpu"]
+    cpu_layers = [i for i, d in enumerate(layer_dev) if d == "cpu"]
+    if opts.no_op_offload or not gpus or not cpu_layers or opts.n_ubatch < 2:
+        return usage, False, ()
+    need = stream_bytes(model, cpu_layers)
+    i = next(k for k, u in enumerate(usage) if u.device == gpus[0])
+    u = usage[i]
+    if u.total and u.left - u.margin < need:
+        note = (
+            f"op offload off: streaming CPU layers to {u.device} for prompts needs {need / GiB:.2f} GiB "
+            f"beyond its fit margin ({u.left / GiB:.2f} GiB left); the CPU layers run prompts on the CPU"
+        )
+        return usage, False, (note,)
+    grown = replace(u, compute=u.compute + need)
+    return (*usage[:i], grown, *usage[i + 1 :]), True, ()
 
 
 # --- layers -> devices ---
@@ -204,6 +231,7 @@ def _usage(model: ModelSpec, inv: Inventory, opts: Options, where: _Where) -> tu
                 ffn=bool(runs[d.name] & {"ffn", "experts", "shared"}),
                 output=d.name == where.output_dev,
                 inp=d.name == where.tensor_device.get("token_embd.weight"),
+                gpu=d.is_gpu,
             )
         margin = opts.margin_mib(d.index) * MiB
         usage.append(
