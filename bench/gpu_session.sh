@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One batch of GPU measurements for bench/RESULTS.md, sized for a 10-minute device call.
+#
+#   bash bench/gpu_session.sh check     # GPU tests (+ two-GPU tests on a 2-GPU machine), ~3 min
+#   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
+#   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), decode profile, ~5 min
+#   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, ~6 min
+#
+# Each part writes its output under $OUT (default /tmp/llmx-out) as it goes, and every command has
+# its own time limit, so a part that runs long still reports what it measured. CPU kernels take the
+# torch.compile path directly (LLMX_CPU_GEMV=jit): on torch builds whose AOTInductor loader crashes,
+# auto would first spend a minute building packages it cannot load.
+set -u
+OUT=${OUT:-/tmp/llmx-out}
+mkdir -p "$OUT"
+export LLMX_CPU_GEMV=${LLMX_CPU_GEMV:-jit} PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+SYNTH=${SYNTH:-/tmp/llmx-synth}
+mkdir -p "$SYNTH"
+
+synth() {  # shape type -> path, written once
+    local path="$SYNTH/$1-$2.gguf"
+    [ -f "$path" ] || $PY -m llmx.cli synth --shape "$1" --type "$2" -o "$path" >&2
+    echo "$path"
+}
+
+case "${1:-}" in
+check)
+    timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -40 | tee "$OUT/gpu-tests.txt"
+    ;;
+kernels)
+    timeout 230 $PY bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 1,2,16,512 --json "$OUT/kernels.json" \
+        | tee "$OUT/kernels.md"
+    timeout 200 $PY bench/kernels.py --types Q4_K --m 1 --sweep Q4_K,Q6_K,Q8_0 | tee "$OUT/sweep.md"
+    ;;
+e2e)
+    q4=$(synth llama3-8b Q4_K_M) q8=$(synth llama3-8b Q8_0)
+    timeout 60 $PY -m llmx.cli bench --ceilings | tee "$OUT/ceilings.txt"  # the floors' bandwidths
+    timeout 200 $PY -m llmx.cli bench -m "$q4" -m "$q8" -ngl 99 -p 512 -n 128 -r 2 -o json > "$OUT/e2e.json"
+    $PY bench/e2e.py table "$OUT/e2e.json" | tee "$OUT/e2e.md"
+    timeout 120 $PY bench/profile_decode.py "$q4" --top 20 | tee "$OUT/profile.txt"
+    ;;
+hybrid)
+    q4=$(synth llama3-8b Q4_K_M)
+    timeout 60 $PY -m llmx.cli bench --ceilings | tee "$OUT/ceilings.txt"
+    timeout 480 $PY -m llmx.cli bench -m "$q4" -ngl 24,16,0 -p 512 -n 128 -r 1 -t "$(nproc)" -o json \
+        > "$OUT/hybrid.json"
+    $PY bench/e2e.py table "$OUT/hybrid.json" | tee "$OUT/hybrid.md"
+    ;;
+*)
+    echo "usage: bash bench/gpu_session.sh check|kernels|e2e|hybrid" >&2
+    exit 2
+    ;;
+esac
