@@ -1,12 +1,12 @@
 """Decode GEMV on integer dot products: weight codes times activations quantized to int8 per 32.
 
 The float GEMV (`kernels.gemv_kernel`) spends ~10 instructions per weight on extracting a code,
-converting it and multiplying, so on a GPU it is bound by instruction issue at a fraction of the
-memory bandwidth. Here, as in llama.cpp's CUDA decode (mmvq), x is first quantized per group of
-32 values (`quantize_x_kernel`: int8 codes, a float scale dx = max|x| / 127 and the code sums
-per 16), and the weights are read as 32-bit words whose 4 byte lanes meet 4 x codes in one
-`dp4a` instruction (int32 accumulate, exact). Each group's scales are applied once to its
-integer sum, so a weight costs about one instruction.
+converting it and multiplying. Here, as in llama.cpp's CUDA decode (mmvq), x is first quantized
+per group of 32 values (`quantize_x_kernel`: int8 codes, a float scale dx = max|x| / 127 and the
+code sums per 16), and the weights are read as 32-bit words whose 4 byte lanes meet 4 x codes in
+one `dp4a` instruction (int32 accumulate, exact); each group's scales are applied once to its
+integer sum, for 2-3.5 instructions a weight in all. On an H200 that has so far beaten the float
+GEMV only for Q6_K (bench/RESULTS.md), so `triton_ops.pick_kernel` takes it for Q6_K alone.
 
 Numerics: integer sums are exact; beyond float32 summation, the one rounding is x's quantization
 (at most 1/254 of each group's largest |x| per value), as in llama.cpp's GPU decode.
