@@ -85,7 +85,6 @@ class QuantizedX:
     q: torch.Tensor  # int8 [M, K]
     dx: torch.Tensor  # float32 [M, K/32]
     sums: torch.Tensor  # int32 [M, K/16]
-    dtype: torch.dtype  # x's, and so the output's
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,7 @@ def linear(
     strides = (x2.stride(0), raw.stride(0), out.stride(0))
     if choice == "dot8":
         qx = qx or quantize_x(x2)
-        cfg = gemv or default_dot8(name, m)
+        cfg = gemv or default_dot8(name)
         unit = DOT8_UNIT[name]
         _dot8().gemv8_kernel[(_cdiv(n, cfg.bn),)](
             qx.q, qx.dx, qx.sums, raw, out, n, k, raw.stride(0) // 4,
@@ -203,7 +202,7 @@ def quantize_x(x2: torch.Tensor) -> QuantizedX:
     sums = torch.empty((m, k // 16), dtype=torch.int32, device=x2.device)
     groups = 4
     _dot8().quantize_x_kernel[(m, _cdiv(k // 32, groups))](x2, q, dx, sums, k, x2.stride(0), NG=groups)
-    return QuantizedX(q, dx, sums, x2.dtype)
+    return QuantizedX(q, dx, sums)
 
 
 def embedding(ids: torch.Tensor, w: QWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -288,9 +287,9 @@ def kernel_for(w: QWeight, m: int, kernel: str | None = None) -> str:
     return "gemv" if choice == "dot8" and not _dot8_reads(w, m) else choice
 
 
-def default_dot8(name: str, m: int) -> GemvConfig:
-    """Integer-dot GEMV launch shape: BN rows a program, BK weights a step (a multiple of the type's
-    block); from an H200 sweep on the Llama-3-8B FFN shapes (bench/kernels.py --sweep)."""
+def default_dot8(name: str) -> GemvConfig:
+    """Integer-dot GEMV launch shape (M = 1): BN rows a program, BK weights a step (a multiple of the
+    type's block); from an H200 sweep on the Llama-3-8B FFN shapes (bench/kernels.py --sweep)."""
     return _DOT8_M1.get(name, GemvConfig(4, 1024, 4))
 
 
