@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One batch of GPU measurements for bench/RESULTS.md, sized for a 10-minute device call.
+# One batch of GPU measurements for bench/RESULTS.md, sized for a 10-minute device call. Run from the
+# repository root with the package importable (PYTHONPATH=repo[:gguf wheel]).
 #
 #   bash bench/gpu_session.sh check     # GPU tests (+ two-GPU tests on a 2-GPU machine), ~3 min
 #   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
