@@ -7,6 +7,7 @@ of each block; weights never move.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -95,7 +96,23 @@ class Engine:
                 f"the context is full: {self.n_past} + {len(ids)} tokens exceed -c {self.n_ctx}; "
                 "raise -c or shorten the prompt"
             )
-        logits = self.executor.forward(list(ids), self.n_past, all_logits)
+        try:
+            logits = self.executor.forward(list(ids), self.n_past, all_logits)
+        except torch.OutOfMemoryError as e:  # the context stays as it was: n_past does not move
+            gpu = re.search(r"GPU (\d+)", str(e))
+            need = re.search(r"Tried to allocate ([\d.]+ [KMGT]iB)", str(e))
+            where = f"cuda:{gpu.group(1)}" if gpu else "a GPU"
+            more = f" ({need.group(1)} more were needed)" if need else ""
+            raise LlmxError(
+                f"out of memory on {where} running {len(ids)} tokens{more}; "
+                "lower -ub, -c or -ngl, or use --fit"
+            ) from None
+        except RuntimeError as e:
+            if "can't allocate memory" not in str(e):  # the CPU allocator's words for it
+                raise
+            raise LlmxError(
+                f"out of RAM running {len(ids)} tokens; lower -ub or -c, or close other programs"
+            ) from None
         self.n_past += len(ids)
         return logits
 

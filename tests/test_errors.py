@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from llmx.cli import main
 from tests.conftest import craft_gguf
@@ -80,3 +81,62 @@ def test_prompt_longer_than_context(capsys, smollm2_path):
 def test_prompt_file_missing(capsys, smollm2_path):
     rc, err = run_cli(capsys, "run", "-m", str(smollm2_path), "-f", "/no/such/prompt.txt", "-n", "4")
     assert_one_clear_line(rc, err, "prompt.txt")
+
+
+# torch's message for a CUDA allocation that fails, as a GPU run would raise it mid-step
+CUDA_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
+    "1.05 GiB is free. Of the allocated memory 75.1 GiB is allocated by PyTorch"
+)
+
+
+def test_out_of_memory_during_a_step_is_one_line_and_keeps_the_context(capsys, smollm2_path, monkeypatch):
+    import llmx
+    from llmx.errors import LlmxError
+
+    model = llmx.load(smollm2_path, ctx_size=256)
+    engine = model.engine
+    engine.prefill([1, 2, 3])
+
+    def oom(*_):
+        raise torch.OutOfMemoryError(CUDA_OOM)
+
+    monkeypatch.setattr(engine.executor, "forward", oom)
+    with pytest.raises(LlmxError) as err:
+        engine.prefill([4, 5])
+    assert str(err.value) == (
+        "out of memory on cuda:1 running 2 tokens (2.00 GiB more were needed); "
+        "lower -ub, -c or -ngl, or use --fit"
+    )
+    assert engine.n_past == 3  # nothing of the failed step counts
+
+    def ram(*_):
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes."
+        )
+
+    monkeypatch.setattr(engine.executor, "forward", ram)
+    with pytest.raises(LlmxError, match=r"^out of RAM running 1 tokens; lower -ub or -c"):
+        engine.decode(6)
+    assert engine.n_past == 3
+
+
+def test_out_of_memory_for_the_weights_names_the_device_and_the_sizes(monkeypatch):
+    from llmx.errors import LlmxError
+    from llmx.runtime import weights
+
+    real_empty = torch.empty
+
+    def empty(*args, device=None, **kw):
+        if device is not None and torch.device(device).type == "cuda":
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        return real_empty(*args, device=device, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 << 30, 80 << 30))
+    piece = weights.Piece("w@cuda:0", None, "cuda:0")
+    monkeypatch.setattr(weights.Piece, "data", property(lambda self: np.zeros(5 << 20, np.uint8)))
+    with pytest.raises(
+        LlmxError, match=r"out of memory on cuda:0: its weights need [\d.]+ GiB and 3\.00 GiB are"
+    ):
+        weights.upload_arena([piece], torch.device("cuda:0"), lambda n: None)

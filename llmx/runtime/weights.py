@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from llmx.errors import LlmxError
 from llmx.gguf import ModelFile, TensorInfo
 from llmx.models.common import TensorGroup
 from llmx.models.naming import group_key
@@ -124,7 +125,14 @@ def upload_arena(
     for piece in parts:
         offsets[piece.key] = total
         total += -(-piece.data.nbytes // ARENA_ALIGN) * ARENA_ALIGN
-    arena = torch.empty(total, dtype=torch.uint8, device=device)
+    try:
+        arena = torch.empty(total, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        free = torch.cuda.mem_get_info(device)[0]
+        raise LlmxError(
+            f"out of memory on {device}: its weights need {total / 2**30:.2f} GiB and {free / 2**30:.2f} GiB "
+            "are free (another process may be using it); lower -ngl, or use --fit"
+        ) from None
     staging = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     done = [torch.cuda.Event() for _ in staging]
     stream = torch.cuda.Stream(device)
