@@ -1,0 +1,117 @@
+"""`llmx serve`'s API over the embedded SmolLM2: OpenAI's shapes, the same greedy text as the Python
+API, streaming equal to the whole reply, stop strings, and one-line 400s for bad requests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+import llmx  # noqa: E402
+from llmx.server.app import make_app  # noqa: E402
+from llmx.server.protocol import StopScanner  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Name three primary colours."}]
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+    return llmx.load(smollm2_path, ctx_size=512)
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    return TestClient(make_app(model, "smollm2"))
+
+
+def events(response) -> list:
+    """The data of a server-sent event stream, `[DONE]` as the string."""
+    out = []
+    for line in response.text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_chat_completion_is_the_apis_greedy_text(client, model):
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    ids = model.chat_prompt(MESSAGES)
+    assert body["object"] == "chat.completion" and body["model"] == "smollm2"
+    choice = body["choices"][0]
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": model.generate(ids, 16, temperature=0),
+    }
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(ids) and 0 < usage["completion_tokens"] <= 16
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert choice["finish_reason"] == ("length" if usage["completion_tokens"] == 16 else "stop")
+
+
+def test_streamed_chat_equals_the_whole_reply(client):
+    request = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    whole = client.post("/v1/chat/completions", json=request).json()
+    r = client.post("/v1/chat/completions", json=request | {"stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = events(r)
+    assert chunks[-1] == "[DONE]" and chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+def test_completion_stops_before_a_stop_string(client):
+    request = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    full = client.post("/v1/completions", json=request).json()["choices"][0]
+    assert full["finish_reason"] == "length" and len(full["text"]) > 4
+    stop = full["text"][3:5]  # somewhere inside the reply, across a token boundary or not
+    cut = client.post("/v1/completions", json=request | {"stop": [stop, "@@@"]}).json()["choices"][0]
+    assert cut == {"index": 0, "finish_reason": "stop", "text": full["text"][: full["text"].find(stop)]}
+    streamed = events(client.post("/v1/completions", json=request | {"stop": stop, "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in streamed[:-1]) == cut["text"]
+
+
+def test_models_and_health(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["smollm2"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "says"),
+    [
+        ("/v1/chat/completions", b"{not json", "not valid JSON"),
+        ("/v1/chat/completions", b"[1, 2]", "JSON object"),
+        ("/v1/chat/completions", {"max_tokens": 4}, "'messages'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, "'max_tokens'"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "temperature": -1}, "'temperature'"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 2}, "top-p"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 3}, "'n' must be 1"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+        ("/v1/completions", {"prompt": ""}, "'prompt'"),
+        ("/v1/completions", {"prompt": "word " * 600}, "context holds 512"),
+    ],
+)
+def test_bad_requests_are_one_line_400s(client, path, body, says):
+    send = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = client.post(path, **send)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert says in message and "\n" not in message and "Traceback" not in message
+
+
+def test_stop_scanner_holds_back_a_possible_stop_and_cuts_at_the_first():
+    scan = StopScanner(("END", "xy"))
+    assert [scan.push(p) for p in ("ab", "cE", "N", "q ", "x")] == ["ab", "c", "", "ENq ", ""]
+    assert scan.push("yz") == "" and scan.stopped and scan.push("more") == "" and scan.flush() == ""
+    tail = StopScanner(("END",))
+    assert tail.push("aE") == "a" and tail.flush() == "E" and not tail.stopped
