@@ -102,7 +102,10 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     top, layers, report = load_weights(mf, plan, progress=progress)
     model = cls(config, top, layers)
     layer_devices = [torch.device(d) for d in plan.layer_device]
-    shapes = [LayerShape(*cls.kv_shape(config, i), plan.kv_device(i)) for i in range(config.n_layer)]
+    shapes = [
+        LayerShape(*cls.kv_shape(config, i), plan.kv_device(i), plan.kv_rows[i])
+        for i in range(config.n_layer)
+    ]
     cache = KVCache(plan.ctx, shapes, opts.cache_type_k, opts.cache_type_v)
     executor = Executor(
         model,

@@ -29,6 +29,7 @@ __all__ = [
     "attention",
     "causal_mask",
     "causal_prompt_attention",
+    "ring_mask",
     "embedding",
     "gelu_tanh",
     "linear",
@@ -203,9 +204,11 @@ class LayerKV(Protocol):
     k: torch.Tensor  # [n_ctx, Hk, D] keys of every position
     v: torch.Tensor  # [n_ctx, Hk, D] values
     positions: torch.Tensor  # [T] this step's positions, on the buffers' device
-    n_read: int  # attention reads rows 0..n_read-1
+    n_read: int  # attention reads rows 0..n_read-1 (a ring: all its rows)
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def key_positions(self) -> torch.Tensor | None: ...
 
 
 def rope_attention(
@@ -237,6 +240,9 @@ def rope_attention(
         )  # fmt: skip
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     keys, values = cache(k, v)
+    ring = cache.key_positions()
+    if ring is not None:  # a sliding-window layer's ring: rows are not in position order
+        mask = ring_mask(cache.positions, ring, window)
     # A prompt batch ends at the last cached key, so its mask is causal aligned to the bottom right,
     # unless a sliding window cuts in; then a GPU can attend without materializing the scores.
     if q.is_cuda and q.shape[0] > 1 and softcap is None and (window is None or cache.n_read <= window):
@@ -322,6 +328,16 @@ def attention(
             scores = scores.masked_fill(~mask, float("-inf"))
         out = scores.softmax(-1) @ vh
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
+
+
+def ring_mask(positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[T, R] visibility over a ring of keys whose positions are `key_positions` [R] (negative: not
+    written): as `causal_mask`, by position rather than by row."""
+    p, kp = positions[:, None], key_positions[None, :]
+    mask = (kp >= 0) & (kp <= p)
+    if window is not None:
+        mask &= kp > p - window
+    return mask
 
 
 def causal_mask(positions: torch.Tensor, n_keys: int, window: int | None = None) -> torch.Tensor:

@@ -153,7 +153,9 @@ def test_auto_keeps_cpu_and_prompts_eager(monkeypatch) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # adjacent pairs + GQA; NeoX + window + q/k norm
 def test_tiny_model_greedy_decode_is_unchanged(arch: str, tmp_path, monkeypatch) -> None:
-    model = llmx.load(write_tiny(arch, "F32", tmp_path), ctx_size=64, threads=1)
+    # -ub 4: gemma3's local layers keep a ring of 8 + 4 = 12 positions, which 12 + 8 tokens wrap
+    model = llmx.load(write_tiny(arch, "F32", tmp_path), ctx_size=64, ubatch_size=4, threads=1)
+    assert arch != "gemma3" or model.engine.executor.cache.k[0].shape[0] == 12
     prompt = random_prompt(12, seed=3)  # longer than gemma3's 8-token window
 
     def decode(mode: str) -> tuple[list[int], torch.Tensor]:
@@ -248,3 +250,23 @@ def test_gpu_causal_prompt_attention(t: int, n_keys: int) -> None:
     expected = ops.attention(q, k, v, mask)
     got = ops.causal_prompt_attention(q, k, v)
     assert torch.allclose(got, expected, atol=2e-3, rtol=2e-3)
+
+
+def test_a_ring_cache_keeps_the_latest_positions_and_says_which() -> None:
+    rows, k_buf = 12, torch.zeros(12, 1, 1)
+    written = []
+    for start in range(0, 30, 5):  # 5-token steps over positions 0..29
+        positions = torch.arange(start, start + 5)
+        writer = LayerWriter(k_buf, torch.zeros_like(k_buf), positions, start + 5)
+        keys, _ = writer(positions.float().view(5, 1, 1), positions.float().view(5, 1, 1))
+        written.append(writer.key_positions())
+        if start + 5 <= rows:  # not wrapped: the prefix, in position order
+            assert written[-1] is None and keys[:, 0, 0].tolist() == list(range(start + 5))
+        else:  # every row holds the position key_positions says, or was never written (< 0)
+            held = keys[:, 0, 0].long()
+            assert keys.shape[0] == rows and torch.equal(
+                held[written[-1] >= 0], written[-1][written[-1] >= 0]
+            )
+    assert sorted(written[-1].tolist()) == list(range(18, 30))
+    mask = ops.ring_mask(torch.tensor([27, 29]), written[-1], window=4)
+    assert [sorted(written[-1][m].tolist()) for m in mask] == [[24, 25, 26, 27], [26, 27, 28, 29]]

@@ -12,7 +12,7 @@ import pytest
 from llmx.errors import LlmxError
 from llmx.plan import ModelSpec, Options, get_shape, parse_devices, place, plan
 from llmx.plan.devices import GiB, parse_size
-from llmx.plan.memory import compute_bytes, kv_layer_bytes, stream_bytes
+from llmx.plan.memory import compute_bytes, kv_layer_bytes, kv_rows, stream_bytes
 
 SEED_MACHINE = "cuda0=16GiB,cuda1=8GiB,cpu=64GiB"
 # The seed's RTX 4080 also drives the display: 2.5 GiB of it is in use before llmx starts.
@@ -184,16 +184,17 @@ def test_no_kv_offload_keeps_the_cache_on_the_cpu():
         Options(n_gpu_layers=999, no_kv_offload=True),
     )
     assert set(p.kv_devices) == {"cpu"} and p.device_use("cuda:0").kv == 0
-    assert p.device_use("cpu").kv == 32 * kv_layer_bytes(model("llama3-8b"), Options())
+    assert p.device_use("cpu").kv == 32 * kv_layer_bytes(model("llama3-8b"), Options(), 0)
 
 
 def test_kv_cache_bytes():
     m = model("llama3-8b")
-    assert kv_layer_bytes(m, Options()) == 4096 * 2 * 1024 * 2  # K and V, 8 heads x 128, f16
-    assert kv_layer_bytes(m, Options(cache_type_k="q8_0", cache_type_v="q8_0")) == 4096 * 2 * 1024 * 34 // 32
-    assert kv_layer_bytes(m, Options(ctx_size=1000)) == 1024 * 2 * 1024 * 2  # padded to 256 tokens
+    assert kv_layer_bytes(m, Options(), 0) == 4096 * 2 * 1024 * 2  # K and V, 8 heads x 128, f16
+    q8 = Options(cache_type_k="q8_0", cache_type_v="q8_0")
+    assert kv_layer_bytes(m, q8, 0) == 4096 * 2 * 1024 * 34 // 32
+    assert kv_layer_bytes(m, Options(ctx_size=1000), 0) == 1024 * 2 * 1024 * 2  # padded to 256 tokens
     ds = model("deepseek-r1", "IQ4_KS")
-    assert kv_layer_bytes(ds, Options()) == 4096 * 576 * 2  # MLA: one latent, V read from it
+    assert kv_layer_bytes(ds, Options(), 0) == 4096 * 576 * 2  # MLA: one latent, V read from it
 
 
 def test_tied_embeddings_get_a_copy_on_the_output_gpu():
@@ -304,3 +305,14 @@ def test_op_offload_buffers_are_reserved_on_the_first_gpu_or_planned_off():
     assert not p.op_offload and p.over_budget() == []
     assert any(n.startswith("op offload off: streaming CPU layers to cuda:0") for n in p.notes)
     assert not place(m, parse_devices("cuda0=80GiB,cpu=64GiB"), Options(n_gpu_layers=0)).op_offload
+
+
+def test_sliding_window_layers_keep_a_ring_of_window_plus_ubatch_positions():
+    gemma_like = dataclasses.replace(model("llama3-8b"), sliding_window=1024, sliding_window_pattern=6)
+    opts = Options(ctx_size=32768, ubatch_size=512)
+    assert [kv_rows(gemma_like, opts, i) for i in range(7)] == [1536] * 5 + [32768, 1536]
+    assert kv_rows(gemma_like, opts.replace(ctx_size=1024), 0) == 1024  # a context below the ring
+    assert kv_layer_bytes(gemma_like, opts, 0) * 32768 == kv_layer_bytes(gemma_like, opts, 5) * 1536
+    p = place(gemma_like, parse_devices("cpu=256GiB"), opts)
+    assert p.kv_rows[:6] == (1536,) * 5 + (32768,)
+    assert p.device_use("cpu").kv == sum(kv_layer_bytes(gemma_like, opts, i) for i in range(32))

@@ -3,7 +3,8 @@ grouped-query attention over the cache, flash-decoding style (split over the key
 
 The eager path (`Rope.apply`, the cache's `index_copy_`, `ops.attention`) costs ~25 small kernels a
 layer. Shapes (one token): q [1, H, D], k, v [1, Hk, D], cos/sin [1, n_dims/2] float32 (the step's
-RoPE tables), caches [n_ctx, Hk, D] (f16, bf16 or f32), `positions` [1] int64 on the same device.
+RoPE tables), caches [R, Hk, D] (f16, bf16 or f32), `positions` [1] int64 on the same device. Position
+p lives in row p mod R: R is the context for most layers, a ring for sliding-window ones.
 
 - `attention_kernel`, grid (Hk, S): program (kv head, split) rotates the G = H/Hk queries of its KV
   head and this step's key, then reads its share of the visible keys [lo, pos] (lo = 0, or
@@ -75,7 +76,8 @@ def decode_attention(
         q, k, v, cos, sin, positions, k_cache, v_cache, partial, stats,
         q.stride(1), k.stride(1), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        n_read, window or 0, 1.0 / math.sqrt(d) if scale is None else scale, softcap or 1.0, splits,
+        n_read, k_cache.shape[0], window or 0, 1.0 / math.sqrt(d) if scale is None else scale,
+        softcap or 1.0, splits,
         G=n_head // n_kv, D=d, N_DIMS=n_dims, NEOX=neox, WINDOW=window is not None,
         SOFTCAP=softcap is not None, DOT=_TL_DTYPE[k_cache.dtype] if q.is_cuda else tl.float32,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
@@ -124,7 +126,7 @@ def _dot(a, b, DOT: tl.constexpr):
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, part_ptr, stats_ptr,
     sq, sk, sv, skc_n, skc_h, svc_n, svc_h,
-    n_read, window, scale, softcap, n_splits,
+    n_read, n_rows, window, scale, softcap, n_splits,
     G: tl.constexpr, D: tl.constexpr, N_DIMS: tl.constexpr, NEOX: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -157,7 +159,7 @@ def attention_kernel(
         rmask = rows < end
         fresh = (rows == pos)[:, None]  # this step's row: from registers, not (yet) from the cache
         tile = rmask[:, None] & dmask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
+        r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
         keys = tl.load(kc_ptr + r64 * skc_n + kvh * skc_h + d[None, :], mask=tile, other=0.0)
         keys = tl.where(fresh, k_new[None, :], keys)
         s = _dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
@@ -177,8 +179,9 @@ def attention_kernel(
     # programs one after another, and a store before it would hide a missing substitution from the
     # tests. (tl.where rather than `dmask & scalar`, which the interpreter turns into int32.)
     mine = tl.where((start <= pos) & (pos < end), dmask, False)
-    tl.store(kc_ptr + pos.to(tl.int64) * skc_n + kvh * skc_h + d, k_new, mask=mine)
-    tl.store(vc_ptr + pos.to(tl.int64) * svc_n + kvh * svc_h + d, v_new, mask=mine)
+    slot = (pos % n_rows).to(tl.int64)
+    tl.store(kc_ptr + slot * skc_n + kvh * skc_h + d, k_new, mask=mine)
+    tl.store(vc_ptr + slot * svc_n + kvh * svc_h + d, v_new, mask=mine)
 
     # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 in combine.
     base = heads * n_splits + split

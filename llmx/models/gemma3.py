@@ -21,6 +21,7 @@ import torch
 
 from llmx.models.common import Config, Model, Step, TensorGroup
 from llmx.ops import add_rms_norm, gelu_tanh, linear, linear_many, rms_norm
+from llmx.plan.model import layer_window
 
 LOCAL_ROPE_BASE = 10000.0
 GEMMA3_27B_LAYERS = 62
@@ -41,8 +42,10 @@ class Gemma3Config(Config):
             **extra,
         )
 
-    def is_global(self, layer: int) -> bool:
-        return self.sliding_window == 0 or (layer + 1) % self.sliding_window_pattern == 0
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None for a global layer (the planner sizes its cache by
+        the same rule)."""
+        return layer_window(layer, self.sliding_window, self.sliding_window_pattern)
 
     @property
     def query_scale(self) -> float:
@@ -67,7 +70,8 @@ class Gemma3(Model):
 
     def block(self, i: int, x: torch.Tensor, step: Step, cache_kv) -> torch.Tensor:
         w, eps, c = self.layers[i], self.config.norm_eps, self.config
-        rope, window = (self.rope, None) if c.is_global(i) else (self.local_rope, c.sliding_window)
+        window = c.window(i)
+        rope = self.rope if window is None else self.local_rope
         h = rms_norm(x, w.attn_norm, eps)
         attn = self.self_attention(w, h, step, cache_kv, rope=rope, window=window, scale=c.query_scale)
         attn = rms_norm(linear(attn, w.attn_output), w.post_attention_norm, eps)

@@ -137,8 +137,7 @@ def _layer_counts(
         cost[n] += next(t.nbytes for t in model.tensors if t.name == "token_embd.weight")
     cost[n] += compute_bytes(model, opts, attention=False, ffn=False, output=True, inp=False, gpu=True)
     if not opts.no_kv_offload:
-        kv = kv_layer_bytes(model, opts)
-        cost[:n] = [c + kv for c in cost[:n]]
+        cost[:n] = [c + kv_layer_bytes(model, opts, i) for i, c in enumerate(cost[:n])]
     scratch = compute_bytes(model, opts, attention=True, ffn=True, output=False, inp=False, gpu=True)
     room = [g.free - margins[g.name] - fixed[g.name] - scratch for g in inv.gpus]
     layers = cost[start : start + act]

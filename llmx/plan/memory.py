@@ -1,8 +1,8 @@
 """Bytes that are not weights: the KV cache per layer and the compute (scratch) buffers per device.
 
 The KV cache is exact arithmetic: K and V rows per token in the cache type (`-ctk`, `-ctv`), for a
-context padded to 256 tokens as llama.cpp pads it (sliding-window layers are counted at the full
-context, which errs high for Gemma-style models). Compute buffers are an estimate meant to err
+context padded to 256 tokens as llama.cpp pads it; a sliding-window layer keeps a ring of
+window + -ub positions (`kv_rows`). Compute buffers are an estimate meant to err
 high: the peak bytes llmx's runtime allocates beyond weights and KV while it processes one physical
 batch (`-ub` tokens) at the end of the context, term by term from what its ops allocate. `llmx
 bench` measures the peak on each GPU beside it, and tests/test_memory_gpu.py checks it.
@@ -34,12 +34,19 @@ def context_length(model: ModelSpec, opts: Options) -> int:
     return -(-ctx // CTX_PAD) * CTX_PAD
 
 
-def kv_layer_bytes(model: ModelSpec, opts: Options) -> int:
-    """One layer's K and V cache for the whole context."""
-    ctx = context_length(model, opts)
+def kv_rows(model: ModelSpec, opts: Options, layer: int) -> int:
+    """Positions layer `layer`'s cache holds: the whole context, or for a sliding-window layer a ring
+    of window + -ub positions (a batch's first query still finds its window after the batch's own
+    keys have been written)."""
+    ctx, window = context_length(model, opts), model.window(layer)
+    return ctx if window is None else min(ctx, window + opts.n_ubatch)
+
+
+def kv_layer_bytes(model: ModelSpec, opts: Options, layer: int) -> int:
+    """Layer `layer`'s K and V cache."""
     k = qtype(opts.cache_type_k).row_bytes(model.n_head_kv * model.head_dim_k) if model.head_dim_k else 0
     v = qtype(opts.cache_type_v).row_bytes(model.n_head_kv * model.head_dim_v) if model.head_dim_v else 0
-    return ctx * (k + v)
+    return kv_rows(model, opts, layer) * (k + v)
 
 
 def compute_bytes(

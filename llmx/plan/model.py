@@ -60,6 +60,19 @@ class TensorSpec:
         return len(self.shape) == 2 and self.name.endswith(".weight")
 
 
+# Architectures whose runtime attends through sliding windows, and their default layer pattern
+# (llama.cpp's for gemma3: every 6th layer global). Others ignore a sliding_window key.
+SLIDING_PATTERNS = {"gemma3": 6}
+
+
+def layer_window(layer: int, window: int, pattern: int) -> int | None:
+    """The sliding window of layer `layer` (counted from 0), or None when it sees the whole context:
+    with a window and a pattern, every pattern-th layer is global."""
+    if not window or not pattern or (layer + 1) % pattern == 0:
+        return None
+    return window
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The planner's view of a model. KV sizes follow llama.cpp: per layer and token, K holds
@@ -81,6 +94,7 @@ class ModelSpec:
     ctx_train: int
     tensors: tuple[TensorSpec, ...]
     sliding_window: int = 0  # tokens a local-attention layer sees (Gemma 3); 0 = none
+    sliding_window_pattern: int = 0  # every pattern-th layer is global (0: none is local)
 
     @classmethod
     def from_metadata(cls, name: str, md: dict[str, Any], tensors: list[TensorSpec]) -> ModelSpec:
@@ -118,6 +132,8 @@ class ModelSpec:
             ctx_train=int(key("context_length", 4096)),
             tensors=tuple(tensors),
             sliding_window=int(key("attention.sliding_window", 0)),
+            sliding_window_pattern=SLIDING_PATTERNS.get(arch, 0)
+            and int(key("attention.sliding_window_pattern", SLIDING_PATTERNS.get(arch, 0))),
         )
 
     @classmethod
@@ -130,6 +146,9 @@ class ModelSpec:
     def from_shape(cls, shape: ModelShape, recipe: str) -> ModelSpec:
         """From a named shape and a quant recipe, as if the file were there."""
         return cls.from_metadata(f"{shape.name}:{recipe}", shape.metadata(recipe), shape.tensors(recipe))
+
+    def window(self, layer: int) -> int | None:
+        return layer_window(layer, self.sliding_window, self.sliding_window_pattern)
 
     @property
     def n_params(self) -> int:

@@ -65,6 +65,7 @@ class Plan:
     layer_device: tuple[str, ...]
     output_device: str
     kv_devices: tuple[str, ...]
+    kv_rows: tuple[int, ...]  # positions each layer's cache holds (a ring for sliding-window layers)
     usage: tuple[DeviceUse, ...]
     layers: tuple[LayerRow, ...]
     n_offloaded: int

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from llmx.errors import LlmxError
 from llmx.plan.devices import Device, GiB, Inventory, MiB
-from llmx.plan.memory import compute_bytes, context_length, kv_layer_bytes, stream_bytes
+from llmx.plan.memory import compute_bytes, context_length, kv_layer_bytes, kv_rows, stream_bytes
 from llmx.plan.model import ROLES, ModelSpec, TensorSpec
 from llmx.plan.options import ALL_LAYERS, Options
 from llmx.plan.placement import DeviceUse, LayerRow, Plan
@@ -93,6 +93,7 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         layer_device=tuple(layer_dev),
         output_device=output_dev,
         kv_devices=kv_devices,
+        kv_rows=tuple(kv_rows(model, opts, i) for i in range(model.n_layer)),
         usage=usage,
         layers=_layer_rows(model, opts, where),
         n_offloaded=n_offloaded,
@@ -216,8 +217,8 @@ def _usage(model: ModelSpec, inv: Inventory, opts: Options, where: _Where) -> tu
         if t.name in where.extra_copies:
             weights[where.extra_copies[t.name]] += t.nbytes
     kv = {d.name: 0 for d in inv.devices}
-    for dev in where.kv_devices:
-        kv[dev] += kv_layer_bytes(model, opts)
+    for layer, dev in enumerate(where.kv_devices):
+        kv[dev] += kv_layer_bytes(model, opts, layer)
     for dev in where.layer_dev:
         runs[dev].add("attn")  # a layer's attention runs where the layer lives
     usage = []
@@ -259,7 +260,7 @@ def _layer_rows(model: ModelSpec, opts: Options, where: _Where) -> tuple[LayerRo
             nbytes[t.role] += t.nbytes
             devices[t.role] |= {dev for dev, _, _ in where.parts(t)}
         joined = {r: "+".join(sorted(devices[r], key=_device_order)) for r in ROLES}
-        kv = (kv_layer_bytes(model, opts), where.kv_devices[key]) if isinstance(key, int) else (0, "")
+        kv = (kv_layer_bytes(model, opts, key), where.kv_devices[key]) if isinstance(key, int) else (0, "")
         rows.append(LayerRow(key, nbytes, joined, *kv))
     return tuple(rows)
 

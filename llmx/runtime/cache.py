@@ -1,6 +1,8 @@
 """KV cache: one key and one value buffer per layer, allocated on that layer's device.
 
-Buffers are [n_ctx, Hk, D] in the cache type (`-ctk`/`-ctv`); attention reads the valid prefix.
+Buffers are [rows, Hk, D] in the cache type (`-ctk`/`-ctv`): the whole context, or for a
+sliding-window layer a ring of the plan's `kv_rows` (position p in row p mod rows). Attention reads
+the valid prefix, or the whole ring with each row's position.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class LayerShape:
     k_dim: int
     v_dim: int
     device: str
+    rows: int = 0  # positions kept: 0 = the whole context; fewer = a ring (sliding-window layers)
 
 
 class KVCache:
@@ -40,8 +43,13 @@ class KVCache:
     ) -> None:
         self.n_ctx = n_ctx
         dk, dv = cache_dtype(type_k), cache_dtype(type_v)
-        self.k = [torch.zeros(n_ctx, s.n_head_kv, s.k_dim, dtype=dk, device=s.device) for s in layers]
-        self.v = [torch.zeros(n_ctx, s.n_head_kv, s.v_dim, dtype=dv, device=s.device) for s in layers]
+
+        def buffer(s: LayerShape, dim: int, dtype: torch.dtype) -> torch.Tensor:
+            rows = min(s.rows or n_ctx, n_ctx)
+            return torch.zeros(rows, s.n_head_kv, dim, dtype=dtype, device=s.device)
+
+        self.k = [buffer(s, s.k_dim, dk) for s in layers]
+        self.v = [buffer(s, s.v_dim, dv) for s in layers]
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +74,21 @@ class LayerWriter:
     n_read: int
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k, v [T, Hk, D]; the first `n_read` rows, on k's device, for attention."""
-        self.k.index_copy_(0, self.positions, k.to(self.k.device, self.k.dtype))
-        self.v.index_copy_(0, self.positions, v.to(self.v.device, self.v.dtype))
+        """Store this step's k, v [T, Hk, D]; the first `n_read` rows (of a ring: all of them, see
+        `key_positions`), on k's device, for attention."""
+        rows = self.k.shape[0]
+        slots = self.positions if self.n_read <= rows else self.positions % rows
+        self.k.index_copy_(0, slots, k.to(self.k.device, self.k.dtype))
+        self.v.index_copy_(0, slots, v.to(self.v.device, self.v.dtype))
         return self.k[: self.n_read].to(k.device), self.v[: self.n_read].to(v.device)
+
+    def key_positions(self) -> torch.Tensor | None:
+        """For a ring that may have wrapped (n_read beyond its rows), the position each row holds
+        after this step's write: row r holds the latest position up to the step's last one that is r
+        modulo the ring's length, negative for a row not written yet. None while the rows read are
+        positions 0..n_read-1. Computed on the device from `positions`, so a CUDA graph replays it."""
+        rows = self.k.shape[0]
+        if self.n_read <= rows:
+            return None
+        r = torch.arange(rows, device=self.positions.device)
+        return r + torch.div(self.positions[-1] - r, rows, rounding_mode="floor") * rows
