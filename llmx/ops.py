@@ -201,8 +201,8 @@ class LayerKV(Protocol):
     `n_read` rows of keys and values for `attention`; the fused decode path writes the buffers itself.
     """
 
-    k: torch.Tensor  # [n_ctx, Hk, D] keys of every position
-    v: torch.Tensor  # [n_ctx, Hk, D] values
+    k: torch.Tensor  # [rows, Hk, D] keys: of every position, or a ring of the latest ones
+    v: torch.Tensor  # [rows, Hk, D] values
     positions: torch.Tensor  # [T] this step's positions, on the buffers' device
     n_read: int  # attention reads rows 0..n_read-1 (a ring: all its rows)
 
@@ -242,7 +242,7 @@ def rope_attention(
     keys, values = cache(k, v)
     ring = cache.key_positions()
     if ring is not None:  # a sliding-window layer's ring: rows are not in position order
-        mask = ring_mask(cache.positions, ring, window)
+        mask = ring_mask(cache.positions, ring, window).to(q.device)  # --no-kv-offload: from the CPU
     # A prompt batch ends at the last cached key, so its mask is causal aligned to the bottom right,
     # unless a sliding window cuts in; then a GPU can attend without materializing the scores.
     if q.is_cuda and q.shape[0] > 1 and softcap is None and (window is None or cache.n_read <= window):
