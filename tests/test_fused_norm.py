@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from tiny_models import random_prompt, write_tiny  # noqa: E402
+from tiny_models import greedy_steps, random_prompt, write_tiny  # noqa: E402
 
 import llmx  # noqa: E402
 from llmx import ops  # noqa: E402
@@ -139,13 +139,7 @@ def test_tiny_model_greedy_decode_is_unchanged(arch: str, tmp_path, monkeypatch)
 
     def decode(mode: str) -> tuple[list[int], torch.Tensor]:
         monkeypatch.setattr(ops, "FUSED_NORM", mode)
-        model.engine.reset()
-        logits, tokens, steps = model.engine.prefill(prompt), [], []
-        for _ in range(8):
-            tokens.append(int(logits.argmax()))
-            logits = model.engine.decode(tokens[-1])
-            steps.append(logits)
-        return tokens, torch.stack(steps)
+        return greedy_steps(model, prompt)
 
     calls = dict.fromkeys(["rms_norm", "add_rms_norm", "silu_mul"], 0)
     for name in calls:  # count the kernel calls, to know that "on" took them

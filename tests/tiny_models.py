@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from llmx.bench.blocks import chunk_rng, random_data
 from llmx.bench.synth import synth_metadata, synth_tensors
@@ -97,3 +98,15 @@ def write_tiny(arch: str, type_name: str, directory: Path, seed: int = 0) -> Pat
 def random_prompt(length: int, seed: int) -> list[int]:
     """`length` random ordinary token ids (the two specials sit at the top of the vocabulary)."""
     return np.random.default_rng(seed).integers(0, N_VOCAB - 2, length).tolist()
+
+
+def greedy_steps(model, prompt: list[int], steps: int = 8) -> tuple[list[int], torch.Tensor]:
+    """Prefill `prompt`, then `steps` greedy decode steps: the tokens and each step's logits
+    [steps, vocab], for comparing two runs of the same model (e.g. a fused path on and off)."""
+    model.engine.reset()
+    logits, tokens, out = model.engine.prefill(prompt), [], []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = model.engine.decode(tokens[-1])
+        out.append(logits)
+    return tokens, torch.stack(out)
