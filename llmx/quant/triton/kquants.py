@@ -70,26 +70,29 @@ def q3_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
 
 
 @triton.jit
-def q4_k(w_ptr, row_off, sb):
-    blk = row_off + (sb // 8) * 144
+def _k4_low_nibbles(w_ptr, row_off, sb, BYTES: tl.constexpr, QS: tl.constexpr):
+    """What Q4_K and Q5_K share: the super-block offsets `blk`, group index j, code lanes l, the
+    low 4 bits of each code (nibbles at QS), and the group's a = d*sc and b = -dmin*m."""
+    blk = row_off + (sb // 8) * BYTES
     j = sb % 8
     sc, mn = scale_min_k4(w_ptr, blk, j)
     l = tl.arange(0, 32)[None, None, :]
-    off = blk + 16 + 32 * (j // 2)
+    off = blk + QS + 32 * (j // 2)
     q = nibbles(w_ptr, off[:, :, None] + l, (4 * (j % 2))[:, :, None])
-    return code_f32(q, 0), f16(w_ptr, blk) * sc, -(f16(w_ptr, blk + 2) * mn)
+    return blk, j, l, q, f16(w_ptr, blk) * sc, -(f16(w_ptr, blk + 2) * mn)
+
+
+@triton.jit
+def q4_k(w_ptr, row_off, sb):
+    _, _, _, q, a, b = _k4_low_nibbles(w_ptr, row_off, sb, 144, 16)
+    return code_f32(q, 0), a, b
 
 
 @triton.jit
 def q5_k(w_ptr, row_off, sb):
-    blk = row_off + (sb // 8) * 176
-    j = sb % 8
-    sc, mn = scale_min_k4(w_ptr, blk, j)
-    l = tl.arange(0, 32)[None, None, :]
-    off = blk + 48 + 32 * (j // 2)
-    q = nibbles(w_ptr, off[:, :, None] + l, (4 * (j % 2))[:, :, None])
-    h = (u8(w_ptr, blk[:, :, None] + 16 + l) >> j[:, :, None]) & 1
-    return code_f32(q | (h << 4), 0), f16(w_ptr, blk) * sc, -(f16(w_ptr, blk + 2) * mn)
+    blk, j, l, q, a, b = _k4_low_nibbles(w_ptr, row_off, sb, 176, 48)
+    h = (u8(w_ptr, blk[:, :, None] + 16 + l) >> j[:, :, None]) & 1  # fifth bits: qh[32] at byte 16
+    return code_f32(q | (h << 4), 0), a, b
 
 
 @triton.jit
