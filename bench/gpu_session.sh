@@ -6,7 +6,7 @@
 #   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
 #   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), decode profile, ~5 min
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, ~6 min
-#   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed)
+#   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
 #
 # Each part writes its output under $OUT (default /tmp/llmx-out) as it goes, and every command has
 # its own time limit, so a part that runs long still reports what it measured. CPU kernels take the
@@ -51,11 +51,9 @@ hybrid)
     ;;
 ncu)
     command -v ncu >/dev/null || { echo "ncu is not installed here" >&2; exit 1; }
-    # memory throughput, issue activity and stall reasons of the first GEMVs of each type
-    timeout 500 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        -k "regex:gemv" --launch-count 6 $PY bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 1 \
-        > "$OUT/ncu.txt" 2>&1
-    tail -100 "$OUT/ncu.txt"
+    # every section (memory throughput, pipe use, instruction mix, stall reasons) of each M = 1 GEMV
+    timeout 300 ncu --set full --clock-control none -k regex:gemv $PY bench/ncu_gemv.py > "$OUT/ncu.txt" 2>&1
+    grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
     echo "usage: bash bench/gpu_session.sh check|kernels|e2e|hybrid|ncu" >&2

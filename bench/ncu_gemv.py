@@ -1,0 +1,36 @@
+"""Launch each M = 1 GEMV once after a warm-up, for Nsight Compute to profile (bench/gpu_session.sh ncu).
+
+    ncu --set full -k regex:gemv python bench/ncu_gemv.py [--types Q4_K,Q6_K,Q8_0] [--kernels dot8,gemv]
+
+Every (type, shape, kernel) is launched twice: the first call compiles, the second is the one to
+read (ncu reports both; caches are flushed before each profiled launch by ncu's default).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.kernels import SHAPES, make_weight
+from llmx.quant import triton_ops as tops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
+    ap.add_argument("--kernels", default="dot8,gemv")
+    args = ap.parse_args()
+    for name in args.types.split(","):
+        for n, k in SHAPES:
+            w = tops.prepare(make_weight(name, n, k))
+            x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+            for kernel in args.kernels.split(","):
+                for _ in range(2):
+                    tops.linear(x, w, kernel=kernel)
+                torch.cuda.synchronize()
+                print(f"{name} {n}x{k} {kernel}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
