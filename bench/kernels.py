@@ -82,7 +82,7 @@ def run(types: list[str], ms: list[int], ceil: dict[str, float]) -> Iterator[dic
             kernels = (
                 ("gemm", "dequant") if m > tops.GEMV_MAX_M else ("gemv", "gemm") if m in (2, 8) else ("gemv",)
             )
-            if tops.kernel_for(w, m) == "dot8":  # its time includes quantizing x
+            if tops.kernel_for(w, m, "dot8") == "dot8":  # its time includes quantizing x
                 kernels = ("dot8", *kernels)
             for kern in kernels:
                 yield measure(w, m, kern, ceil, layout=layout)
@@ -94,12 +94,12 @@ def run(types: list[str], ms: list[int], ceil: dict[str, float]) -> Iterator[dic
 
 
 def sweep(types: list[str]) -> list[dict]:
-    """Time at M = 1 of the kernel `linear` picks (dot8 or gemv) for a grid of launch shapes, on
-    prepared weights."""
+    """Time at M = 1 of the integer-dot GEMV (the float one for types it cannot read) for a grid of
+    launch shapes, on prepared weights."""
     rows = []
     for name, (n, k) in itertools.product(types, SHAPES):
         w = tops.prepare(make_weight(name, n, k))
-        kernel = tops.kernel_for(w, 1)
+        kernel = tops.kernel_for(w, 1, "dot8")
         steps = (512, 1024, 2048) if kernel == "dot8" else (256, 512, 1024)
         grid = [tops.GemvConfig(*c) for c in itertools.product((2, 4, 8), steps, (2, 4))]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")

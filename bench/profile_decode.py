@@ -1,11 +1,12 @@
 """Where a GPU decode step spends its time: kernel time by kernel name, and the step time per token.
 
-    python bench/profile_decode.py MODEL.gguf [-ngl 99] [--steps 8] [--depth 64]
+    python bench/profile_decode.py MODEL.gguf [-ngl 99] [--steps 8] [--depth 64] [--prefill 512]
 
 Prefills `--depth` tokens, then profiles `--steps` eager decode steps (no CUDA graph, so every kernel
 is visible) with torch.profiler and prints CUDA time per kernel name, summed and per token. Then it
 times graph-replayed decode steps the way `llmx bench` does, so the two can be set side by side:
 (graph step time) - (kernel time) is launch gaps and host work the graph did not hide.
+`--prefill N` also profiles one N-token prefill (after one that compiles and tunes).
 """
 
 from __future__ import annotations
@@ -19,6 +20,21 @@ import torch
 import llmx
 
 
+def print_kernels(prof: torch.profiler.profile, runs: int, what: str, unit: str, top: int) -> None:
+    """CUDA time per kernel name, per run, largest first."""
+    per_name: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[ev.name] += ev.device_time_total
+            counts[ev.name] += 1
+    total = sum(per_name.values())
+    print(f"{what}: {total / runs / 1000:.3f} ms of kernel time per {unit}, "
+          f"{sum(counts.values()) / runs:.0f} kernels per {unit}")  # fmt: skip
+    for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{us / runs:9.1f} us/{unit} {counts[name] / runs:6.1f} x  {name[:110]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -26,6 +42,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--depth", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--prefill", type=int, default=0, help="also profile one prefill of this many tokens")
     args = ap.parse_args()
 
     model = llmx.load(args.model, n_gpu_layers=args.ngl, ctx_size=1024)
@@ -41,17 +58,21 @@ def main() -> None:
         for _ in range(args.steps):
             engine.decode(1)
         engine.synchronize()
-    per_name: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[ev.name] += ev.device_time_total
-            counts[ev.name] += 1
-    total = sum(per_name.values())
-    print(f"eager decode: {total / args.steps / 1000:.3f} ms of kernel time per token, "
-          f"{sum(counts.values()) / args.steps:.0f} kernels per token")  # fmt: skip
-    for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[: args.top]:
-        print(f"{us / args.steps:9.1f} us/token {counts[name] / args.steps:6.1f} x  {name[:110]}")
+    print_kernels(prof, args.steps, "eager decode", "token", args.top)
+
+    if args.prefill:
+        batch = list(range(1, args.prefill + 1))
+        for _ in range(2):  # the first prefill of this length compiles and tunes; the second is kept
+            engine.reset()
+            engine.synchronize()
+            t0 = time.perf_counter()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                engine.prefill(batch)
+                engine.synchronize()
+            ms = (time.perf_counter() - t0) * 1000
+        rate = args.prefill / ms * 1000
+        print(f"prefill of {args.prefill} tokens: {ms:.1f} ms under the profiler ({rate:.0f} t/s)")
+        print_kernels(prof, 1, f"prefill {args.prefill}", "prefill", args.top)
 
     for graphs in (False, True):
         executor.use_graphs = graphs

@@ -80,11 +80,11 @@ SPLIT = SplitFields()
 @dataclass(frozen=True)
 class QuantizedX:
     """x [M, K] as the integer-dot GEMV reads it: int8 codes, a float32 scale per 32 values, and
-    the code sums per 16; made once and shared by the weights that multiply the same x."""
+    the code sums per 16 times their scale; made once and shared by the weights that multiply the same x."""
 
     q: torch.Tensor  # int8 [M, K]
     dx: torch.Tensor  # float32 [M, K/32]
-    sums: torch.Tensor  # int32 [M, K/16]
+    sums: torch.Tensor  # float32 [M, K/16]: dx * (sum of q) per 16
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def quantize_x(x2: torch.Tensor) -> QuantizedX:
     m, k = x2.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x2.device)
     dx = torch.empty((m, k // 32), dtype=torch.float32, device=x2.device)
-    sums = torch.empty((m, k // 16), dtype=torch.int32, device=x2.device)
+    sums = torch.empty((m, k // 16), dtype=torch.float32, device=x2.device)
     groups = 4
     _dot8().quantize_x_kernel[(m, _cdiv(k // 32, groups))](x2, q, dx, sums, k, x2.stride(0), NG=groups)
     return QuantizedX(q, dx, sums)

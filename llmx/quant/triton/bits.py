@@ -31,6 +31,13 @@ def code_f32(v, BIAS: tl.constexpr):
 
 
 @triton.jit
+def int_f32(v):
+    """float32(v) for int32 |v| < 2**22, exactly: `code_f32`'s trick for signed values, centred on
+    1.5 * 2**23 so that negative v stay within the same exponent."""
+    return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
 def nibbles(w_ptr, off, shift):
     """4-bit codes: (byte at `off`) >> `shift` & 15, as int32."""
     return (u8(w_ptr, off) >> shift) & 15

@@ -2,9 +2,9 @@
 
 The float GEMV (`kernels.gemv_kernel`) spends ~10 instructions per weight on extracting a code,
 converting it and multiplying. Here, as in llama.cpp's CUDA decode (mmvq), x is first quantized
-per group of 32 values (`quantize_x_kernel`: int8 codes, a float scale dx = max|x| / 127 and the
-code sums per 16), and the weights are read as 32-bit words whose 4 byte lanes meet 4 x codes in
-one `dp4a` instruction (int32 accumulate, exact); each group's scales are applied once to its
+per group of 32 values (`quantize_x_kernel`: int8 codes, a float scale dx = max|x| / 127 and
+dx times the code sums per 16), and the weights are read as 32-bit words whose 4 byte lanes meet
+4 x codes in one `dp4a` instruction (int32 accumulate, exact); each group's scales are applied once to its
 integer sum, for 2-3.5 instructions a weight in all. On an H200 that has so far beaten the float
 GEMV only for Q6_K (bench/RESULTS.md), so `triton_ops.pick_kernel` takes it for Q6_K alone.
 
@@ -22,8 +22,8 @@ Under TRITON_INTERPRET=1 (no PTX) `dp4a` is spelled out with shifts, with the sa
 import triton
 import triton.language as tl
 
-from llmx.quant.triton.bits import f16
-from llmx.quant.triton.kquants import scale_min_k4
+from llmx.quant.triton.bits import code_f32, f16, int_f32
+from llmx.quant.triton.kquants import k4_scale_min
 
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
 HIGH_PAIRS = tl.constexpr(0x30303030)  # bits 4-5 of each byte: where Q6_K's 2 high bits go
@@ -54,8 +54,8 @@ def dp4a(a, b, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
 def quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, K, sxm, NG: tl.constexpr):
     """One program: NG groups of 32 values of row program_id(0) of x [M, K] (any float dtype).
 
-    xq [M, K] int8 = round(x / dx) (half away from zero), dx [M, K/32] float32, xs [M, K/16] int32
-    (the sums of xq per 16, for the types whose codes carry an offset).
+    xq [M, K] int8 = round(x / dx) (half away from zero), dx [M, K/32] float32, xs [M, K/16] float32
+    = dx * (the sums of xq per 16), for the types whose codes carry an offset or a min.
     """
     m = tl.program_id(0)
     g = tl.program_id(1) * NG + tl.arange(0, NG)
@@ -68,7 +68,7 @@ def quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, K, sxm, NG: tl.constexpr):
     q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)
     tl.store(xq_ptr + m * K + off, q.to(tl.int8), mask=ok[:, None])
     tl.store(dx_ptr + m * (K // 32) + g, amax / 127.0, mask=ok)
-    sums = tl.sum(tl.reshape(q, (NG, 2, 16)), axis=2)
+    sums = tl.sum(tl.reshape(q, (NG, 2, 16)), axis=2).to(tl.float32) * (amax / 127.0)[:, None]
     halves = g[:, None] * 2 + tl.arange(0, 2)[None, :]
     tl.store(xs_ptr + m * (K // 16) + halves, sums, mask=ok[:, None])
 
@@ -113,16 +113,32 @@ def _q8_0(codes, d, xq_ptr, dx_ptr, row_w, u, ok, ASM: tl.constexpr):
 
 @triton.jit
 def _q4_k_load(w_ptr, row_w, u):
-    """Q4_K super-blocks `u` (144 bytes: d, dmin, 12 scale bytes, 128 code bytes): the codes,
-    [BN, U, 8, 4] words. The header shares the codes' first 32-byte sector, so it arrives with them."""
-    return tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + _quad(row_w, 36, u, 8, 4) + 4)
+    """Q4_K super-blocks `u` (144 bytes: d, dmin, 12 scale bytes, 128 code bytes): the codes and
+    the header, both [BN, U, 8, 4] words. Every quad's thread loads its block's 16-byte header as
+    one vector (one L1 request for all of them, where byte-wise loads made ten), and takes its
+    scales apart in registers."""
+    w32 = w_ptr.to(tl.pointer_type(tl.int32))
+    return tl.load(w32 + _quad(row_w, 36, u, 8, 4) + 4), tl.load(w32 + _quad(row_w, 36, u, 8, 0))
 
 
 @triton.jit
-def _q4_k(codes, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr):
+def _word(v, i: tl.constexpr):
+    """Word i of the 4-word last axis of v (held by one thread: no data moves)."""
+    return tl.sum(tl.where(tl.arange(0, 4)[None, None, None, :] == i, v, 0), 3)
+
+
+@triton.jit
+def _half(word, high: tl.constexpr):
+    """The fp16 in the low (or high) half of int32 `word`, as float32."""
+    bits = (word >> 16) if high else word
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr):
     """[BN, U, 8] partial dots of loaded Q4_K super-blocks `u`. Code word i holds weights
     4(i%8)..+3 of sub-block 2(i//8) in its low nibbles and of sub-block 2(i//8)+1 in its high
-    nibbles; quad e is words 4e..4e+3."""
+    nibbles; quad e is words 4e..4e+3, so it meets sub-blocks j = 2(e//2) and j + 1."""
     xw = _quad(row_w * 0, 64, u, 8, 4)  # x words of the same weights if they were all low nibbles
     e4 = tl.arange(0, 8)[None, None, :, None]
     x_lo = xw + 8 * (e4 // 2)  # low nibbles of quad e: x words 16(e//2) + 4(e%2) + lane; high: 8 on
@@ -130,19 +146,22 @@ def _q4_k(codes, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr)
     s_lo = tl.sum(dp4a(codes & LOW_NIBBLES, _x(xq_ptr, x_lo, ok4), False, ASM), 3)
     s_hi = tl.sum(dp4a((codes >> 4) & LOW_NIBBLES, _x(xq_ptr, x_lo + 8, ok4), False, ASM), 3)
     e = tl.arange(0, 8)[None, None, :]
-    j = 2 * (e // 2)  # sub-block of the low nibbles; j + 1 for the high ones
-    blk_b = (row_w[:, None] + u[None, :] * 36)[:, :, None] * 4
-    sc_lo, mn_lo = scale_min_k4(w_ptr, blk_b, j)
-    sc_hi, mn_hi = scale_min_k4(w_ptr, blk_b, j + 1)
-    grp = u[None, :, None] * 8 + j  # 32-group of the low sub-block in the row
+    pair = e // 2
+    # Sub-blocks j and j + 1 have their scale bytes side by side in each of header words 1-3.
+    shift = 16 * (pair % 2)
+    s_w, m_w, sm_w = _word(hdr, 1) >> shift, _word(hdr, 2) >> shift, _word(hdr, 3) >> shift
+    sc_lo, mn_lo = k4_scale_min(s_w & 255, m_w & 255, sm_w & 255, pair < 2)
+    sc_hi, mn_hi = k4_scale_min((s_w >> 8) & 255, (m_w >> 8) & 255, (sm_w >> 8) & 255, pair < 2)
+    grp = u[None, :, None] * 8 + 2 * pair  # 32-group of the low sub-block in the row
     ok3 = ok[None, :, None]
     dx_lo = tl.load(dx_ptr + grp, mask=ok3, other=0.0)
     dx_hi = tl.load(dx_ptr + grp + 1, mask=ok3, other=0.0)
-    xs_lo = tl.load(xs_ptr + 2 * grp + e % 2, mask=ok3, other=0).to(tl.float32)  # this quad's 16
-    xs_hi = tl.load(xs_ptr + 2 * grp + 2 + e % 2, mask=ok3, other=0).to(tl.float32)
-    scaled = sc_lo * dx_lo * s_lo.to(tl.float32) + sc_hi * dx_hi * s_hi.to(tl.float32)
-    mins = mn_lo * dx_lo * xs_lo + mn_hi * dx_hi * xs_hi
-    return f16(w_ptr, blk_b) * scaled - f16(w_ptr, blk_b + 2) * mins
+    xs_lo = tl.load(xs_ptr + 2 * grp + e % 2, mask=ok3, other=0.0)  # this quad's 16 of each
+    xs_hi = tl.load(xs_ptr + 2 * grp + 2 + e % 2, mask=ok3, other=0.0)
+    scaled = dx_lo * int_f32(sc_lo * s_lo) + dx_hi * int_f32(sc_hi * s_hi)  # |sc * s| < 63 * 16 * 15 * 127
+    mins = code_f32(mn_lo, 0) * xs_lo + code_f32(mn_hi, 0) * xs_hi
+    hdr0 = _word(hdr, 0)
+    return _half(hdr0, False) * scaled - _half(hdr0, True) * mins
 
 
 @triton.jit
@@ -190,11 +209,11 @@ def _q6_k(ql_a, ql_b, qh, sc01, sc23, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, o
         s = tl.sum(dp4a(quarters[kq], _x(xq_ptr, x0 + 8 * kq, ok4), False, ASM), 3)
         word = sc01 if kq < 2 else sc23
         byte = 2 * (kq % 2) + e % 2
-        sc = ((word << (24 - 8 * byte)) >> 24).to(tl.float32)  # the int8 scale
+        sc = int_f32((word << (24 - 8 * byte)) >> 24)  # the int8 scale
         row16 = u[None, :, None] * 16 + 8 * (e // 2) + 2 * kq + e % 2
         dx = tl.load(dx_ptr + row16 // 2, mask=ok3, other=0.0)
-        xsum = tl.load(xs_ptr + row16, mask=ok3, other=0)
-        acc += sc * dx * (s - 32 * xsum).to(tl.float32)
+        xsum = tl.load(xs_ptr + row16, mask=ok3, other=0.0)
+        acc += sc * (dx * int_f32(s) - 32.0 * xsum)
     d = f16(w_ptr, row_w[:, None, None] * 4 + (K // 256) * 208 + u[None, :, None] * 2)
     return d * acc
 
@@ -234,12 +253,12 @@ def gemv8_kernel(
             acc += _q8_0(codes, d, xq_ptr, dx_ptr, row_w, u, ok, ASM)
             codes, d, u, ok = codes_next, d_next, u_next, ok_next
     elif QT == "Q4_K":
-        codes = _q4_k_load(w_ptr, row_w, u)
+        codes, hdr = _q4_k_load(w_ptr, row_w, u)
         for u0 in range(0, n_units, BU):
             u_next, ok_next = _units(u0 + BU, BU, n_units)
-            codes_next = _q4_k_load(w_ptr, row_w, u_next)
-            acc += _q4_k(codes, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM)
-            codes, u, ok = codes_next, u_next, ok_next
+            codes_next, hdr_next = _q4_k_load(w_ptr, row_w, u_next)
+            acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM)
+            codes, hdr, u, ok = codes_next, hdr_next, u_next, ok_next
     else:
         tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
         ql_a, ql_b, qh, sc01, sc23 = _q6_k_load(w_ptr, row_w, u)

@@ -29,19 +29,23 @@ def _two_bit_codes(w_ptr, body, j, QS: tl.constexpr):
 
 @triton.jit
 def scale_min_k4(w_ptr, blk, j):
-    """Q4_K/Q5_K 6-bit scale and min of sub-block j (0..7) from the 12 bytes at blk + 4.
+    """Q4_K/Q5_K 6-bit scale and min of sub-block j (0..7) from the 12 bytes at blk + 4, as float32."""
+    lo = j % 4
+    sc, mn = k4_scale_min(u8(w_ptr, blk + 4 + lo), u8(w_ptr, blk + 8 + lo), u8(w_ptr, blk + 12 + lo), j < 4)
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def k4_scale_min(s, m, sm, first):
+    """int32 scale and min of a Q4_K/Q5_K sub-block j from its three scale bytes (int32 0..255):
+    s = byte j%4, m = byte 4 + j%4, sm = byte 8 + j%4 of the 12; `first` is j < 4.
 
     Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same
     for the mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble).
     """
-    lo = j % 4
-    s = u8(w_ptr, blk + 4 + lo)
-    m = u8(w_ptr, blk + 8 + lo)
-    sm = u8(w_ptr, blk + 12 + lo)
-    first = j < 4
     sc = tl.where(first, s & 63, (sm & 15) | ((s >> 6) << 4))
     mn = tl.where(first, m & 63, (sm >> 4) | ((m >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
+    return sc, mn
 
 
 @triton.jit
