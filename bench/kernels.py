@@ -7,7 +7,9 @@ bytes over the measured device-to-device copy bandwidth (what bounds M <= 8) and
 measured bf16 matmul rate (what bounds large M). At M = 512 a dense bf16 torch matmul of the same
 shape is timed too, and at M = 1 the GEMV on raw (not prepared) rows. The ceilings are measured in
 the same run: a copy of a 4 GB buffer (bytes read + written) and an 8192^3 bf16 matmul.
-triton.testing.do_bench clears the L2 before every call, so each call reads its weight from HBM.
+At M <= 8 calls are timed on the GPU alone, replayed from a CUDA graph (as decode runs them), over
+copies of the weight that together exceed the L2; larger M use triton.testing.do_bench, which
+clears the L2 before every call. Either way each call reads its weight from HBM.
 
     python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,16,512] [--sweep Q4_K] [--json PATH]
 
@@ -22,7 +24,7 @@ import itertools
 import json
 import os
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from types import SimpleNamespace
 
@@ -39,6 +41,39 @@ SHAPES = [(14336, 4096), (4096, 14336)]
 def bench_ms(fn) -> float:
     """Median milliseconds of fn() with a cleared L2 before each call."""
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def graph_ms(calls: list[Callable[[], object]], rounds: int = 4) -> float:
+    """Median GPU milliseconds of one of `calls`, replayed from a CUDA graph of `rounds` passes
+    over all of them: no launch or Python time, which at M <= 8 would otherwise exceed the kernel's."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and tune outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    graph.replay()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) / (rounds * len(calls))
+
+
+def copies(w: SimpleNamespace) -> list[SimpleNamespace]:
+    """`w` and enough copies of it to fill more than twice the L2 (50 MB on an H200), so that
+    calls taking them in turn each read their weight from HBM."""
+    n = max(1, -(-(128 << 20) // (w.raw.numel() * w.raw.element_size())))
+    return [w] + [SimpleNamespace(**(vars(w) | {"raw": w.raw.clone()})) for _ in range(n - 1)]
 
 
 def ceilings() -> dict[str, float]:
@@ -62,7 +97,10 @@ def measure(w: SimpleNamespace, m: int, kernel: str, ceil: dict[str, float], **e
     """One timed row: kernel `kernel` on weight `w` with M = m bf16 inputs."""
     n, k = w.shape
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    t = bench_ms(partial(tops.linear, x, w, kernel=kernel))
+    if m <= tops.GEMV_MAX_M:
+        t = graph_ms([partial(tops.linear, x, c, kernel=kernel) for c in copies(w)])
+    else:
+        t = bench_ms(partial(tops.linear, x, w, kernel=kernel))
     gbs, tflops = w.raw.numel() * w.raw.element_size() / t / 1e6, 2 * m * n * k / t / 1e9
     frac = gbs / ceil["copy_gbs"] if m <= tops.GEMV_MAX_M else tflops / ceil["bf16_tflops"]
     row = {"type": w.qtype.name, "n": n, "k": k, "m": m, "kernel": kernel, "ms": t, "gbs": gbs}
@@ -103,8 +141,9 @@ def sweep(types: list[str]) -> list[dict]:
         steps = (512, 1024, 2048) if kernel == "dot8" else (256, 512, 1024)
         grid = [tops.GemvConfig(*c) for c in itertools.product((2, 4, 8), steps, (2, 4))]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        ws = copies(w)
         for cfg in grid:
-            t = bench_ms(partial(tops.linear, x, w, kernel=kernel, gemv=cfg))
+            t = graph_ms([partial(tops.linear, x, c, kernel=kernel, gemv=cfg) for c in ws])
             row = {
                 "type": name,
                 "n": n,

@@ -66,13 +66,17 @@ def main() -> None:
             engine.reset()
             engine.synchronize()
             t0 = time.perf_counter()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
                 engine.prefill(batch)
                 engine.synchronize()
             ms = (time.perf_counter() - t0) * 1000
         rate = args.prefill / ms * 1000
         print(f"prefill of {args.prefill} tokens: {ms:.1f} ms under the profiler ({rate:.0f} t/s)")
         print_kernels(prof, 1, f"prefill {args.prefill}", "prefill", args.top)
+        print("host time of the prefill by operator (what the GPU waits on when it is not busy):")
+        ops = prof.key_averages()
+        print(ops.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
 
     for graphs in (False, True):
         executor.use_graphs = graphs
