@@ -138,8 +138,13 @@ def sweep(types: list[str]) -> list[dict]:
     for name, (n, k) in itertools.product(types, SHAPES):
         w = tops.prepare(make_weight(name, n, k))
         kernel = tops.kernel_for(w, 1, "dot8")
-        steps = (512, 1024, 2048) if kernel == "dot8" else (256, 512, 1024)
-        grid = [tops.GemvConfig(*c) for c in itertools.product((2, 4, 8), steps, (2, 4))]
+        if kernel == "dot8":
+            steps = (512, 1024, 2048) if name == "Q8_0" else (1024, 2048, 4096)
+            four_warps = itertools.product((1, 2, 4, 8), steps, (4,))
+            shapes = [*four_warps, *itertools.product((2, 4), steps, (2, 8))]
+        else:
+            shapes = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4)))
+        grid = [tops.GemvConfig(*c) for c in shapes]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         ws = copies(w)
         for cfg in grid:

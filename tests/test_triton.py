@@ -186,9 +186,9 @@ def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:
     w6, w8 = laid_out(w6, "Q6_K", "prepared"), laid_out(w8, "Q8_0", "prepared")
     assert [tops.kernel_for(w, 1, "dot8") for w in (w4, w6, w8)] == ["dot8", "dot8", "gemv"]
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(73))
-    outs = tops.linear_many(x.to(DEVICE), [w4, w6, w6])  # Q4_K on the float GEMV, Q6_K on dot8
+    outs = tops.linear_many(x.to(DEVICE), [w4, w6, w6])  # one quantized x for all three
     xq = quantized_x_ref(x.numpy())
-    assert rel_err(outs[0], x.double().numpy() @ ref4.T) < TOL[torch.float32]
+    assert rel_err(outs[0], xq @ ref4.T) < TOL[torch.float32]
     assert rel_err(outs[1], xq @ ref6.T) < TOL[torch.float32]
     assert torch.equal(outs[1], outs[2])
     check_linear(w8, ref8, 1, torch.float32, seed=74)
@@ -218,9 +218,9 @@ def test_quantize_x_matches_the_reference() -> None:
 
 
 def test_kernel_choice() -> None:
-    assert [tops.pick_kernel("Q4_K", m) for m in (1, 4, 5, 15, 16)] == ["gemv"] * 2 + ["gemm"] * 2 + [
-        "dequant"
-    ]
+    assert [tops.pick_kernel("Q4_K", m) for m in (1, 2, 4, 5, 15, 16)] == ["dot8"] + ["gemv"] * 2 + [
+        "gemm"
+    ] * 2 + ["dequant"]
     assert [tops.pick_kernel("Q6_K", m) for m in (1, 2)] == ["dot8", "gemv"]
     assert [tops.pick_kernel("Q4_1", m) for m in (1, 4, 5)] == ["gemv"] * 2 + ["gemm"]
     assert [tops.pick_kernel("IQ4_XS", m) for m in (8, 9)] == ["gemv", "dequant"]

@@ -5,9 +5,9 @@ blocks in registers. triton is imported on first use, so importing this module c
 CPU-only installs. Under TRITON_INTERPRET=1 the same code runs on CPU tensors (the tests do that).
 
 Which kernel runs (`pick_kernel`, by type and M = rows of x; measured on an H200, bench/RESULTS.md):
-- M = 1, Q6_K: "dot8", x quantized to int8 per 32 values, then int8 dot products (dp4a) on the
-  weight codes read as 32-bit words (`llmx.quant.triton.dot8`, llama.cpp's mmvq); 1.3-1.4x the
-  float GEMV for Q6_K on an H200, no faster for Q4_K and Q8_0 (which it also reads, when forced);
+- M = 1, Q4_K, Q6_K and Q8_0: "dot8", x quantized to int8 per 32 values, then int8 dot products
+  (dp4a) on the weight codes read as 32-bit words (`llmx.quant.triton.dot8`, llama.cpp's mmvq);
+  1.4-1.8x the float GEMV's GPU time on an H200;
 - M <= 4 (IQ4 types: 8): "gemv", fp32 FMAs on the unpacked codes, one program per few weight
   rows; its time grows with M, since every input row costs an FMA per weight.
 - M < DEQUANT_MATMUL_MIN_M: "gemm", tiles dequantized in registers and multiplied with tl.dot on
@@ -61,7 +61,7 @@ GEMV_MAX_M = 8  # the GEMV kernel's limit (a static loop over input rows)
 DOT8_UNIT = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # integer-dot GEMV types: weights a block
 DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # its partial sums a block (see dot8.gemv8_kernel)
 DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integer-dot passes
-DOT8_BY_DEFAULT = ("Q6_K",)  # where it measured faster than "gemv" (bench/RESULTS.md)
+DOT8_BY_DEFAULT = ("Q4_K", "Q6_K", "Q8_0")  # 1.4-1.7x "gemv" in GPU time on an H200 (bench/RESULTS.md)
 DEQUANT_CHUNK_BYTES = 64 << 20  # half-precision weight rows dequantized at a time for "dequant"
 DEQUANT_MATMUL_MIN_M = 16
 
@@ -172,26 +172,36 @@ def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
 
 def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
     """x2 [M, K] @ W.T on the half-precision tensor cores, W dequantized a chunk of rows at a time
-    (so the transient buffer stays under DEQUANT_CHUNK_BYTES); the result in x2's dtype."""
+    (so the transient buffer stays under DEQUANT_CHUNK_BYTES); the result in x2's dtype.
+
+    A prompt runs this for every weight of every layer, so it keeps to few launches: one to scale
+    x into fp16, one dequantize and one matmul a chunk, one multiply back to x's dtype."""
     m, k = x2.shape
     n = w.shape[0]
     scale = None
     if x2.dtype in (torch.float16, torch.bfloat16):
         xh = x2
     else:  # per-row scaling keeps any activation inside fp16's range
-        scale = x2.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
-        xh = (x2 / scale).to(torch.float16)
+        xh, scale = _half_rows(x2)
     step = max(1, DEQUANT_CHUNK_BYTES // (2 * k))
     if step >= n:
-        y = xh @ dequantize(w, xh.dtype).t()
+        y = xh @ dequantize_rows(w, 0, n, xh.dtype).t()
     else:
         y_t = torch.empty((n, m), dtype=xh.dtype, device=x2.device)  # rows of W give rows of y.T
         for r0 in range(0, n, step):
-            rows = torch.arange(r0, min(n, r0 + step), device=x2.device)
-            torch.mm(embedding(rows, w, xh.dtype), xh.t(), out=y_t[r0 : r0 + rows.numel()])
+            r1 = min(n, r0 + step)
+            torch.mm(dequantize_rows(w, r0, r1, xh.dtype), xh.t(), out=y_t[r0:r1])
         y = y_t.t()
-    y = y.to(x2.dtype)
-    return y if scale is None else y * scale
+    return y.to(x2.dtype) if scale is None else torch.mul(y, scale)  # fp16 * float32 -> float32
+
+
+def _half_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] float32 as fp16 rows scaled into [-1, 1], and the scales [M, 1] (float32)."""
+    m, k = x2.shape
+    xh = torch.empty((m, k), dtype=torch.float16, device=x2.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+    _kernels().half_rows_kernel[(m,)](x2, xh, scale, k, x2.stride(0), BK=1024, num_warps=4)
+    return xh, scale
 
 
 def quantize_x(x2: torch.Tensor) -> QuantizedX:
@@ -214,20 +224,34 @@ def embedding(ids: torch.Tensor, w: QWeight, dtype: torch.dtype = torch.float32)
     if w.qtype.name in FLOAT_TYPES:
         return w.raw[ids].to(dtype)
     flat = ids.reshape(-1).to(device=w.raw.device, dtype=torch.int64)
-    out = torch.empty((flat.numel(), k), dtype=dtype, device=w.raw.device)
-    if flat.numel():
-        raw, name, packed = _raw(w)
-        br, bk = 4, 512
-        _kernels().dequant_kernel[(_cdiv(flat.numel(), br), _cdiv(k, bk))](
-            raw, _lut(raw.device), flat, out, flat.numel(), n, k, raw.stride(0), out.stride(0),
-            QT=name, PACKED=packed, G=GROUP[name], BR=br, BK=bk, num_warps=4,
-        )  # fmt: skip
-    return out.reshape(*ids.shape, k)
+    return _dequant(w, flat, 0, flat.numel(), dtype).reshape(*ids.shape, k)
+
+
+def dequantize_rows(w: QWeight, r0: int, r1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows r0..r1 of W [N, K] dequantized, [r1 - r0, K] in `dtype` (float32: bit-exact with gguf-py)."""
+    if w.qtype.name in FLOAT_TYPES:
+        return w.raw[r0:r1].to(dtype)
+    return _dequant(w, None, r0, r1 - r0, dtype)
 
 
 def dequantize(w: QWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The whole weight W [N, K] in `dtype` (float32: bit-exact with gguf-py)."""
-    return embedding(torch.arange(w.shape[0], device=w.raw.device), w, dtype)
+    return dequantize_rows(w, 0, w.shape[0], dtype)
+
+
+def _dequant(w: QWeight, ids: torch.Tensor | None, r0: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, K] in `dtype`: rows `ids` of W, or when `ids` is None rows r0..r0+rows."""
+    n, k = w.shape
+    out = torch.empty((rows, k), dtype=dtype, device=w.raw.device)
+    if rows:
+        raw, name, packed = _raw(w)
+        br, bk = 4, 512
+        id_ptr = raw if ids is None else ids  # unread without ids
+        _kernels().dequant_kernel[(_cdiv(rows, br), _cdiv(k, bk))](
+            raw, _lut(raw.device), id_ptr, r0, out, rows, n, k, raw.stride(0), out.stride(0),
+            QT=name, PACKED=packed, G=GROUP[name], BR=br, BK=bk, BY_ID=ids is not None, num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 def prepare(w: QWeight) -> QWeight:

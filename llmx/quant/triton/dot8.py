@@ -84,17 +84,24 @@ def _quad(base, unit_words, u, QUADS: tl.constexpr, STRIDE: tl.constexpr):
 
 
 @triton.jit
+def _words(w_ptr, word, ok):
+    """The weight words at word offsets `word`, 0 where not `ok`: the step after the last one is
+    loaded ahead like any other, and its blocks must cost no memory traffic."""
+    return tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
+
+
+@triton.jit
 def _x(xq_ptr, word, ok):
     """The x words at offsets `word` (any shape, broadcast over rows), 0 where not `ok`."""
     return tl.load(xq_ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
 
 
 @triton.jit
-def _q8_0_load(w_ptr, row_w, u, K):
+def _q8_0_load(w_ptr, row_w, u, ok, K):
     """Q8_0 blocks `u` of the rows (prepared: 32-byte bodies, then the fp16 d's): codes
     [BN, U, 2, 4] words and d [BN, U, 2] (each block's d twice: shaped like the partial sums, so
     that both land in one register layout without a shared-memory shuffle)."""
-    codes = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + _quad(row_w, 8, u, 2, 4))
+    codes = _words(w_ptr, _quad(row_w, 8, u, 2, 4), ok[None, :, None, None])
     half = tl.arange(0, 2)[None, None, :]
     d = f16(w_ptr, row_w[:, None, None] * 4 + (K // 32) * 32 + u[None, :, None] * 2 + 0 * half)
     return codes, d
@@ -112,13 +119,13 @@ def _q8_0(codes, d, xq_ptr, dx_ptr, row_w, u, ok, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_load(w_ptr, row_w, u):
+def _q4_k_load(w_ptr, row_w, u, ok):
     """Q4_K super-blocks `u` (144 bytes: d, dmin, 12 scale bytes, 128 code bytes): the codes and
     the header, both [BN, U, 8, 4] words. Every quad's thread loads its block's 16-byte header as
     one vector (one L1 request for all of them, where byte-wise loads made ten), and takes its
     scales apart in registers."""
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    return tl.load(w32 + _quad(row_w, 36, u, 8, 4) + 4), tl.load(w32 + _quad(row_w, 36, u, 8, 0))
+    ok4 = ok[None, :, None, None]
+    return _words(w_ptr, _quad(row_w, 36, u, 8, 4) + 4, ok4), _words(w_ptr, _quad(row_w, 36, u, 8, 0), ok4)
 
 
 @triton.jit
@@ -165,7 +172,7 @@ def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_load(w_ptr, row_w, u):
+def _q6_k_load(w_ptr, row_w, u, ok):
     """Q6_K super-blocks `u` (prepared rows: 208-byte bodies of ql[128], qh[64], scales[16]):
     ql_a, ql_b, qh [BN, U, 4, 4] words and the two scale words of each quad, [BN, U, 4].
 
@@ -175,18 +182,18 @@ def _q6_k_load(w_ptr, row_w, u):
     c//4) of the qh words meets quads of ql at 16h + 4(e%2) and 8 words on; its scales (one per
     16 weights, 8h + 2 * quarter + e%2) are in scale words 2h (quarters 0, 1) and 2h + 1.
     """
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
     e4 = tl.arange(0, 4)[None, None, :, None]
     qh_w = _quad(row_w, 52, u, 4, 4) + 32
     ql_w = qh_w - 32 + 8 * (e4 // 2)
     e = tl.arange(0, 4)[None, None, :]
     sc_w = (row_w[:, None] + u[None, :] * 52)[:, :, None] + 48 + 2 * (e // 2)
+    ok4, ok3 = ok[None, :, None, None], ok[None, :, None]
     return (
-        tl.load(w32 + ql_w),
-        tl.load(w32 + ql_w + 8),
-        tl.load(w32 + qh_w),
-        tl.load(w32 + sc_w),
-        tl.load(w32 + sc_w + 1),
+        _words(w_ptr, ql_w, ok4),
+        _words(w_ptr, ql_w + 8, ok4),
+        _words(w_ptr, qh_w, ok4),
+        _words(w_ptr, sc_w, ok3),
+        _words(w_ptr, sc_w + 1, ok3),
     )
 
 
@@ -238,7 +245,7 @@ def gemv8_kernel(
     pipeline loads that feed no tl.dot), so two steps of codes are in flight. Partial sums stay
     in registers, [BN, BU, QUADS], and are reduced once after the loop: the loop has no
     cross-thread traffic. Out-of-range rows are clamped to the last one (and not stored);
-    out-of-range blocks read x as 0.
+    out-of-range blocks are not read (their weights and x load as 0).
     """
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     row_w = tl.minimum(rn, N - 1).to(tl.int64) * swn_words
@@ -246,25 +253,25 @@ def gemv8_kernel(
     acc = tl.zeros([BN, BU, QUADS], tl.float32)
     u, ok = _units(0, BU, n_units)
     if QT == "Q8_0":
-        codes, d = _q8_0_load(w_ptr, row_w, u, K)
+        codes, d = _q8_0_load(w_ptr, row_w, u, ok, K)
         for u0 in range(0, n_units, BU):
             u_next, ok_next = _units(u0 + BU, BU, n_units)
-            codes_next, d_next = _q8_0_load(w_ptr, row_w, u_next, K)
+            codes_next, d_next = _q8_0_load(w_ptr, row_w, u_next, ok_next, K)
             acc += _q8_0(codes, d, xq_ptr, dx_ptr, row_w, u, ok, ASM)
             codes, d, u, ok = codes_next, d_next, u_next, ok_next
     elif QT == "Q4_K":
-        codes, hdr = _q4_k_load(w_ptr, row_w, u)
+        codes, hdr = _q4_k_load(w_ptr, row_w, u, ok)
         for u0 in range(0, n_units, BU):
             u_next, ok_next = _units(u0 + BU, BU, n_units)
-            codes_next, hdr_next = _q4_k_load(w_ptr, row_w, u_next)
+            codes_next, hdr_next = _q4_k_load(w_ptr, row_w, u_next, ok_next)
             acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM)
             codes, hdr, u, ok = codes_next, hdr_next, u_next, ok_next
     else:
         tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
-        ql_a, ql_b, qh, sc01, sc23 = _q6_k_load(w_ptr, row_w, u)
+        ql_a, ql_b, qh, sc01, sc23 = _q6_k_load(w_ptr, row_w, u, ok)
         for u0 in range(0, n_units, BU):
             u_next, ok_next = _units(u0 + BU, BU, n_units)
-            na, nb, nh, n01, n23 = _q6_k_load(w_ptr, row_w, u_next)
+            na, nb, nh, n01, n23 = _q6_k_load(w_ptr, row_w, u_next, ok_next)
             acc += _q6_k(ql_a, ql_b, qh, sc01, sc23, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, K, ASM)
             ql_a, ql_b, qh, sc01, sc23, u, ok = na, nb, nh, n01, n23, u_next, ok_next
     tl.store(out_ptr + rn, tl.sum(tl.sum(acc, axis=2), axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)

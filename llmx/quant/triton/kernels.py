@@ -5,7 +5,8 @@ is compiled per type and holds no branches at run time. Shapes, for weight W [N,
 raw uint8 rows of `swn` bytes (whole blocks; K a multiple of the group size G):
     gemv_kernel:     out[M, N] = x[M, K] @ W.T, M <= BM <= 8, fp32 FMA (memory-bound decode)
     gemm_kernel:     out[M, N] = x[M, K] @ W.T, tiles dequantized into registers for tl.dot
-    dequant_kernel:  out[R, K] = W[ids[R], :]  (embedding rows, or the whole tensor)
+    dequant_kernel:  out[R, K] = W[ids[R], :]  (embedding rows), or W[row0:row0+R, :]
+    half_rows_kernel: x [M, K] float32 -> fp16 x / s and s [M] = max |x| of each row
 Out-of-range rows and groups are clamped to valid ones instead of masked in the helpers: their
 x is masked to 0 (GEMV, GEMM) or their store is masked (dequantize), so they never count.
 """
@@ -132,13 +133,15 @@ def gemm_kernel(
 
 @triton.jit
 def dequant_kernel(
-    w_ptr, lut_ptr, ids_ptr, out_ptr, R, N, K, swn, so,
+    w_ptr, lut_ptr, ids_ptr, row0, out_ptr, R, N, K, swn, so,
     QT: tl.constexpr, PACKED: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+    BY_ID: tl.constexpr,
 ):  # fmt: skip
-    """One program: BR selected rows x BK weights. Bit-exact with gguf-py when out is float32."""
+    """One program: BR selected rows x BK weights. Bit-exact with gguf-py when out is float32.
+    Rows are ids[0..R) when BY_ID, else row0..row0+R (a block of rows: no index tensor to make)."""
     S: tl.constexpr = BK // G
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    ids = tl.load(ids_ptr + tl.minimum(r, R - 1))
+    ids = tl.load(ids_ptr + tl.minimum(r, R - 1)) if BY_ID else row0 + r
     row_off = _row_offsets(ids, N, swn)
     n_groups = K // G
     sb = tl.program_id(1) * S + tl.arange(0, S)
@@ -148,3 +151,23 @@ def dequant_kernel(
     r3 = r[:, None, None]
     mask = (r3 < R) & (k < K)
     tl.store(out_ptr + r3.to(tl.int64) * so + k, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def half_rows_kernel(x_ptr, out_ptr, scale_ptr, K, sxm, BK: tl.constexpr):
+    """One program: row program_id(0) of x scaled into [-1, 1] and rounded to fp16, and its scale.
+
+    Two passes over the row (max, then scale), the second from L2. An all-zero row gets scale 1.
+    """
+    m = tl.program_id(0)
+    amax = tl.zeros([BK], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + m * sxm + k, mask=k < K, other=0.0)))
+    top = tl.max(amax, axis=0)
+    scale = tl.where(top > 0, top, 1.0)
+    tl.store(scale_ptr + m, scale)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + m * sxm + k, mask=k < K, other=0.0)
+        tl.store(out_ptr + m * K + k, (x / scale).to(tl.float16), mask=k < K)
