@@ -24,6 +24,7 @@ from tiny_models import greedy_steps, random_prompt, write_tiny  # noqa: E402
 
 import llmx  # noqa: E402
 from llmx import ops  # noqa: E402
+from llmx.bench.blocks import chunk_rng, random_data  # noqa: E402
 from llmx.kernels import norm  # noqa: E402
 from llmx.quant import BY_NAME  # noqa: E402
 from llmx.quant.weight import QWeight  # noqa: E402
@@ -107,6 +108,33 @@ def test_swiglu_takes_silu_mul(monkeypatch) -> None:
         monkeypatch.setattr(ops, "FUSED_NORM", mode)
         outs.append(ops.swiglu(x, gate, up, down))
     assert relative_error(outs[1], outs[0]) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=str)
+def test_outputs_carry_their_quantized_form(dtype: torch.dtype, monkeypatch) -> None:
+    """With `quantize`, each kernel attaches its output quantized exactly as `quantize_x` would,
+    and a GEMV that takes the output uses it; without, nothing is attached."""
+    from llmx.quant import triton_ops
+
+    x, delta, weight = rows((1, 2560), dtype, 0, 3.0), rows((1, 2560), dtype, 1), rows((2560,), F32, 2)
+    g, u = rows((1, 3 * 1024 + 64), dtype, 3, 2.0), rows((1, 3 * 1024 + 64), dtype, 4)
+    outs = [
+        norm.rms_norm(x, weight, EPS, quantize=True),
+        norm.add_rms_norm(x, delta, weight, EPS, quantize=True)[1],
+        norm.silu_mul(g, u, quantize=True),  # four column blocks, the last one partial
+    ]
+    for out in outs:
+        qx, ref = triton_ops.attached_quantized(out), triton_ops.quantize_x(out)
+        assert torch.equal(qx.q, ref.q) and torch.equal(qx.dx, ref.dx) and torch.equal(qx.sums, ref.sums)
+    assert triton_ops.attached_quantized(norm.rms_norm(x, weight, EPS, quantize=False)) is None
+    assert triton_ops.attached_quantized(outs[0].reshape(2560)) is None  # a view is a new tensor
+
+    qt = BY_NAME["Q4_K"]
+    raw = torch.from_numpy(random_data(qt, 8 * 2560, 0.02, chunk_rng(0, qt.ggml_id, 8))).view(8, -1)
+    w = QWeight(raw.to(DEVICE), qt, (8, 2560), "w")
+    want = triton_ops.linear(outs[0], w, kernel="dot8")  # quantizes x itself: outs[0] is not asked
+    monkeypatch.setattr(triton_ops, "quantize_x", None)  # from here on quantizing would fail
+    assert torch.equal(triton_ops.linear(outs[0], w, kernel="dot8"), want)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks that CPU tensors stay on the eager path")

@@ -194,6 +194,18 @@ def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:
     check_linear(w8, ref8, 1, torch.float32, seed=74)
 
 
+def test_dot8_serves_up_to_three_weights_a_launch() -> None:
+    """Four Q4_K weights of different heights and a Q6_K between them: launches of three and one
+    Q4_K weights and one Q6_K, each output equal to that weight's own GEMV."""
+    ws = [random_weight("Q4_K", n, 512, seed=90 + n)[0] for n in (5, 3, 9, 2)]
+    ws.insert(2, laid_out(random_weight("Q6_K", 7, 512, seed=99)[0], "Q6_K", "prepared"))
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(98)).to(DEVICE)
+    outs = tops.linear_many(x, ws)
+    assert [tuple(y.shape) for y in outs] == [(1, 5), (1, 3), (1, 7), (1, 9), (1, 2)]
+    for y, w in zip(outs, ws, strict=True):
+        assert torch.equal(y, tops.linear(x, w))
+
+
 @pytest.mark.parametrize("chunk", [1 << 30, 5 * 512 * 2])
 def test_dequant_matmul_in_half_precision_chunks(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # 5 rows a chunk: 33 rows take 7 chunks, the last one partial.

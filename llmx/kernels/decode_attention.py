@@ -14,7 +14,8 @@ p lives in row p mod R: R is the context for most layers, a ring for sliding-win
   chunk holds pos writes the new key and value to the cache and takes that row from its registers;
   no other program reads the row, so the write needs no ordering. Each program leaves an
   unnormalized output with its running max and sum.
-- `combine_kernel`, grid (H,): merges each head's S partial outputs with log-sum-exp weights.
+- `combine_kernel`, grid (H,): merges each head's S partial outputs with log-sum-exp weights, and
+  on a GPU also writes the row quantized for the o projection's integer-dot GEMV.
 
 Nothing depends on a value read back to the host, so a CUDA graph captured for one n_read replays
 correctly for every position below it. Scores, softmax and sums are float32; the two products take
@@ -30,6 +31,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from llmx.quant import triton_ops
+from llmx.quant.triton.dot8 import store_quantized_block
 
 BLOCK_N = 64  # keys per loop step
 TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs: split the keys until Hk * S reaches it
@@ -83,9 +87,12 @@ def decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         num_warps=4, num_stages=stages,
     )  # fmt: skip
+    # The output goes on to the o projection: quantized here for its integer-dot GEMV, by heads.
+    qx = triton_ops.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
     combine_kernel[(n_head,)](
-        partial, stats, out, splits, D=d, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4
-    )
+        partial, stats, out, splits, *triton_ops.quantized_pointers(out, qx),
+        D=d, QUANT=qx is not None, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
     return out
 
 
@@ -192,8 +199,9 @@ def attention_kernel(
 
 @triton.jit
 def combine_kernel(
-    part_ptr, stats_ptr, out_ptr, n_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr
-):
+    part_ptr, stats_ptr, out_ptr, n_splits, xq_ptr, dx_ptr, xs_ptr,
+    D: tl.constexpr, QUANT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     h = tl.program_id(0)
     s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     smask, dmask = s < n_splits, d < D
@@ -203,4 +211,7 @@ def combine_kernel(
     w = tl.exp2(m - tl.max(m, 0))  # the split holding pos is never empty, so the max is finite
     o = tl.load(part_ptr + base[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w * l_sum, 0)
-    tl.store(out_ptr + h * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+    out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + h * D + d, out, mask=dmask)
+    if QUANT:  # D == BLOCK_D, a multiple of 32: head h is groups h * D / 32.. of the output row
+        store_quantized_block(out, h * (D // 32), 0, tl.num_programs(0) * D, xq_ptr, dx_ptr, xs_ptr)

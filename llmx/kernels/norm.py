@@ -9,6 +9,10 @@ residual add before a norm and the `F.silu(g) * u` of a SwiGLU FFN are separate 
 - `silu_mul_kernel`, grid (rows, column blocks): silu(g) * u for gate and up rows that may be
   column views of one joined [T, 2F] projection.
 
+Both also write their output quantized for the integer-dot GEMV that takes it next, when it is one
+row on a GPU (`triton_ops.wants_quantized`), and attach it to the output: a decode step then
+spends no launch on quantizing the inputs of its q/k/v, gate/up and down projections.
+
 Math is float32; outputs take the input's dtype. Intermediates that eager PyTorch rounds to the
 input's dtype (x + delta, silu(g)) are rounded here too, so f16/bf16 results match it closely.
 """
@@ -19,36 +23,46 @@ import torch
 import triton
 import triton.language as tl
 
+from llmx.quant import triton_ops
+from llmx.quant.triton.dot8 import store_quantized_block
+
 MAX_WIDTH = 16384  # widest row held in registers (16 warps x 32 floats a thread)
 SILU_BLOCK = 1024  # columns per silu_mul program
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`F.rms_norm(x, (E,), weight, eps)` for x [..., E] (E <= MAX_WIDTH), weight [E]: x's dtype out."""
-    return _launch(x, None, weight, eps)[1]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool | None = None) -> torch.Tensor:
+    """`F.rms_norm(x, (E,), weight, eps)` for x [..., E] (E <= MAX_WIDTH), weight [E]: x's dtype out.
+    `quantize`: attach the output's quantized form (None: where the integer-dot GEMV would take it)."""
+    return _launch(x, None, weight, eps, quantize)[1]
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + delta and rms_norm(h, weight, eps) in one pass: (h, normed), both [..., E] in x's dtype."""
-    return _launch(x, delta, weight, eps)
+    """h = x + delta and rms_norm(h, weight, eps) in one pass: (h, normed), both [..., E] in x's dtype
+    (`quantize`: as `rms_norm`'s, for normed)."""
+    return _launch(x, delta, weight, eps, quantize)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u for g, u [..., F] of one dtype (last axis contiguous, rows may be strided)."""
+def silu_mul(g: torch.Tensor, u: torch.Tensor, quantize: bool | None = None) -> torch.Tensor:
+    """silu(g) * u for g, u [..., F] of one dtype (last axis contiguous, rows may be strided);
+    `quantize` as `rms_norm`'s."""
     f = g.shape[-1]
     g2, u2 = _rows(g), _rows(u)
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     rows = g2.shape[0]
+    qx = triton_ops.quantized_output(out, quantize)
     if rows:
         grid = (rows, triton.cdiv(f, SILU_BLOCK))
-        silu_mul_kernel[grid](g2, u2, out, g2.stride(0), u2.stride(0), f, BLOCK=SILU_BLOCK, num_warps=4)
+        silu_mul_kernel[grid](
+            g2, u2, out, g2.stride(0), u2.stride(0), f, *triton_ops.quantized_pointers(out, qx),
+            QUANT=qx is not None, BLOCK=SILU_BLOCK, num_warps=4,
+        )  # fmt: skip
     return out
 
 
 def _launch(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quantize: bool | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     e = x.shape[-1]
     if e > MAX_WIDTH:
@@ -57,12 +71,13 @@ def _launch(
     d2 = x2 if delta is None else _rows(delta)
     h = x2 if delta is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    qx = triton_ops.quantized_output(y, quantize)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     block = triton.next_power_of_2(e)
     if x2.shape[0]:
         rms_norm_kernel[(x2.shape[0],)](
-            x2, d2, weight, h, y, x2.stride(0), d2.stride(0), e, eps,
-            ADD=delta is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+            x2, d2, weight, h, y, x2.stride(0), d2.stride(0), e, eps, *triton_ops.quantized_pointers(y, qx),
+            ADD=delta is not None, QUANT=qx is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
         )  # fmt: skip
     return h, y
 
@@ -78,9 +93,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, sx, sd, n, eps, ADD: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, sx, sd, n, eps, xq_ptr, dx_ptr, xs_ptr,
+    ADD: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Row r of y = rms_norm(x (+ d)); with ADD the sum also goes to h. h and y are contiguous [rows, n]."""
+    """Row r of y = rms_norm(x (+ d)); with ADD the sum also goes to h. h and y are contiguous [rows, n].
+    With QUANT, y also goes to xq, dx, xs quantized (`dot8.store_quantized`; n a multiple of 32)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -92,15 +109,23 @@ def rms_norm_kernel(
         x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * n + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    y = (x * rstd * w).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * n + cols, y, mask=mask)
+    if QUANT:
+        store_quantized_block(y, 0, row, n, xq_ptr, dx_ptr, xs_ptr)
 
 
 @triton.jit
-def silu_mul_kernel(g_ptr, u_ptr, out_ptr, sg, su, n, BLOCK: tl.constexpr):
+def silu_mul_kernel(
+    g_ptr, u_ptr, out_ptr, sg, su, n, xq_ptr, dx_ptr, xs_ptr, QUANT: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     g = tl.load(g_ptr + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * su + cols, mask=mask, other=0.0).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty).to(tl.float32)  # eager rounds silu(g)
-    tl.store(out_ptr + row * n + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (act * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * n + cols, out, mask=mask)
+    if QUANT:
+        store_quantized_block(out, tl.program_id(1) * (BLOCK // 32), row, n, xq_ptr, dx_ptr, xs_ptr)

@@ -61,6 +61,7 @@ GEMV_MAX_M = 8  # the GEMV kernel's limit (a static loop over input rows)
 DOT8_UNIT = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # integer-dot GEMV types: weights a block
 DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # its partial sums a block (see dot8.gemv8_kernel)
 DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integer-dot passes
+DOT8_MAX_WEIGHTS = 3  # weights sharing one integer-dot launch (q/k/v)
 DOT8_BY_DEFAULT = ("Q4_K", "Q6_K", "Q8_0")  # 1.4-1.7x "gemv" in GPU time on an H200 (bench/RESULTS.md)
 DEQUANT_CHUNK_BYTES = 64 << 20  # half-precision weight rows dequantized at a time for "dequant"
 DEQUANT_MATMUL_MIN_M = 16
@@ -131,14 +132,7 @@ def linear(
     lut = _lut(raw.device)
     strides = (x2.stride(0), raw.stride(0), out.stride(0))
     if choice == "dot8":
-        qx = qx or quantize_x(x2)
-        cfg = gemv or default_dot8(name)
-        unit = DOT8_UNIT[name]
-        _dot8().gemv8_kernel[(_cdiv(n, cfg.bn),)](
-            qx.q, qx.dx, qx.sums, raw, out, n, k, raw.stride(0) // 4,
-            QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=max(1, cfg.bk // unit),
-            ASM=not _interpreting(), num_warps=cfg.num_warps,
-        )  # fmt: skip
+        _gemv8(qx or attached_quantized(x) or quantize_x(x2), [w], [out], gemv)
     elif choice == "gemv":
         bm = 1 << (m - 1).bit_length()
         cfg = gemv or default_gemv(name, bm)
@@ -160,14 +154,44 @@ def linear(
 
 def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
     """[linear(x, w) for w in ws] for weights that multiply the same x (q/k/v, gate/up): x is
-    quantized once for all the integer-dot GEMVs among them."""
+    quantized once for all the integer-dot GEMVs among them, and those of one type share launches."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    qx = None
-    if any(kernel_for(w, m) == "dot8" for w in ws):
-        qx = quantize_x(x2 if x2.stride(-1) == 1 else x2.contiguous())
-    return [linear(x, w, qx=qx) for w in ws]
+    dot8 = [kernel_for(w, m) == "dot8" for w in ws]
+    if not any(dot8):
+        return [linear(x, w) for w in ws]
+    qx = attached_quantized(x) or quantize_x(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    outs: dict[int, torch.Tensor] = {}
+    groups: dict[tuple[str, int], list[int]] = {}  # integer-dot weights that one launch can serve
+    for i, w in enumerate(ws):
+        if dot8[i]:
+            groups.setdefault((w.qtype.name, w.raw.stride(0)), []).append(i)
+        else:
+            outs[i] = linear(x, w)
+    for members in groups.values():
+        for part in (members[j : j + DOT8_MAX_WEIGHTS] for j in range(0, len(members), DOT8_MAX_WEIGHTS)):
+            ys = [torch.empty((m, ws[i].shape[0]), dtype=x.dtype, device=x.device) for i in part]
+            _gemv8(qx, [ws[i] for i in part], ys, None)
+            for i, y in zip(part, ys, strict=True):
+                outs[i] = y.reshape(*x.shape[:-1], ws[i].shape[0])
+    return [outs[i] for i in range(len(ws))]
+
+
+def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: GemvConfig | None) -> None:
+    """outs[i] [1, N_i] = x @ ws[i].T on the integer-dot GEMV, one launch for all (up to
+    DOT8_MAX_WEIGHTS of one type and row width)."""
+    raws = [_raw(w)[0] for w in ws]
+    name, k = ws[0].qtype.name, ws[0].shape[1]
+    cfg = gemv or default_dot8(name)
+    unit = DOT8_UNIT[name]
+    args = [(raw, out, w.shape[0]) for raw, out, w in zip(raws, outs, ws, strict=True)]
+    args += [args[0][:2] + (0,)] * (DOT8_MAX_WEIGHTS - len(args))  # unused slots: no programs
+    _dot8().gemv8_kernel[(sum(_cdiv(w.shape[0], cfg.bn) for w in ws),)](
+        qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), k, raws[0].stride(0) // 4,
+        QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=max(1, cfg.bk // unit), NW=len(ws),
+        ASM=not _interpreting(), num_warps=cfg.num_warps,
+    )  # fmt: skip
 
 
 def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
@@ -207,12 +231,57 @@ def _half_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_x(x2: torch.Tensor) -> QuantizedX:
     """x2 [M, K] (K a multiple of 32, unit stride) quantized for the integer-dot GEMV."""
     m, k = x2.shape
-    q = torch.empty((m, k), dtype=torch.int8, device=x2.device)
-    dx = torch.empty((m, k // 32), dtype=torch.float32, device=x2.device)
-    sums = torch.empty((m, k // 16), dtype=torch.float32, device=x2.device)
+    qx = empty_quantized(m, k, x2.device)
     groups = 4
-    _dot8().quantize_x_kernel[(m, _cdiv(k // 32, groups))](x2, q, dx, sums, k, x2.stride(0), NG=groups)
-    return QuantizedX(q, dx, sums)
+    grid = (m, _cdiv(k // 32, groups))
+    _dot8().quantize_x_kernel[grid](x2, qx.q, qx.dx, qx.sums, k, x2.stride(0), NG=groups)
+    return qx
+
+
+def empty_quantized(m: int, k: int, device: torch.device) -> QuantizedX:
+    """Buffers for M rows of K values quantized (by `quantize_x`, or by a kernel that produces them)."""
+    return QuantizedX(
+        torch.empty((m, k), dtype=torch.int8, device=device),
+        torch.empty((m, k // 32), dtype=torch.float32, device=device),
+        torch.empty((m, k // 16), dtype=torch.float32, device=device),
+    )
+
+
+def wants_quantized(x: torch.Tensor) -> bool:
+    """Whether a kernel producing x [..., K] should also write it quantized (`attach_quantized`):
+    x is a decode step's activation on a GPU, as the integer-dot GEMV takes it."""
+    k = x.shape[-1]
+    return x.is_cuda and k % 32 == 0 and x.numel() // max(k, 1) <= DOT8_MAX_M
+
+
+def quantized_output(out: torch.Tensor, quantize: bool | None = None) -> QuantizedX | None:
+    """Buffers for a kernel to write its output `out` [..., K] quantized into (`dot8.store_quantized`),
+    attached to `out`; where asked (None: `wants_quantized`) and K is a multiple of 32, else None."""
+    k = out.shape[-1]
+    if not (wants_quantized(out) if quantize is None else quantize and k % 32 == 0):
+        return None
+    qx = empty_quantized(out.numel() // k, k, out.device)
+    attach_quantized(out, qx)
+    return qx
+
+
+def quantized_pointers(out: torch.Tensor, qx: QuantizedX | None) -> tuple[torch.Tensor, ...]:
+    """`qx`'s buffers as kernel arguments (`out` stands in for them, unread, without qx)."""
+    return (out, out, out) if qx is None else (qx.q, qx.dx, qx.sums)
+
+
+def attach_quantized(x: torch.Tensor, qx: QuantizedX) -> None:
+    """Record on x that `qx` is its quantized form (written by the kernel that produced x), for the
+    GEMVs that take x next. Views and reshapes of x are new objects without it, and x must not be
+    written in place afterwards (llmx writes no activation in place once a kernel produced it)."""
+    setattr(x, _QUANTIZED, qx)
+
+
+def attached_quantized(x: torch.Tensor) -> QuantizedX | None:
+    return getattr(x, _QUANTIZED, None)
+
+
+_QUANTIZED = "llmx_quantized"
 
 
 def embedding(ids: torch.Tensor, w: QWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -313,11 +382,12 @@ def kernel_for(w: QWeight, m: int, kernel: str | None = None) -> str:
 
 def default_dot8(name: str) -> GemvConfig:
     """Integer-dot GEMV launch shape (M = 1): BN rows a program, BK weights a step (a multiple of the
-    type's block); from an H200 sweep on the Llama-3-8B FFN shapes (bench/kernels.py --sweep)."""
+    type's block); the best on both Llama-3-8B FFN shapes in an H200 sweep timed on the GPU alone
+    (bench/kernels.py --sweep, bench/RESULTS.md)."""
     return _DOT8_M1.get(name, GemvConfig(4, 1024, 4))
 
 
-_DOT8_M1 = {"Q8_0": GemvConfig(2, 1024, 2), "Q4_K": GemvConfig(4, 2048, 4), "Q6_K": GemvConfig(4, 1024, 4)}
+_DOT8_M1 = {"Q8_0": GemvConfig(2, 1024, 2), "Q4_K": GemvConfig(4, 4096, 2), "Q6_K": GemvConfig(4, 1024, 2)}
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:

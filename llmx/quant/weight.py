@@ -89,7 +89,7 @@ def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tens
     if choice == "emulated":
         y = x2 @ dequantize(w).t()
     elif w.raw.device.type == "cuda":
-        y = _cuda(x2, w)
+        y = _cuda(x, w).reshape(x2.shape[0], n)
     elif isinstance(w.packed, P.PackedCodes) and choice in ("auto", "packed"):
         y = _packed_matmul(x2.contiguous(), w.packed)
     elif choice == "packed":
@@ -250,10 +250,11 @@ def _cuda_many(x: torch.Tensor, ws: Sequence[QWeight]) -> list[torch.Tensor]:
     return triton_ops.linear_many(x, list(ws))
 
 
-def _cuda(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """The Triton kernels, or the emulated path where Triton cannot be imported."""
+def _cuda(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """The Triton kernels, or the emulated path where Triton cannot be imported. x keeps its shape
+    (and so any quantized form a kernel attached to it, see `triton_ops.attach_quantized`)."""
     try:
         from llmx.quant import triton_ops
     except ImportError:
-        return x2 @ dequantize(w).t()
-    return triton_ops.linear(x2, w)
+        return x @ dequantize(w).t()
+    return triton_ops.linear(x, w)

@@ -52,25 +52,42 @@ def dp4a(a, b, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, K, sxm, NG: tl.constexpr):
-    """One program: NG groups of 32 values of row program_id(0) of x [M, K] (any float dtype).
-
-    xq [M, K] int8 = round(x / dx) (half away from zero), dx [M, K/32] float32, xs [M, K/16] float32
-    = dx * (the sums of xq per 16), for the types whose codes carry an offset or a min.
-    """
+    """One program: NG groups of 32 values of row program_id(0) of x [M, K] (any float dtype),
+    quantized by `store_quantized`."""
     m = tl.program_id(0)
     g = tl.program_id(1) * NG + tl.arange(0, NG)
     ok = g < K // 32
     off = g[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + m * sxm + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    store_quantized(x, g, ok, m, K, xq_ptr, dx_ptr, xs_ptr)
+
+
+@triton.jit
+def store_quantized(x, g, ok, m, K, xq_ptr, dx_ptr, xs_ptr):
+    """Groups g [NG] (those `ok`) of row m of x, given as float32 [NG, 32], stored quantized: xq
+    [M, K] int8 = round(x / dx) (half away from zero), dx [M, K/32] float32 = max|x| / 127, and xs
+    [M, K/16] float32 = dx * (the sums of xq per 16), for the types whose codes carry an offset
+    or a min. Kernels that produce an activation call this too, sparing a launch per GEMV input."""
+    NG: tl.constexpr = x.shape[0]
     amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
     v = x * inv[:, None]
     q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)
+    off = g[:, None] * 32 + tl.arange(0, 32)[None, :]
     tl.store(xq_ptr + m * K + off, q.to(tl.int8), mask=ok[:, None])
     tl.store(dx_ptr + m * (K // 32) + g, amax / 127.0, mask=ok)
     sums = tl.sum(tl.reshape(q, (NG, 2, 16)), axis=2).to(tl.float32) * (amax / 127.0)[:, None]
     halves = g[:, None] * 2 + tl.arange(0, 2)[None, :]
     tl.store(xs_ptr + m * (K // 16) + halves, sums, mask=ok[:, None])
+
+
+@triton.jit
+def store_quantized_block(v, g0, row, n, xq_ptr, dx_ptr, xs_ptr):
+    """`store_quantized` for values v [BLOCK] (a multiple of 32) that are groups g0.. of row `row`
+    of n values; groups past n are not stored."""
+    NG: tl.constexpr = v.shape[0] // 32
+    g = g0 + tl.arange(0, NG)
+    store_quantized(tl.reshape(v.to(tl.float32), (NG, 32)), g, g < n // 32, row, n, xq_ptr, dx_ptr, xs_ptr)
 
 
 @triton.jit
@@ -234,12 +251,16 @@ def _units(u0, BU: tl.constexpr, n_units):
 
 @triton.jit
 def gemv8_kernel(
-    xq_ptr, dx_ptr, xs_ptr, w_ptr, out_ptr, N, K, swn_words,
+    xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, K, swn_words,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-    ASM: tl.constexpr,
+    NW: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
     for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
+
+    One launch serves NW (1-3) weights w0..w2 of one type and width that take the same x (q/k/v,
+    gate/up), each with its output o and row count n: a decode step saves the launches, and the
+    small projections share their waves of programs instead of each leaving the GPU part idle.
 
     Each step loads the next step's weights before computing on the current ones (Triton does not
     pipeline loads that feed no tl.dot), so two steps of codes are in flight. Partial sums stay
@@ -247,7 +268,17 @@ def gemv8_kernel(
     cross-thread traffic. Out-of-range rows are clamped to the last one (and not stored);
     out-of-range blocks are not read (their weights and x load as 0).
     """
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    pid = tl.program_id(0)
+    w_ptr, out_ptr, N, first = w0, o0, n0, 0
+    if NW > 1:  # the programs after weight 0's take weight 1, then weight 2
+        p1 = tl.cdiv(n0, BN)
+        if pid >= p1:
+            w_ptr, out_ptr, N, first = w1, o1, n1, p1
+            if NW > 2:
+                p2 = p1 + tl.cdiv(n1, BN)
+                if pid >= p2:
+                    w_ptr, out_ptr, N, first = w2, o2, n2, p2
+    rn = (pid - first) * BN + tl.arange(0, BN)
     row_w = tl.minimum(rn, N - 1).to(tl.int64) * swn_words
     n_units = K // UNIT
     acc = tl.zeros([BN, BU, QUADS], tl.float32)
