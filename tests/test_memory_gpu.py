@@ -156,6 +156,7 @@ def test_bench_json_reports_gpu_memory_host_time_and_cpu_segments(
     assert 0 < hybrid_tg["cpu_ms_per_token"] <= hybrid_tg["host_ms_per_token"]
     assert hybrid_tg["cpu_gbs"] > 0 and hybrid_tg["cpu_pct_ram"] > 0
     assert hybrid_pp["bytes_streamed"] > 0 and gpu_tg["bytes_streamed"] == 0
+    capsys.readouterr()  # the lines printed above
     assert cli.main([*argv[:-2], "-ngl", str(N_LAYER // 2), "-r", "1"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     for column in ("host ms/t", "CPU ms/t", "CPU GB/s", "streamed", "compute MiB (planned)"):
