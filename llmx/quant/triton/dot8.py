@@ -4,9 +4,11 @@ The float GEMV (`kernels.gemv_kernel`) spends ~10 instructions per weight on ext
 converting it and multiplying. Here, as in llama.cpp's CUDA decode (mmvq), x is first quantized
 per group of 32 values (`quantize_x_kernel`: int8 codes, a float scale dx = max|x| / 127 and
 dx times the code sums per 16), and the weights are read as 32-bit words whose 4 byte lanes meet
-4 x codes in one `dp4a` instruction (int32 accumulate, exact); each group's scales are applied once to its
-integer sum, for 2-3.5 instructions a weight in all. On an H200 that has so far beaten the float
-GEMV only for Q6_K (bench/RESULTS.md), so `triton_ops.pick_kernel` takes it for Q6_K alone.
+4 x codes in one `dp4a` instruction (int32 accumulate, exact); each group's scales are applied
+once to its integer sum, for 2-3.5 instructions a weight in all. On an H200 it takes 0.55-0.7x
+the float GEMV's time (bench/RESULTS.md), so `triton_ops.pick_kernel` takes it for every M = 1
+product of these types. The kernels that produce a decode step's activations (RMSNorm, the SiLU
+gate, attention's combine) quantize their output with `store_quantized` as they write it.
 
 Numerics: integer sums are exact; beyond float32 summation, the one rounding is x's quantization
 (at most 1/254 of each group's largest |x| per value), as in llama.cpp's GPU decode.
@@ -182,7 +184,7 @@ def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr):
     dx_hi = tl.load(dx_ptr + grp + 1, mask=ok3, other=0.0)
     xs_lo = tl.load(xs_ptr + 2 * grp + e % 2, mask=ok3, other=0.0)  # this quad's 16 of each
     xs_hi = tl.load(xs_ptr + 2 * grp + 2 + e % 2, mask=ok3, other=0.0)
-    scaled = dx_lo * int_f32(sc_lo * s_lo) + dx_hi * int_f32(sc_hi * s_hi)  # |sc * s| < 63 * 16 * 15 * 127
+    scaled = dx_lo * int_f32(sc_lo * s_lo) + dx_hi * int_f32(sc_hi * s_hi)  # |sc * s| <= 63*16*15*127 < 2**22
     mins = code_f32(mn_lo, 0) * xs_lo + code_f32(mn_hi, 0) * xs_hi
     hdr0 = _word(hdr, 0)
     return _half(hdr0, False) * scaled - _half(hdr0, True) * mins
