@@ -2,9 +2,9 @@
 # One batch of GPU measurements for bench/RESULTS.md, sized for a 10-minute device call. Run from the
 # repository root with the package importable (PYTHONPATH=repo[:gguf wheel]).
 #
-#   bash bench/gpu_session.sh check     # GPU tests (+ two-GPU tests on a 2-GPU machine), ~3 min
+#   bash bench/gpu_session.sh check     # GPU tests (+ two-GPU tests on a 2-GPU machine), ~4 min
 #   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
-#   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), decode profile, ~5 min
+#   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), profiles, load time, ~6 min
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, ~6 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
 #
@@ -28,7 +28,13 @@ synth() {  # shape type -> path, written once
 
 case "${1:-}" in
 check)
-    timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -40 | tee "$OUT/gpu-tests.txt"
+    # three groups at once (Triton compiles on every core; the GPU has room for all three), ~4 min
+    group() { timeout 290 $PY -m pytest -q -p no:cacheprovider -m gpu "$@"; }
+    group tests/test_triton.py > "$OUT/gpu-tests-1.txt" 2>&1 &
+    group tests/test_fused_norm.py tests/test_decode_attention.py > "$OUT/gpu-tests-2.txt" 2>&1 &
+    group tests/test_gpu.py tests/test_memory_gpu.py tests/test_plan_gpu.py > "$OUT/gpu-tests-3.txt" 2>&1 &
+    wait
+    for f in "$OUT"/gpu-tests-*.txt; do echo "== $f"; grep -E "passed|failed|FAILED|Error" "$f" | tail -12; done
     ;;
 kernels)
     timeout 230 $PY bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 1,2,16,512 --json "$OUT/kernels.json" \
@@ -40,7 +46,12 @@ e2e)
     timeout 60 $PY -m llmx.cli bench --ceilings | tee "$OUT/ceilings.txt"  # the floors' bandwidths
     timeout 200 $PY -m llmx.cli bench -m "$q4" -m "$q8" -ngl 99 -p 512 -n 128 -r 2 -o json > "$OUT/e2e.json"
     $PY bench/e2e.py table "$OUT/e2e.json" | tee "$OUT/e2e.md"
-    timeout 120 $PY bench/profile_decode.py "$q4" --top 20 | tee "$OUT/profile.txt"
+    # llama.cpp's third row: 8192 tokens already in the context (-c must hold them and the test)
+    timeout 150 $PY -m llmx.cli bench -m "$q4" -ngl 99 -p 512 -n 128 -d 8192 -c 9216 -r 2 -o json \
+        > "$OUT/e2e-depth.json"
+    $PY bench/e2e.py table "$OUT/e2e-depth.json" | tee "$OUT/e2e-depth.md"
+    timeout 120 $PY bench/profile_decode.py "$q4" --top 20 --prefill 512 | tee "$OUT/profile.txt"
+    timeout 90 $PY bench/load_time.py "$q4" "$q8" | tee "$OUT/load.md"
     ;;
 hybrid)
     q4=$(synth llama3-8b Q4_K_M)

@@ -1,5 +1,6 @@
-"""The GPU paths give the CPU's tokens: all-GPU, hybrid (-ngl), single tensors overridden to the CPU,
-eager vs CUDA-graph decode; and the loaded bytes match the plan. Skipped without CUDA."""
+"""The GPU paths give the CPU's tokens and, within LOGITS_TOL, its logits: all-GPU, hybrid (-ngl), single
+tensors overridden to the CPU, KV on the CPU, two GPUs; eager vs CUDA-graph decode; and the loaded bytes
+match the plan. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -37,6 +38,26 @@ def cpu_tokens(model_path):
     return greedy_ids(llmx.load(model_path, ctx_size=512))
 
 
+def forced_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Float64 logits after the prompt and after each of `tokens` fed in turn (the same path for
+    every placement, whatever each would pick): [len(tokens) + 1, vocab]."""
+    model.engine.reset()
+    out = [model.engine.prefill(model.encode(PROMPT))]
+    out += [model.engine.decode(t) for t in tokens]
+    return torch.stack([o.reshape(-1).double().cpu() for o in out])
+
+
+@pytest.fixture(scope="module")
+def cpu_logits(model_path, cpu_tokens):
+    return forced_logits(llmx.load(model_path, ctx_size=512), cpu_tokens)
+
+
+# ||GPU - CPU|| / ||CPU|| over every position's logits. The CPU computes in float32 on exact weights;
+# a GPU multiplies prompts on fp16 tensor cores (x scaled per row: ~2**-11 relative per value) and
+# decodes Q4_K/Q6_K/Q8_0 weights on int8-quantized x (at most 1/254 of each 32 values' largest |x|).
+LOGITS_TOL = 1e-2
+
+
 def test_segments_group_consecutive_devices():
     cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
     two = segments([cpu, cpu, gpu, gpu], gpu)
@@ -56,9 +77,13 @@ def test_segments_group_consecutive_devices():
     ],
     ids=["all-gpu", "ngl-15", "ffn-on-cpu", "no-kv-offload"],
 )
-def test_gpu_greedy_matches_cpu(model_path, cpu_tokens, options):
+def test_gpu_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options):
     model = llmx.load(model_path, ctx_size=512, **options)
     assert greedy_ids(model) == cpu_tokens
+    logits = forced_logits(model, cpu_tokens)
+    err = ((logits - cpu_logits).norm() / cpu_logits.norm()).item()
+    print(f"{options}: logits relative error {err:.2e}")
+    assert err < LOGITS_TOL
 
 
 @pytest.mark.gpu
@@ -91,8 +116,10 @@ def test_allocated_bytes_match_the_plan(model_path):
     ],
     ids=["layer-split", "row-split", "layer-split-hybrid"],
 )
-def test_two_gpus_greedy_matches_cpu(model_path, cpu_tokens, options):
+def test_two_gpus_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options):
     model = llmx.load(model_path, ctx_size=512, **options)
     devices = {str(d) for d in model.engine.executor.layer_devices}
     assert {"cuda:0", "cuda:1"} <= devices or options["split_mode"] == "row"
     assert greedy_ids(model) == cpu_tokens
+    logits = forced_logits(model, cpu_tokens)
+    assert ((logits - cpu_logits).norm() / cpu_logits.norm()).item() < LOGITS_TOL
