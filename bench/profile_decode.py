@@ -6,12 +6,14 @@ Prefills `--depth` tokens, then profiles `--steps` eager decode steps (no CUDA g
 is visible) with torch.profiler and prints CUDA time per kernel name, summed and per token. Then it
 times graph-replayed decode steps the way `llmx bench` does, so the two can be set side by side:
 (graph step time) - (kernel time) is launch gaps and host work the graph did not hide.
-`--prefill N` also profiles one N-token prefill (after one that compiles and tunes).
+`--prefill N` also profiles one N-token prefill (after one that compiles and tunes), then times
+eight more without the profiler, with the garbage collector's time inside each.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections import defaultdict
 
@@ -33,6 +35,37 @@ def print_kernels(prof: torch.profiler.profile, runs: int, what: str, unit: str,
           f"{sum(counts.values()) / runs:.0f} kernels per {unit}")  # fmt: skip
     for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"{us / runs:9.1f} us/{unit} {counts[name] / runs:6.1f} x  {name[:110]}")
+
+
+def timed_prefills(engine, batch: list[int], runs: int = 8) -> None:
+    """Wall time of `runs` prefills without the profiler, each with the time Python's cyclic
+    garbage collector spent inside it: whether its full passes explain slow samples."""
+    passes: list[tuple[int, float]] = []  # (generation, seconds) of each collection
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            passes.append((info["generation"], time.perf_counter() - started[0]))
+
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(runs):
+            passes.clear()
+            engine.reset()
+            engine.synchronize()
+            t0 = time.perf_counter()
+            engine.prefill(batch)
+            engine.synchronize()
+            ms = (time.perf_counter() - t0) * 1000
+            full = [s for gen, s in passes if gen == 2]
+            print(
+                f"prefill: {ms:.1f} ms ({len(batch) / ms * 1000:.0f} t/s); garbage collections "
+                f"{len(passes)}, of which full {len(full)} taking {sum(full) * 1000:.1f} ms"
+            )
+    finally:
+        gc.callbacks.remove(on_gc)
 
 
 def main() -> None:
@@ -77,6 +110,7 @@ def main() -> None:
         print("host time of the prefill by operator (what the GPU waits on when it is not busy):")
         ops = prof.key_averages()
         print(ops.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+        timed_prefills(engine, batch)
 
     for graphs in (False, True):
         executor.use_graphs = graphs
