@@ -219,6 +219,20 @@ def test_dequant_matmul_in_half_precision_chunks(chunk: int, monkeypatch: pytest
     assert rel_err(out[3:4], x[3:4].double().numpy() @ ref.T) < GEMM_TOL[torch.float32]
 
 
+def test_prompt_weights_share_one_half_precision_x(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_many scales a prompt's float32 x into fp16 once for all its weights, and each result
+    equals that weight's own linear bit for bit."""
+    ws = [random_weight(name, n, 256, seed=n)[0] for name, n in (("Q4_K", 12), ("Q6_K", 5), ("Q8_0", 9))]
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    alone = [tops.linear(x, w) for w in ws]
+    calls = []
+    half_rows = tops._half_rows
+    monkeypatch.setattr(tops, "_half_rows", lambda x2: calls.append(1) or half_rows(x2))
+    together = tops.linear_many(x, ws)
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+
+
 def test_quantize_x_matches_the_reference() -> None:
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(75))
     x[1, 32:64] = 0  # an all-zero group: scale 0, codes 0

@@ -88,6 +88,9 @@ class QuantizedX:
     sums: torch.Tensor  # float32 [M, K/16]: dx * (sum of q) per 16
 
 
+HalfX = tuple[torch.Tensor, torch.Tensor]  # float32 x as fp16 rows scaled into [-1, 1], and the scales
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     """Launch shape of the GEMV kernels: BN weight rows per program, BK weights per loop step."""
@@ -106,6 +109,7 @@ def linear(
     kernel: str | None = None,
     gemv: GemvConfig | None = None,
     qx: QuantizedX | None = None,
+    half: HalfX | None = None,
 ) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) @ W.T for W [N, K] -> [..., N] in x's dtype.
 
@@ -124,7 +128,7 @@ def linear(
     m = x2.shape[0]
     choice = kernel_for(w, m, kernel)
     if choice == "dequant":
-        return _dequant_matmul(x2, w).reshape(*x.shape[:-1], n)
+        return _dequant_matmul(x2, w, half).reshape(*x.shape[:-1], n)
     if choice == "gemv" and m > GEMV_MAX_M:
         raise LlmxError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows of x, got {m}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -158,9 +162,13 @@ def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    dot8 = [kernel_for(w, m) == "dot8" for w in ws]
+    kernels = [kernel_for(w, m) for w in ws]
+    dot8 = [kernel == "dot8" for kernel in kernels]
     if not any(dot8):
-        return [linear(x, w) for w in ws]
+        half = None
+        if "dequant" in kernels and x2.dtype not in (torch.float16, torch.bfloat16):
+            half = _half_rows(x2 if x2.stride(-1) == 1 else x2.contiguous())  # once for all of them
+        return [linear(x, w, half=half) for w in ws]
     qx = attached_quantized(x) or quantize_x(x2 if x2.stride(-1) == 1 else x2.contiguous())
     outs: dict[int, torch.Tensor] = {}
     groups: dict[tuple[str, int], list[int]] = {}  # integer-dot weights that one launch can serve
@@ -194,9 +202,10 @@ def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: Ge
     )  # fmt: skip
 
 
-def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
+def _dequant_matmul(x2: torch.Tensor, w: QWeight, half: HalfX | None = None) -> torch.Tensor:
     """x2 [M, K] @ W.T on the half-precision tensor cores, W dequantized a chunk of rows at a time
-    (so the transient buffer stays under DEQUANT_CHUNK_BYTES); the result in x2's dtype.
+    (so the transient buffer stays under DEQUANT_CHUNK_BYTES); the result in x2's dtype. `half` is
+    float32 x2 already scaled into fp16 (`_half_rows`, shared by the weights that take the same x).
 
     A prompt runs this for every weight of every layer, so it keeps to few launches: one to scale
     x into fp16, one dequantize and one matmul a chunk, one multiply back to x's dtype."""
@@ -206,7 +215,7 @@ def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
     if x2.dtype in (torch.float16, torch.bfloat16):
         xh = x2
     else:  # per-row scaling keeps any activation inside fp16's range
-        xh, scale = _half_rows(x2)
+        xh, scale = half or _half_rows(x2)
     step = max(1, DEQUANT_CHUNK_BYTES // (2 * k))
     if step >= n:
         y = xh @ dequantize_rows(w, 0, n, xh.dtype).t()
@@ -219,7 +228,7 @@ def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
     return y.to(x2.dtype) if scale is None else torch.mul(y, scale)  # fp16 * float32 -> float32
 
 
-def _half_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _half_rows(x2: torch.Tensor) -> HalfX:
     """x2 [M, K] float32 as fp16 rows scaled into [-1, 1], and the scales [M, 1] (float32)."""
     m, k = x2.shape
     xh = torch.empty((m, k), dtype=torch.float16, device=x2.device)
