@@ -4,12 +4,16 @@ another order, 1e-5 of the output's norm."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from llmx import ops
 from llmx.kernels import cpu_attention
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ toolchain to compile with")
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -30,6 +34,7 @@ def step(n_head: int, n_kv: int, dim: int, n_keys: int, dtype: torch.dtype, seed
     return q, k, v
 
 
+@needs_compiler
 @pytest.mark.parametrize(
     ("n_head", "n_kv", "dim", "n_keys", "dtype"),
     [(9, 3, 64, 600, torch.float16), (4, 4, 128, 513, torch.bfloat16), (8, 2, 64, 700, torch.float32)],
@@ -42,6 +47,7 @@ def test_matches_sdpa(n_head: int, n_kv: int, dim: int, n_keys: int, dtype: torc
     assert relative_error(out, reference(q, k, v, 0.125)) < 1e-5
 
 
+@needs_compiler
 def test_ops_take_it_only_for_one_token_over_a_long_cache(monkeypatch) -> None:
     """From MIN_KEYS keys on, one unmasked float32 token goes through the compiled kernel (and
     equals the flash path); a shorter cache, a mask or "off" keep the flash path."""
@@ -57,3 +63,21 @@ def test_ops_take_it_only_for_one_token_over_a_long_cache(monkeypatch) -> None:
     flash = ops.attention(q, k, v, None)
     assert calls == [1]
     assert relative_error(compiled, flash.double()) < 1e-5
+
+
+def test_a_compiler_failure_keeps_the_flash_path(monkeypatch) -> None:
+    """Where compiling fails (it surfaces at the first call), one warning, then PyTorch's kernel."""
+
+    def no_compiler(fn, **_):
+        def fails(*args):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+        return fails
+
+    monkeypatch.setattr(cpu_attention, "_compiled", [])
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    q, k, v = step(9, 3, 64, cpu_attention.MIN_KEYS, torch.float16, seed=2)
+    with pytest.warns(UserWarning, match="InvalidCxxCompiler"):
+        out = ops.attention(q, k, v, None)
+    assert relative_error(out, reference(q, k, v, 0.125)) < 1e-5
+    assert cpu_attention.decode_attention(q, k, v, 0.125) is None  # and no second try
