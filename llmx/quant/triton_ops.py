@@ -115,16 +115,15 @@ def linear(
 
     The kernel is chosen by type and M (the product of x's leading dims), see the module docstring;
     `kernel` (one of KERNELS) forces one and `gemv` the GEMV launch shape, for benchmarks. `qx` is
-    x already quantized by `quantize_x` (see `linear_many`).
+    x already quantized by `quantize_x`, `half` x already scaled to fp16 by `_half_rows` (both
+    made once by `linear_many` for the weights that share x).
     """
     n, k = w.shape
     if x.shape[-1] != k:
         raise LlmxError(f"{_label(w)} {tuple(w.shape)} cannot multiply x of shape {tuple(x.shape)}")
     if w.qtype.name in FLOAT_TYPES:
         return torch.nn.functional.linear(x, w.raw.to(x.dtype))
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _unit_rows(x)
     m = x2.shape[0]
     choice = kernel_for(w, m, kernel)
     if choice == "dequant":
@@ -132,12 +131,13 @@ def linear(
     if choice == "gemv" and m > GEMV_MAX_M:
         raise LlmxError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows of x, got {m}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if choice == "dot8":
+        _gemv8(qx or attached_quantized(x) or quantize_x(x2), [w], [out], gemv)
+        return out.reshape(*x.shape[:-1], n)
     raw, name, packed = _raw(w)
     lut = _lut(raw.device)
     strides = (x2.stride(0), raw.stride(0), out.stride(0))
-    if choice == "dot8":
-        _gemv8(qx or attached_quantized(x) or quantize_x(x2), [w], [out], gemv)
-    elif choice == "gemv":
+    if choice == "gemv":
         bm = 1 << (m - 1).bit_length()
         cfg = gemv or default_gemv(name, bm)
         _kernels().gemv_kernel[(_cdiv(n, cfg.bn),)](
@@ -159,17 +159,16 @@ def linear(
 def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
     """[linear(x, w) for w in ws] for weights that multiply the same x (q/k/v, gate/up): x is
     quantized once for all the integer-dot GEMVs among them, and those of one type share launches."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = _unit_rows(x)
     m = x2.shape[0]
     kernels = [kernel_for(w, m) for w in ws]
     dot8 = [kernel == "dot8" for kernel in kernels]
     if not any(dot8):
         half = None
         if "dequant" in kernels and x2.dtype not in (torch.float16, torch.bfloat16):
-            half = _half_rows(x2 if x2.stride(-1) == 1 else x2.contiguous())  # once for all of them
+            half = _half_rows(x2)  # once for all of them
         return [linear(x, w, half=half) for w in ws]
-    qx = attached_quantized(x) or quantize_x(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    qx = attached_quantized(x) or quantize_x(x2)
     outs: dict[int, torch.Tensor] = {}
     groups: dict[tuple[str, int], list[int]] = {}  # integer-dot weights that one launch can serve
     for i, w in enumerate(ws):
@@ -184,6 +183,13 @@ def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
             for i, y in zip(part, ys, strict=True):
                 outs[i] = y.reshape(*x.shape[:-1], ws[i].shape[0])
     return [outs[i] for i in range(len(ws))]
+
+
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as rows [M, K] with a unit stride along K, as the kernels read them (a view
+    where it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: GemvConfig | None) -> None:

@@ -89,7 +89,7 @@ def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tens
     if choice == "emulated":
         y = x2 @ dequantize(w).t()
     elif w.raw.device.type == "cuda":
-        y = _cuda(x, w).reshape(x2.shape[0], n)
+        y = _cuda(x, w)
     elif isinstance(w.packed, P.PackedCodes) and choice in ("auto", "packed"):
         y = _packed_matmul(x2.contiguous(), w.packed)
     elif choice == "packed":
