@@ -6,3 +6,9 @@ The CLI prints `error: <message>` and exits non-zero; anything else escaping is 
 
 class LlmxError(Exception):
     """A problem with the user's input or machine (bad file, bad option, plan that cannot fit)."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): enough to say
+    why something failed in a one-line message."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from llmx.errors import first_line
+
 MIN_KEYS = 512  # shorter caches stay on PyTorch's flash kernel (~30 µs a call at 64 keys)
 
 _compiled: list[Callable[..., torch.Tensor] | None] = []  # [] until first use; [None] when it failed
@@ -46,7 +48,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         out = kernel(qg, k, v)
     except Exception as e:  # a compiler failure surfaces at the first call: keep the flash path
         _compiled[0] = None
-        why = f"llmx: CPU attention kernel unavailable ({_first_line(e)}); long contexts decode slower"
+        why = f"llmx: CPU attention kernel unavailable ({first_line(e)}); long contexts decode slower"
         warnings.warn(why, stacklevel=2)
         return None
     return out.reshape(1, n_head * head_dim)
@@ -57,7 +59,3 @@ def _kernel() -> Callable[..., torch.Tensor] | None:
         print("llmx: compiling the CPU attention kernel for long contexts (once a process)", file=sys.stderr)
         _compiled.append(torch.compile(grouped_attention, dynamic=True))
     return _compiled[0]
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from llmx.cache_dir import cache_dir
-from llmx.errors import LlmxError
+from llmx.errors import LlmxError, first_line
 from llmx.quant import QType
 from llmx.quant import torch_ops as T
 
@@ -249,7 +249,7 @@ def _jit_kernels(folder: Path, problems: list[str]) -> tuple[dict[str, Runner], 
         runners = _jit_runners()
         _check(runners)
     except Exception as e:  # any failure of the compiler means: no kernels
-        return {}, (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return {}, first_line(e)
     return runners, None
 
 
