@@ -270,6 +270,16 @@ def test_the_planner_and_a_dry_run_never_import_torch():
 # --- compute scratch: what the runtime's kernels allocate ---
 
 
+def test_the_planners_copies_of_runtime_sizes_match_the_runtime():
+    """The planner imports no torch, so it keeps its own copies of the runtime's buffer sizes."""
+    from llmx.plan import memory
+    from llmx.quant import triton_ops, weight
+
+    assert memory.GPU_DEQUANT_MIN_M == triton_ops.DEQUANT_MATMUL_MIN_M
+    assert memory.GPU_DEQUANT_CHUNK_BYTES == triton_ops.DEQUANT_CHUNK_BYTES
+    assert memory.CPU_DEQUANT_CHUNK_BYTES == weight.DEQUANT_CHUNK_BYTES
+
+
 def test_gpu_prompt_attention_stores_no_scores_but_the_cpu_and_sliding_windows_do():
     m = model("llama3-8b")
     g = dataclasses.replace(m, sliding_window=1024)  # as Gemma 3's local layers

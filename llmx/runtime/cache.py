@@ -65,7 +65,7 @@ class KVCache:
 
 @dataclass(frozen=True)
 class LayerWriter:
-    """One layer's buffers [n_ctx, Hk, D] and this step's `positions` (a tensor on their device, so
+    """One layer's buffers [rows, Hk, D] and this step's `positions` (a tensor on their device, so
     writes need no host sync and can sit in a CUDA graph); an `llmx.ops.LayerKV`."""
 
     k: torch.Tensor
