@@ -6,6 +6,7 @@
 #   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
 #   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), profiles, load time, ~6 min
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, ~6 min
+#   bash bench/gpu_session.sh multi     # two GPUs: one GPU, layer split and row split, ~4 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
 #
 # Each part writes its output under $OUT (default /tmp/llmx-out) as it goes, and every command has
@@ -60,6 +61,12 @@ hybrid)
         > "$OUT/hybrid.json"
     $PY bench/e2e.py table "$OUT/hybrid.json" | tee "$OUT/hybrid.md"
     ;;
+multi)
+    q4=$(synth llama3-8b Q4_K_M)
+    timeout 240 $PY -m llmx.cli bench -m "$q4" -ngl 99 -sm none,layer,row -p 512 -n 128 -r 2 -o json \
+        > "$OUT/multi.json"
+    $PY bench/e2e.py table "$OUT/multi.json" | tee "$OUT/multi.md"
+    ;;
 ncu)
     command -v ncu >/dev/null || { echo "ncu is not installed here" >&2; exit 1; }
     # every section (memory throughput, pipe use, instruction mix, stall reasons) of each M = 1 GEMV
@@ -67,7 +74,7 @@ ncu)
     grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
-    echo "usage: bash bench/gpu_session.sh check|kernels|e2e|hybrid|ncu" >&2
+    echo "usage: bash bench/gpu_session.sh check|kernels|e2e|hybrid|multi|ncu" >&2
     exit 2
     ;;
 esac
