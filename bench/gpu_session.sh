@@ -45,7 +45,7 @@ kernels)
 e2e)
     q4=$(synth llama3-8b Q4_K_M) q8=$(synth llama3-8b Q8_0)
     timeout 60 $PY -m llmx.cli bench --ceilings | tee "$OUT/ceilings.txt"  # the floors' bandwidths
-    timeout 200 $PY -m llmx.cli bench -m "$q4" -m "$q8" -ngl 99 -p 512 -n 128 -r 2 -o json > "$OUT/e2e.json"
+    timeout 200 $PY -m llmx.cli bench -m "$q4" -m "$q8" -ngl 99 -p 512 -n 128 -r 5 -o json > "$OUT/e2e.json"
     $PY bench/e2e.py table "$OUT/e2e.json" | tee "$OUT/e2e.md"
     # llama.cpp's third row: 8192 tokens already in the context (-c must hold them and the test)
     timeout 150 $PY -m llmx.cli bench -m "$q4" -ngl 99 -p 512 -n 128 -d 8192 -c 9216 -r 2 -o json \
@@ -57,9 +57,12 @@ e2e)
 hybrid)
     q4=$(synth llama3-8b Q4_K_M)
     timeout 60 $PY -m llmx.cli bench --ceilings | tee "$OUT/ceilings.txt"
-    timeout 480 $PY -m llmx.cli bench -m "$q4" -ngl 24,16,0 -p 512 -n 128 -r 1 -t "$(nproc)" -o json \
-        > "$OUT/hybrid.json"
-    $PY bench/e2e.py table "$OUT/hybrid.json" | tee "$OUT/hybrid.md"
+    # one process per placement, each with its own limit, so a slow row does not lose the others
+    for ngl in ${NGL:-24 16 0}; do
+        timeout "${HYBRID_LIMIT:-160}" $PY -m llmx.cli bench -m "$q4" -ngl "$ngl" -p 512 -n 128 -r 1 \
+            -t "${THREADS:-$(nproc)}" -o json > "$OUT/hybrid-$ngl.json"
+        $PY bench/e2e.py table "$OUT/hybrid-$ngl.json" | tee "$OUT/hybrid-$ngl.md"
+    done
     ;;
 multi)
     q4=$(synth llama3-8b Q4_K_M)

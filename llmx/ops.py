@@ -156,6 +156,10 @@ class Rope:
     _cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
+    # tables a longer context replaced: a CUDA graph captured earlier still reads them by address
+    _outgrown: list[tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=list, init=False, compare=False, repr=False
+    )
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         exps = torch.arange(0, self.n_dims, 2, dtype=torch.float64, device=device) / self.n_dims
@@ -172,6 +176,8 @@ class Rope:
         """
         cos, sin = self._cache.get(positions.device, (None, None))
         if cos is None or cos.shape[0] < bound:
+            if cos is not None:
+                self._outgrown.append((cos, sin))
             size = 1 << max(8, (bound - 1).bit_length())
             pos = torch.arange(size, dtype=torch.float64, device=positions.device)
             angles = pos[:, None] / self.scale * self.inv_freq(positions.device)[None, :]

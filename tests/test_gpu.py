@@ -95,6 +95,29 @@ def test_graph_decode_matches_eager(model_path):
 
 
 @pytest.mark.gpu
+def test_graphs_match_eager_after_the_context_grows(model_path, cpu_tokens):
+    """Prompt graphs (a prompt's shape seen a second time) and decode graphs give the eager logits,
+    also after a longer context replaced the RoPE tables the first graphs were captured with, and
+    the freed memory was written over."""
+    model = llmx.load(model_path, ctx_size=1024, n_gpu_layers="all")
+    executor, tokens = model.engine.executor, cpu_tokens[:8]
+    executor.use_graphs = False
+    eager = forced_logits(model, tokens)
+    executor.use_graphs = True
+    forced_logits(model, tokens)  # the prompt runs eagerly once more; decode graphs are captured
+    model.engine.n_past = 1000
+    model.engine.decode(tokens[0])  # a graph of the last bucket: every RoPE table grows
+    torch.full((1 << 26,), float("nan"), device="cuda")  # scribble over what was freed
+    assert len(executor._prompt_graphs) == 0
+    graphed = forced_logits(model, tokens)  # the prompt's second sighting: captured and replayed
+    assert len(executor._prompt_graphs) == 1
+    again = forced_logits(model, tokens)  # replayed from the kept graph
+    for logits in (graphed, again):
+        assert torch.isfinite(logits).all()
+        assert ((logits - eager).norm() / eager.norm()).item() < 1e-4
+
+
+@pytest.mark.gpu
 def test_allocated_bytes_match_the_plan(model_path):
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(0)

@@ -3,9 +3,14 @@
 A segment is a run of consecutive blocks on one device (the head joins the last one when it lives
 there). Every op runs where its weight lives; only the activation (a few KB per token) crosses
 devices. One-token decode steps on a GPU segment replay a captured CUDA graph, so Python and
-kernel-launch overhead is paid once at capture instead of on every token. A graph reads the KV
-cache in fixed-size buckets (positions past the current one are masked), so one graph serves a
-whole range of context lengths.
+kernel-launch overhead is paid once at capture instead of on every token. A decode graph reads the
+KV cache in fixed-size buckets (positions past the current one are masked), so one graph serves a
+whole range of context lengths. A prompt batch is captured too, the second time its exact shape
+(tokens, position) comes: a prompt of 512 tokens launches ~1800 kernels, and issuing them from
+Python takes about twice as long as the GPU takes to run them. Repeated shapes are common: every
+full `-ub` chunk of a long prompt, a benchmark's repetitions, a server's prompts re-read from the
+start. Prompt graphs of one device share one memory pool (they never run at the same time, and
+each one's output is consumed before the next replays), so they hold one prompt's activations.
 
 Each call also leaves `StepCounters` behind (perf_counter readings only, no added device sync):
 when the step was fully issued, how long it waited for a GPU at a GPU -> CPU boundary, and the time
@@ -27,6 +32,8 @@ from llmx.runtime.cache import KVCache
 from llmx.runtime.offload import WeightStreamer, offload_threshold
 
 GRAPH_BUCKET = 256  # tokens: a decode graph attends over the cache rounded up to this
+PROMPT_GRAPHS = 8  # prompt graphs kept per executor (the least recently used one goes first)
+PROMPT_SHAPES_REMEMBERED = 4096  # prompt shapes seen once, waiting for a second sighting
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,9 @@ class Executor:
     _segments: list[Segment] = field(init=False)
     _graphable: list[bool] = field(init=False)
     _graphs: dict[tuple[int, int], _Graph] = field(default_factory=dict, init=False)
+    _prompt_graphs: dict[tuple[int, int, int, bool], _Graph] = field(default_factory=dict, init=False)
+    _prompt_shapes_seen: set[tuple[int, int, int, bool]] = field(default_factory=set, init=False)
+    _pools: dict[torch.device, tuple[int, int]] = field(default_factory=dict, init=False)
     _streamer: WeightStreamer | None = field(default=None, init=False)
     _offload_from: int | None = field(default=None, init=False)
     last: StepCounters = field(default_factory=StepCounters, init=False)
@@ -182,9 +192,13 @@ class Executor:
         for k, seg in enumerate(self._segments):
             arriving = time.perf_counter()
             x = x.to(seg.device)  # from a GPU to the CPU this waits for the GPU's work so far
-            if t == 1 and self.use_graphs and seg.device.type == "cuda" and self._graphable[k]:
+            graphs = self.use_graphs and seg.device.type == "cuda" and self._graphable[k]
+            if graphs and t == 1:
                 with current_device(seg.device):
                     x = self._replay(k, seg, x, n_past)
+            elif graphs and self._prompt_graph_wanted((k, t, n_past, all_logits)):
+                with current_device(seg.device):
+                    x = self._replay_prompt(k, seg, x, n_past, all_logits)
             elif self._offloads(seg, t):
                 with current_device(self._streamer.device):
                     x = self._run_streamed(
@@ -229,27 +243,70 @@ class Executor:
     # --- CUDA graphs ------------------------------------------------------------------------------
 
     def _replay(self, k: int, seg: Segment, x: torch.Tensor, n_past: int) -> torch.Tensor:
+        """One decode step of segment k from a graph of its bucket (captured on first use)."""
         bucket = min(-(-(n_past + 1) // GRAPH_BUCKET) * GRAPH_BUCKET, self.cache.n_ctx)
         g = self._graphs.get((k, bucket))
         if g is None:
-            g = self._graphs[(k, bucket)] = self._capture(seg, x, n_past, bucket)
+            positions = torch.full((1,), n_past, dtype=torch.long, device=seg.device)
+            g = self._graphs[(k, bucket)] = self._capture(seg, x, positions, bucket, False, warm_up=True)
         g.x_in.copy_(x)
         g.positions.fill_(n_past)
         g.graph.replay()
         return g.x_out
 
-    def _capture(self, seg: Segment, x: torch.Tensor, n_past: int, bucket: int) -> _Graph:
+    def _prompt_graph_wanted(self, key: tuple[int, int, int, bool]) -> bool:
+        """Whether a prompt batch of this (segment, tokens, position, logits) runs from a graph: once
+        one is captured, or when the shape comes a second time (the first ran eagerly)."""
+        if key in self._prompt_graphs or key in self._prompt_shapes_seen:
+            return True
+        if len(self._prompt_shapes_seen) >= PROMPT_SHAPES_REMEMBERED:
+            self._prompt_shapes_seen.clear()
+        self._prompt_shapes_seen.add(key)
+        return False
+
+    def _replay_prompt(
+        self, k: int, seg: Segment, x: torch.Tensor, n_past: int, all_logits: bool
+    ) -> torch.Tensor:
+        """A prompt batch of segment k from its graph: the attention reads exactly the rows up to the
+        batch's last token, as the eager step does, so the key holds the position."""
+        t = x.shape[0]
+        key = (k, t, n_past, all_logits)
+        g = self._prompt_graphs.pop(key, None)
+        if g is None:
+            if len(self._prompt_graphs) >= PROMPT_GRAPHS:  # dicts keep order: the first is the oldest
+                del self._prompt_graphs[next(iter(self._prompt_graphs))]
+            positions = torch.arange(n_past, n_past + t, device=seg.device)
+            pool = self._pools.setdefault(seg.device, torch.cuda.graph_pool_handle())
+            # the same shape already ran eagerly: kernels are compiled and tuned, no warm-up needed
+            g = self._capture(seg, x, positions, n_past + t, all_logits, warm_up=False, pool=pool)
+        self._prompt_graphs[key] = g  # most recently used last
+        g.x_in.copy_(x)
+        g.graph.replay()
+        return g.x_out
+
+    def _capture(
+        self,
+        seg: Segment,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        n_read: int,
+        all_logits: bool,
+        warm_up: bool,
+        pool: tuple[int, int] | None = None,
+    ) -> _Graph:
         x_in = x.clone()
-        positions = torch.full((1,), n_past, dtype=torch.long, device=seg.device)
-        # Warm up outside the graph (Triton autotuning, lazy allocations, RoPE tables), on a side
-        # stream as CUDA graph capture requires; it computes exactly what the replay will. The
-        # capture gets a fresh Step so its per-step gathers are recorded, not reused.
-        side = torch.cuda.Stream(seg.device)
-        side.wait_stream(torch.cuda.current_stream(seg.device))
-        with torch.cuda.stream(side):
-            self._run_segment(seg, x_in, Step(positions, masked=True, n_read=bucket))
-        torch.cuda.current_stream(seg.device).wait_stream(side)
+        # Capture on a stream of the segment's own GPU: torch.cuda.graph's default capture stream is
+        # made once, on whichever GPU captures first, and a second GPU's kernels must not land on it.
+        stream = torch.cuda.Stream(seg.device)
+        stream.wait_stream(torch.cuda.current_stream(seg.device))
+        if warm_up:
+            # Warm up outside the graph (Triton autotuning, lazy allocations, RoPE tables) on the side
+            # stream, as capture requires; it computes exactly what the replay will. The capture gets
+            # a fresh Step so its per-step gathers are recorded, not reused.
+            with torch.cuda.stream(stream):
+                self._run_segment(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
+            torch.cuda.current_stream(seg.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            x_out = self._run_segment(seg, x_in, Step(positions, masked=True, n_read=bucket))
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            x_out = self._run_segment(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
         return _Graph(graph, x_in, positions, x_out)
