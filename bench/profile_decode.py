@@ -7,7 +7,8 @@ is visible) with torch.profiler and prints CUDA time per kernel name, summed and
 times graph-replayed decode steps the way `llmx bench` does, so the two can be set side by side:
 (graph step time) - (kernel time) is launch gaps and host work the graph did not hide.
 `--prefill N` also profiles one N-token prefill (after one that compiles and tunes), then times
-eight more without the profiler, with the garbage collector's time inside each.
+eight more without the profiler, with the garbage collector's time inside each. `--host` profiles
+the host's side of decode steps by operator (for hybrid runs: where the CPU layers' time goes).
 """
 
 from __future__ import annotations
@@ -76,8 +77,12 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prefill", type=int, default=0, help="also profile one prefill of this many tokens")
+    ap.add_argument("--host", action="store_true", help="also profile decode steps' host time by operator")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's)")
     args = ap.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = llmx.load(args.model, n_gpu_layers=args.ngl, ctx_size=1024)
     engine, executor = model.engine, model.engine.executor
     prompt = list(range(1, args.depth + 1))
@@ -92,6 +97,15 @@ def main() -> None:
             engine.decode(1)
         engine.synchronize()
     print_kernels(prof, args.steps, "eager decode", "token", args.top)
+    if args.host:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                engine.decode(1)
+            engine.synchronize()
+        print(f"host time of {args.steps} eager decode steps by operator:")
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
+        print(table)
 
     if args.prefill:
         batch = list(range(1, args.prefill + 1))
