@@ -110,7 +110,7 @@ def test_graphs_match_eager_after_the_context_grows(model_path, cpu_tokens):
     torch.full((1 << 26,), float("nan"), device="cuda")  # scribble over what was freed
     assert len(executor._prompt_graphs) == 0
     graphed = forced_logits(model, tokens)  # the prompt's second sighting: captured and replayed
-    assert len(executor._prompt_graphs) == 1
+    assert len(executor._prompt_graphs) == sum(s.device.type == "cuda" for s in executor._segments)
     again = forced_logits(model, tokens)  # replayed from the kept graph
     for logits in (graphed, again):
         assert torch.isfinite(logits).all()
@@ -121,7 +121,7 @@ def test_graphs_match_eager_after_the_context_grows(model_path, cpu_tokens):
 def test_allocated_bytes_match_the_plan(model_path):
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(0)
-    model = llmx.load(model_path, ctx_size=2048, n_gpu_layers="all")
+    model = llmx.load(model_path, ctx_size=2048, n_gpu_layers="all", split_mode="none")  # all on GPU 0
     measured = torch.cuda.memory_allocated(0) - before
     use = model.plan.device_use("cuda:0")
     planned = use.weights + use.kv

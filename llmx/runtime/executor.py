@@ -32,7 +32,10 @@ from llmx.runtime.cache import KVCache
 from llmx.runtime.offload import WeightStreamer, offload_threshold
 
 GRAPH_BUCKET = 256  # tokens: a decode graph attends over the cache rounded up to this
-PROMPT_GRAPHS = 8  # prompt graphs kept per executor (the least recently used one goes first)
+# Prompt graphs kept per executor, the least recently used going first: enough for every -ub chunk
+# of a 16k-token prompt read again (each graph holds only its kernels' parameters; the activations
+# live in the device's shared pool).
+PROMPT_GRAPHS = 32
 PROMPT_SHAPES_REMEMBERED = 4096  # prompt shapes seen once, waiting for a second sighting
 
 
