@@ -24,10 +24,14 @@ RTOL = 1e-5
 
 
 def quant_weight(name: str, n: int, k: int, seed: int = 0) -> tuple[QWeight, np.ndarray]:
-    """A random [n, k] QWeight of type `name` (packed for the CPU) and its float64 dequantization."""
+    """A random [n, k] QWeight of type `name` (packed for the CPU) and its float64 dequantization.
+    Types the native kernels take (`cpu_native`, tested in test_cpu_native.py) are packed all the
+    same: this module tests the packed path, which serves them where no C compiler is at hand."""
     qt = BY_NAME[name]
     data = random_blocks(qt, rows=n, blocks_per_row=k // qt.block_elems, seed=seed)
     w = prepare_cpu(QWeight(torch.from_numpy(data), qt, (n, k), f"test.{name}"))
+    if w.packed is None and cpu_pack.packable(qt, w.shape):
+        w.packed = cpu_pack.pack(w.raw, qt)
     return w, reference.dequantize(data, qt).astype(np.float64)
 
 

@@ -4,7 +4,10 @@ A QWeight keeps a tensor's GGUF bytes as they are (uint8 rows of blocks, or a fl
 F32/F16/BF16) on its device. `linear(x, w)` chooses the kernel from (type, device, M):
 
 - CUDA:  `llmx.quant.triton_ops.linear` (fused dequant GEMV/GEMM); "emulated" if Triton is missing;
-- CPU, quantized matrices (repacked at load by `prepare_cpu`, see `cpu_pack.py`): up to GEMV_MAX_M
+- CPU, Q4_K/Q6_K/Q8_0 matrices: kept as GGUF's blocks and multiplied by the native kernels
+  (`cpu_native.py`): one pass over the weights for up to GEMV_MAX_M rows of x, else chunks of rows
+  dequantized into float32 for `torch.mm`; where no C compiler is at hand, the packed path below;
+- CPU, other quantized matrices (repacked at load by `prepare_cpu`, see `cpu_pack.py`): up to GEMV_MAX_M
   rows of x, the compiled GEMV on the packed codes, row by row; more rows (prompts), the packed
   rows dequantized a chunk at a time into float32 and multiplied by MKL (`torch.mm`);
 - CPU otherwise (float types, LLMX_KERNEL=dequant): the same chunks, dequantized from the raw blocks;
@@ -25,6 +28,7 @@ import torch
 
 from llmx.errors import LlmxError
 from llmx.quant import QType
+from llmx.quant import cpu_native as N
 from llmx.quant import cpu_pack as P
 from llmx.quant import torch_ops as T
 
@@ -57,6 +61,8 @@ class QWeight:
 
     def describe(self) -> str:
         """How this weight is computed on the CPU, for the load report: "Q4_1 -> 4-bit codes, ..."."""
+        if _native(self):
+            return f"{self.qtype.name} (GGUF blocks, native kernel)"
         if not isinstance(self.packed, P.PackedCodes):
             return f"{self.qtype.name} (dequantized per chunk)"
         return f"{self.qtype.name} -> {self.packed.describe()}"
@@ -90,6 +96,8 @@ def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tens
         y = x2 @ dequantize(w).t()
     elif w.raw.device.type == "cuda":
         y = _cuda(x, w)
+    elif _native(w) and choice in ("auto", "packed"):
+        y = _native_matmul(x2, w)
     elif isinstance(w.packed, P.PackedCodes) and choice in ("auto", "packed"):
         y = _packed_matmul(x2.contiguous(), w.packed)
     elif choice == "packed":
@@ -176,17 +184,40 @@ def _triton_layout(w: QWeight) -> bool:
 
 
 def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
-    """Build the CPU packed form once at load when the type allows it; the raw bytes stay for `embedding`.
+    """Build the CPU packed form once at load when the type allows it and the native kernels do not
+    take it (they read the raw blocks); the raw bytes stay for `embedding`.
 
     After repacking, the raw bytes' pages are handed back to the kernel (a tied embedding table reads
     its rows back on demand), so an mmap-backed weight does not count twice in the process's memory.
     """
-    if not repack or w.raw.device.type != "cpu" or not P.packable(w.qtype, w.shape):
+    if not repack or w.raw.device.type != "cpu" or _native(w) or not P.packable(w.qtype, w.shape):
         return w
     w.packed = P.pack(w.raw, w.qtype)
     P.release_pages(w.raw)
     P.compiled_kernels()  # load (or build once) the GEMV kernels now rather than at the first token
     return w
+
+
+def _native(w: QWeight) -> bool:
+    """A CPU matrix the native kernels multiply as GGUF stores it (`cpu_native`; never repacked)."""
+    return (
+        w.raw.device.type == "cpu"
+        and w.packed is None
+        and N.supports(w.qtype, w.shape)
+        and w.raw.is_contiguous()
+        and N.available()
+    )
+
+
+def _native_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x2 [M, K] @ W^T on the GGUF blocks: one pass over W for few rows, else dense chunks."""
+    n, k = w.shape
+    if x2.shape[0] <= N.MAX_ROWS:
+        return N.gemv(x2, w.raw, w.qtype, n)
+    buf = _scratch(min(n, _chunk_rows(k)) * k)
+    return _chunked_matmul(
+        x2, n, lambda r0, r1: N.dequantize_rows(w.raw, w.qtype, r0, r1, k, buf[: (r1 - r0) * k].view(-1, k))
+    )
 
 
 def _packed_matmul(x2: torch.Tensor, pk: P.PackedCodes) -> torch.Tensor:

@@ -1,0 +1,235 @@
+/* GEMV and row dequantization straight on GGUF's blocks, for the CPU (built by cpu_native.py).
+ *
+ * Decode on the CPU is a race to read every weight byte once: a Q4_K matrix kept as GGUF stores it
+ * is 0.5625 bytes a weight, against 0.75 for cpu_pack's float32-scaled form. Each thread takes a
+ * contiguous range of rows; a row's dot product multiplies each group's codes with x first and
+ * applies the group's scale once to the partial sums, as llama.cpp's dot products do, but in
+ * float32 (x is not quantized). Up to 8 rows of x reuse each weight row while it sits in L1.
+ * Weights are exactly GGUF's (d * scale * q - dmin * min); only the summation order differs from a
+ * float32 reference. With AVX2 and FMA the dot products use them explicitly (compilers left the
+ * partial sums in memory); elsewhere a portable loop decodes a block and multiplies.
+ * OpenMP here is the runtime torch itself loaded (the same soname, libgomp.so.1), so
+ * torch.set_num_threads governs both and one thread pool serves them.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLMX_AVX2 1
+#endif
+
+enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2 };
+
+static inline float half_to_float(const uint8_t *p) {
+    _Float16 h; /* the compiler's own conversion: one instruction where the CPU has it (F16C) */
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+/* Q4_K: d, dmin (f16), 12 bytes of 6-bit scales and mins for 8 groups of 32, 128 bytes of nibbles;
+ * bytes 32c..32c+31 hold group 2c in their low nibbles and group 2c+1 in their high ones. */
+static inline void q4_k_scale_min(int j, const uint8_t *s, int *scale, int *min) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static void decode_q4_k(const uint8_t *b, float *out) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    for (int c = 0; c < 4; c++) {
+        int s0, m0, s1, m1;
+        q4_k_scale_min(2 * c, b + 4, &s0, &m0);
+        q4_k_scale_min(2 * c + 1, b + 4, &s1, &m1);
+        const float a0 = d * (float)s0, b0 = dmin * (float)m0, a1 = d * (float)s1, b1 = dmin * (float)m1;
+        const uint8_t *q = b + 16 + 32 * c;
+        for (int l = 0; l < 32; l++) {
+            out[64 * c + l] = a0 * (float)(q[l] & 15) - b0;
+            out[64 * c + l + 32] = a1 * (float)(q[l] >> 4) - b1;
+        }
+    }
+}
+
+/* Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16), d (f16).
+ * Each half of 128 weights is four quarters j of 32: position l of quarter j takes the low (j < 2)
+ * or high nibble of ql[l] (j even) or ql[l + 32] (j odd), bits 2j..2j+1 of qh[l], scale l/16 + 2j. */
+static inline int q6_k_code(const uint8_t *ql, const uint8_t *qh, int j, int l) {
+    const int low = j & 1 ? ql[l + 32] : ql[l];
+    return (int)(((j & 2 ? low >> 4 : low & 15) | (((qh[l] >> (2 * j)) & 3) << 4))) - 32;
+}
+
+static void decode_q6_k(const uint8_t *b, float *out) {
+    const float d = half_to_float(b + 208);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        const int8_t *sc = (const int8_t *)(b + 192 + 8 * h);
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) out[128 * h + 32 * j + l] = d * sc[l / 16 + 2 * j] * q6_k_code(ql, qh, j, l);
+    }
+}
+
+/* Q8_0: d (f16) and 32 int8 codes. */
+static void decode_q8_0(const uint8_t *b, float *out) {
+    const float d = half_to_float(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int l = 0; l < 32; l++) out[l] = d * (float)q[l];
+}
+
+/* One row of W (`blocks` blocks) times x. Q4_K's also takes `xsum`, x's sum over each group of 32,
+ * so that its minimums cost one multiply a group. */
+typedef float (*dot_fn)(const uint8_t *row, int64_t blocks, const float *x, const float *xsum);
+
+#ifdef LLMX_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256i bytes8(const uint8_t *p) { /* 8 bytes, zero-extended to 8 int32 */
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+static float dot_q4_k(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = row + 144 * blk;
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        for (int c = 0; c < 4; c++) {
+            int s0, m0, s1, m1;
+            q4_k_scale_min(2 * c, b + 4, &s0, &m0);
+            q4_k_scale_min(2 * c + 1, b + 4, &s1, &m1);
+            const uint8_t *q = b + 16 + 32 * c;
+            const float *x0 = x + 256 * blk + 64 * c, *x1 = x0 + 32;
+            __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
+            for (int l = 0; l < 32; l += 8) {
+                const __m256i v = bytes8(q + l);
+                p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(x0 + l), p0);
+                p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(x1 + l), p1);
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s0), p0, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s1), p1, acc);
+            mins += dmin * (float)m0 * xsum[8 * blk + 2 * c] + dmin * (float)m1 * xsum[8 * blk + 2 * c + 1];
+        }
+    }
+    return hsum(acc) - mins;
+}
+
+static float dot_q6_k(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
+    (void)xsum;
+    const __m256i low = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = row + 210 * blk;
+        const float d = half_to_float(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + 192 + 8 * h);
+            const float *xh = x + 256 * blk + 128 * h;
+            for (int g = 0; g < 2; g++) { /* positions 16g .. 16g + 15 of each quarter: one scale each */
+                __m256 p[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int l = 16 * g; l < 16 * g + 16; l += 8) {
+                    const __m256i a = bytes8(ql + l), c = bytes8(ql + l + 32), hb = bytes8(qh + l);
+                    const __m256i q[4] = {
+                        _mm256_or_si256(_mm256_and_si256(a, low), _mm256_slli_epi32(_mm256_and_si256(hb, three), 4)),
+                        _mm256_or_si256(_mm256_and_si256(c, low),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 2), three), 4)),
+                        _mm256_or_si256(_mm256_srli_epi32(a, 4),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 4), three), 4)),
+                        _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(hb, 6), 4)),
+                    };
+                    for (int j = 0; j < 4; j++)
+                        p[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], bias)),
+                                               _mm256_loadu_ps(xh + 32 * j + l), p[j]);
+                }
+                for (int j = 0; j < 4; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[g + 2 * j]), p[j], acc);
+            }
+        }
+    }
+    return hsum(acc);
+}
+
+static float dot_q8_0(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
+    (void)xsum;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = row + 34 * blk;
+        const float *xb = x + 32 * blk;
+        __m256 p = _mm256_setzero_ps();
+        for (int l = 0; l < 32; l += 8) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + l)));
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(xb + l), p);
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(b)), p, acc);
+    }
+    return hsum(acc);
+}
+#else
+#define DOT_BY_DECODING(name, QK, BYTES)                                                               \
+    static float dot_##name(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {   \
+        (void)xsum;                                                                                     \
+        float wf[QK], s = 0.0f;                                                                         \
+        for (int64_t blk = 0; blk < blocks; blk++) {                                                    \
+            decode_##name(row + BYTES * blk, wf);                                                       \
+            for (int l = 0; l < QK; l++) s += wf[l] * x[QK * blk + l];                                  \
+        }                                                                                               \
+        return s;                                                                                       \
+    }
+DOT_BY_DECODING(q4_k, 256, 144)
+DOT_BY_DECODING(q6_k, 256, 210)
+DOT_BY_DECODING(q8_0, 32, 34)
+#endif
+
+/* The type's dot product, decoder, block size in weights and bytes; 0 for a type this file lacks. */
+static int block_of(int type, dot_fn *dot, void (**decode)(const uint8_t *, float *), int *qk, int *bytes) {
+    switch (type) {
+    case T_Q4_K: *dot = dot_q4_k; *decode = decode_q4_k; *qk = 256; *bytes = 144; return 1;
+    case T_Q6_K: *dot = dot_q6_k; *decode = decode_q6_k; *qk = 256; *bytes = 210; return 1;
+    case T_Q8_0: *dot = dot_q8_0; *decode = decode_q8_0; *qk = 32; *bytes = 34; return 1;
+    default: return 0;
+    }
+}
+
+/* y[i, r] = sum_k W[r, k] x[i, k] for W [n, k] (rows row_bytes apart) and m <= 8 rows of x [m, k],
+ * y [m, n]. Returns 0, or -1 for an unknown type, a bad m, or no memory. */
+int llmx_gemv(int type, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, const float *x, int64_t m,
+              float *y, int threads) {
+    dot_fn dot;
+    void (*decode)(const uint8_t *, float *);
+    int qk, bytes;
+    if (!block_of(type, &dot, &decode, &qk, &bytes) || m < 1 || m > 8) return -1;
+    const int64_t blocks = k / qk, groups = k / 32;
+    float *xsum = malloc(sizeof(float) * (size_t)(m * groups));
+    if (xsum == NULL) return -1;
+    for (int64_t g = 0; g < m * groups; g++) {
+        float s = 0.0f;
+        for (int l = 0; l < 32; l++) s += x[32 * g + l];
+        xsum[g] = s;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < m; i++) y[i * n + r] = dot(w + r * row_bytes, blocks, x + i * k, xsum + i * groups);
+    free(xsum);
+    return 0;
+}
+
+/* out[r - r0, :] = W[r, :] in float32 for rows r0 <= r < r1. Returns 0, or -1 for an unknown type. */
+int llmx_dequantize_rows(int type, const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes, int64_t k,
+                         float *out, int threads) {
+    dot_fn dot;
+    void (*decode)(const uint8_t *, float *);
+    int qk, bytes;
+    if (!block_of(type, &dot, &decode, &qk, &bytes)) return -1;
+    const int64_t blocks = k / qk;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t blk = 0; blk < blocks; blk++) decode(w + r * row_bytes + bytes * blk, out + (r - r0) * k + qk * blk);
+    return 0;
+}

@@ -1,0 +1,134 @@
+"""Native CPU kernels on GGUF's own blocks (`cpu_blocks.c`), for the types most GGUFs are made of.
+
+Q4_K, Q6_K and Q8_0 matrices on the CPU stay as the file stores them (no repacking: Q4_K is 0.5625
+bytes a weight here against 0.75 in `cpu_pack`'s float32-scaled form), and a decode step reads each
+byte once: `gemv` multiplies up to GEMV_MAX_M rows of x per pass over the weights, on torch's
+threads. Prompts dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`.
+
+The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second) into the
+cache directory, keyed by its source, the compiler and the CPU's features, and loaded with ctypes.
+Without a C compiler, or with LLMX_CPU_GEMV=eager, `available` is False and these types take
+`cpu_pack`'s path, with a warning saying why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from llmx.cache_dir import cache_dir
+from llmx.errors import first_line
+from llmx.quant import QType
+
+SOURCE = Path(__file__).with_name("cpu_blocks.c")
+TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}  # the C file's type numbers
+MAX_ROWS = 8  # rows of x a `gemv` call takes (the C kernel's accumulators)
+
+
+def supports(qt: QType, shape: tuple[int, ...]) -> bool:
+    """Whether a matrix of this type and shape takes these kernels (when they are `available`)."""
+    return qt.name in TYPES and len(shape) == 2 and shape[1] % qt.block_elems == 0
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("LLMX_CPU_GEMV") == "eager":
+        return None
+    try:
+        path = _built()
+    except subprocess.CalledProcessError as e:
+        errors = [ln for ln in e.stderr.decode(errors="replace").splitlines() if "error" in ln]
+        return _unavailable((errors or ["the compiler failed"])[0])
+    except OSError as e:
+        return _unavailable(first_line(e))
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.llmx_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.llmx_dequantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.llmx_gemv.restype = lib.llmx_dequantize_rows.restype = ctypes.c_int
+    return lib
+
+
+def _unavailable(reason: str) -> None:
+    warnings.warn(
+        f"llmx: the native CPU kernels could not be built ({reason}); using the packed path", stacklevel=3
+    )
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _built() -> Path:
+    """The shared library for this source, compiler and CPU, compiled on first use."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) on the PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
+    flags = next((ln for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("flags")), "")
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + version + (flags or platform.processor()).encode()).hexdigest()[:16]
+    path = cache_dir() / f"cpu-blocks-{tag}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"llmx: building the native CPU kernels once into {path}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: no torn file
+        out = Path(tmp) / path.name
+        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
+        subprocess.run(cmd, capture_output=True, check=True)
+        out.replace(path)
+    return path
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def gemv(x2: torch.Tensor, raw: torch.Tensor, qt: QType, n: int) -> torch.Tensor:
+    """x2 [M, K] float32 (M <= MAX_ROWS) @ W^T -> [M, N], W [N, K] the GGUF rows `raw` [N, row_bytes]."""
+    lib = _library()
+    assert lib is not None and raw.is_contiguous() and x2.dtype == torch.float32
+    x2 = x2.contiguous()
+    m, k = x2.shape
+    y = torch.empty((m, n), dtype=torch.float32)
+    err = lib.llmx_gemv(
+        TYPES[qt.name],
+        raw.data_ptr(),
+        n,
+        raw.shape[1],
+        k,
+        x2.data_ptr(),
+        m,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    assert err == 0, (qt.name, m)
+    return y
+
+
+def dequantize_rows(
+    raw: torch.Tensor, qt: QType, r0: int, r1: int, k: int, out: torch.Tensor
+) -> torch.Tensor:
+    """W[r0:r1] in float32 into `out` [r1 - r0, K] (contiguous), from the GGUF rows `raw`."""
+    lib = _library()
+    assert lib is not None and raw.is_contiguous() and out.is_contiguous() and out.shape == (r1 - r0, k)
+    err = lib.llmx_dequantize_rows(
+        TYPES[qt.name], raw.data_ptr(), r0, r1, raw.shape[1], k, out.data_ptr(), torch.get_num_threads()
+    )
+    assert err == 0, qt.name
+    return out

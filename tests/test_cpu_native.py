@@ -1,0 +1,64 @@
+"""The native CPU kernels on GGUF blocks (`llmx.quant.cpu_native`) against gguf-py's dequantization:
+rows dequantized to the same float32 values, and GEMVs of 1 to 8 rows of x within float32 summation
+error of a float64 product. Skipped without a C compiler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmx.quant import cpu_native, qtype
+from llmx.quant.weight import QWeight, linear, linear_many, prepare_cpu
+from tests.test_quant import gguf_py, random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native kernels")
+TYPES = list(cpu_native.TYPES)
+
+
+def random_weight(name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    qt = qtype(name)
+    raw = random_blocks(qt, n, k // qt.block_elems, seed)
+    return torch.from_numpy(raw), gguf_py(raw, qt)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_rows_dequantize_to_gguf_py_values(name):
+    qt = qtype(name)
+    raw, ref = random_weight(name, 37, 3 * 256)
+    out = torch.empty((20, ref.shape[1]), dtype=torch.float32)
+    cpu_native.dequantize_rows(raw, qt, 11, 31, ref.shape[1], out)
+    # one rounding apart at most: the C code may fuse d * scale * q - dmin * min into one FMA
+    np.testing.assert_allclose(out.numpy(), ref[11:31], rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gemv_matches_a_float64_product(name, m):
+    qt = qtype(name)
+    n, k = 45, 5 * 256
+    raw, ref = random_weight(name, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = cpu_native.gemv(x, raw, qt, n)
+    want = x.double().numpy() @ ref.astype(np.float64).T
+    scale = np.abs(x.double().numpy()) @ np.abs(ref.astype(np.float64)).T  # the sum's magnitude
+    assert y.shape == (m, n)
+    assert np.all(np.abs(y.numpy() - want) <= 1e-5 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_linear_takes_the_native_kernels_for_decode_and_prompts(name):
+    """QWeights of these types stay as GGUF blocks on the CPU (nothing repacked), and `linear` and
+    `linear_many` give the reference product for decode (few rows) and prompt (many rows) batches."""
+    qt = qtype(name)
+    n, k = 64, 512
+    raw, ref = random_weight(name, n, k, seed=3)
+    w = prepare_cpu(QWeight(raw, qt, (n, k), "w"))
+    assert w.packed is None and "GGUF blocks" in w.describe()
+    for m in (1, 5, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        want = torch.from_numpy(x.double().numpy() @ ref.astype(np.float64).T)
+        torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+        a, b = linear_many(x, [w, w])
+        torch.testing.assert_close(a, linear(x, w))
+        torch.testing.assert_close(b, a)
