@@ -138,7 +138,7 @@ def test_float_weights(name):
 
 
 def test_leading_dims_and_shape_errors():
-    w, w64 = quant_weight("Q4_1", n=32, k=64)
+    w, w64 = quant_weight("Q5_1", n=32, k=64)  # a type only the packed path takes
     x = torch.randn(2, 3, 64)
     y = linear(x, w)
     assert y.shape == (2, 3, 32)
@@ -162,7 +162,7 @@ def test_describe_names_the_packed_form():
     )
     assert quant_weight("Q6_K", 16, 256)[0].describe() == "Q6_K -> int8 codes, f32 scale per 16 (exact)"
     assert (
-        QWeight(torch.zeros(2, 18, dtype=torch.uint8), BY_NAME["Q4_0"], (2, 32)).describe().endswith("chunk)")
+        QWeight(torch.zeros(2, 22, dtype=torch.uint8), BY_NAME["Q5_0"], (2, 32)).describe().endswith("chunk)")
     )
 
 

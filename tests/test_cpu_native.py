@@ -1,6 +1,7 @@
 """The native CPU kernels on GGUF blocks (`llmx.quant.cpu_native`) against gguf-py's dequantization:
 rows dequantized to the same float32 values, and GEMVs of 1 to 8 rows of x within float32 summation
-error of a float64 product. Skipped without a C compiler."""
+error of a float64 product; the AVX2 dot products and the portable ones (built without AVX2) alike.
+Skipped without a C compiler."""
 
 from __future__ import annotations
 
@@ -32,9 +33,19 @@ def test_rows_dequantize_to_gguf_py_values(name):
     np.testing.assert_allclose(out.numpy(), ref[11:31], rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
+@pytest.fixture(params=["native", "portable"])
+def kernels(request, monkeypatch, tmp_path):
+    """The kernels as built for this machine, or built without AVX2 (the portable C loops)."""
+    if request.param == "portable":
+        path = tmp_path / "portable.so"
+        cpu_native.compile_to(path, "-mno-avx2", "-mno-fma")
+        monkeypatch.setattr(cpu_native, "_library", lambda: cpu_native.bind(path))
+    return request.param
+
+
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_gemv_matches_a_float64_product(name, m):
+def test_gemv_matches_a_float64_product(name, m, kernels):
     qt = qtype(name)
     n, k = 45, 5 * 256
     raw, ref = random_weight(name, n, k, seed=m)

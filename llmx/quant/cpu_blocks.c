@@ -1,5 +1,7 @@
 /* GEMV and row dequantization straight on GGUF's blocks, for the CPU (built by cpu_native.py).
  *
+ * Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (most GGUFs' matrices).
+ *
  * Decode on the CPU is a race to read every weight byte once: a Q4_K matrix kept as GGUF stores it
  * is 0.5625 bytes a weight, against 0.75 for cpu_pack's float32-scaled form. Each thread takes a
  * contiguous range of rows; a row's dot product multiplies each group's codes with x first and
@@ -19,7 +21,7 @@
 #define LLMX_AVX2 1
 #endif
 
-enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2 };
+enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_Q4_0 = 3, T_Q4_1 = 4, T_Q5_K = 5 };
 
 static inline float half_to_float(const uint8_t *p) {
     _Float16 h; /* the compiler's own conversion: one instruction where the CPU has it (F16C) */
@@ -79,8 +81,44 @@ static void decode_q8_0(const uint8_t *b, float *out) {
     for (int l = 0; l < 32; l++) out[l] = d * (float)q[l];
 }
 
-/* One row of W (`blocks` blocks) times x. Q4_K's also takes `xsum`, x's sum over each group of 32,
- * so that its minimums cost one multiply a group. */
+/* Q4_0: d (f16), 16 bytes: weight l is (low nibble of byte l) - 8, weight l + 16 its high nibble - 8.
+ * Q4_1: d, m (f16), the same nibbles unsigned: d * q + m. */
+static void decode_q4_0(const uint8_t *b, float *out) {
+    const float d = half_to_float(b);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * (float)((b[2 + l] & 15) - 8);
+        out[l + 16] = d * (float)((b[2 + l] >> 4) - 8);
+    }
+}
+
+static void decode_q4_1(const uint8_t *b, float *out) {
+    const float d = half_to_float(b), m = half_to_float(b + 2);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * (float)(b[4 + l] & 15) + m;
+        out[l + 16] = d * (float)(b[4 + l] >> 4) + m;
+    }
+}
+
+/* Q5_K: Q4_K's d, dmin and scales, then 32 bytes qh, then Q4_K's 128 bytes of nibbles; the fifth
+ * bit of group 2c's weight l is bit 2c of qh[l], of group 2c + 1's bit 2c + 1. */
+static void decode_q5_k(const uint8_t *b, float *out) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *qh = b + 16;
+    for (int c = 0; c < 4; c++) {
+        int s0, m0, s1, m1;
+        q4_k_scale_min(2 * c, b + 4, &s0, &m0);
+        q4_k_scale_min(2 * c + 1, b + 4, &s1, &m1);
+        const float a0 = d * (float)s0, b0 = dmin * (float)m0, a1 = d * (float)s1, b1 = dmin * (float)m1;
+        const uint8_t *q = b + 48 + 32 * c;
+        for (int l = 0; l < 32; l++) {
+            out[64 * c + l] = a0 * (float)((q[l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) - b0;
+            out[64 * c + l + 32] = a1 * (float)((q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) - b1;
+        }
+    }
+}
+
+/* One row of W (`blocks` blocks) times x. `xsum` is x's sum over each group of 32, so that a
+ * group's offset (Q4_K's and Q5_K's minimums, Q4_0's -8, Q4_1's m) costs one multiply. */
 typedef float (*dot_fn)(const uint8_t *row, int64_t blocks, const float *x, const float *xsum);
 
 #ifdef LLMX_AVX2
@@ -95,24 +133,32 @@ static inline __m256i bytes8(const uint8_t *p) { /* 8 bytes, zero-extended to 8 
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
-static float dot_q4_k(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
-    const __m256i low = _mm256_set1_epi32(15);
+/* Q4_K and Q5_K (qh != 0: the fifth bits, at byte 16 of each block, nibbles at 48). */
+static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const float *x, const float *xsum, int five) {
+    const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    const int bytes = five ? 176 : 144, nibbles = five ? 48 : 16;
     __m256 acc = _mm256_setzero_ps();
     float mins = 0.0f;
     for (int64_t blk = 0; blk < blocks; blk++) {
-        const uint8_t *b = row + 144 * blk;
+        const uint8_t *b = row + bytes * blk;
         const float d = half_to_float(b), dmin = half_to_float(b + 2);
         for (int c = 0; c < 4; c++) {
             int s0, m0, s1, m1;
             q4_k_scale_min(2 * c, b + 4, &s0, &m0);
             q4_k_scale_min(2 * c + 1, b + 4, &s1, &m1);
-            const uint8_t *q = b + 16 + 32 * c;
+            const uint8_t *q = b + nibbles + 32 * c;
             const float *x0 = x + 256 * blk + 64 * c, *x1 = x0 + 32;
             __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
             for (int l = 0; l < 32; l += 8) {
                 const __m256i v = bytes8(q + l);
-                p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(x0 + l), p0);
-                p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(x1 + l), p1);
+                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_srli_epi32(v, 4);
+                if (five) {
+                    const __m256i h = bytes8(b + 16 + l);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * c), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * c + 1), one), 4));
+                }
+                p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(x0 + l), p0);
+                p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(x1 + l), p1);
             }
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s0), p0, acc);
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s1), p1, acc);
@@ -120,6 +166,44 @@ static float dot_q4_k(const uint8_t *row, int64_t blocks, const float *x, const 
         }
     }
     return hsum(acc) - mins;
+}
+
+static float dot_q4_k(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
+    return dot_k_nibbles(row, blocks, x, xsum, 0);
+}
+
+static float dot_q5_k(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
+    return dot_k_nibbles(row, blocks, x, xsum, 1);
+}
+
+/* Q4_0 and Q4_1 (offset: the f16 m after d, else the -8 every code carries). */
+static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const float *x, const float *xsum,
+                                       int with_m) {
+    const __m256i low = _mm256_set1_epi32(15);
+    const int bytes = with_m ? 20 : 18;
+    __m256 acc = _mm256_setzero_ps();
+    float offsets = 0.0f;
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = row + bytes * blk, *q = b + (with_m ? 4 : 2);
+        const float *xb = x + 32 * blk, d = half_to_float(b);
+        __m256 p = _mm256_setzero_ps();
+        for (int l = 0; l < 16; l += 8) {
+            const __m256i v = bytes8(q + l);
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(xb + l), p);
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(xb + 16 + l), p);
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
+        offsets += (with_m ? half_to_float(b + 2) : -8.0f * d) * xsum[blk];
+    }
+    return hsum(acc) + offsets;
+}
+
+static float dot_q4_0(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
+    return dot_legacy_nibbles(row, blocks, x, xsum, 0);
+}
+
+static float dot_q4_1(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
+    return dot_legacy_nibbles(row, blocks, x, xsum, 1);
 }
 
 static float dot_q6_k(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
@@ -185,6 +269,9 @@ static float dot_q8_0(const uint8_t *row, int64_t blocks, const float *x, const 
 DOT_BY_DECODING(q4_k, 256, 144)
 DOT_BY_DECODING(q6_k, 256, 210)
 DOT_BY_DECODING(q8_0, 32, 34)
+DOT_BY_DECODING(q4_0, 32, 18)
+DOT_BY_DECODING(q4_1, 32, 20)
+DOT_BY_DECODING(q5_k, 256, 176)
 #endif
 
 /* The type's dot product, decoder, block size in weights and bytes; 0 for a type this file lacks. */
@@ -193,6 +280,9 @@ static int block_of(int type, dot_fn *dot, void (**decode)(const uint8_t *, floa
     case T_Q4_K: *dot = dot_q4_k; *decode = decode_q4_k; *qk = 256; *bytes = 144; return 1;
     case T_Q6_K: *dot = dot_q6_k; *decode = decode_q6_k; *qk = 256; *bytes = 210; return 1;
     case T_Q8_0: *dot = dot_q8_0; *decode = decode_q8_0; *qk = 32; *bytes = 34; return 1;
+    case T_Q4_0: *dot = dot_q4_0; *decode = decode_q4_0; *qk = 32; *bytes = 18; return 1;
+    case T_Q4_1: *dot = dot_q4_1; *decode = decode_q4_1; *qk = 32; *bytes = 20; return 1;
+    case T_Q5_K: *dot = dot_q5_k; *decode = decode_q5_k; *qk = 256; *bytes = 176; return 1;
     default: return 0;
     }
 }

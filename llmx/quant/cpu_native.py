@@ -1,7 +1,8 @@
 """Native CPU kernels on GGUF's own blocks (`cpu_blocks.c`), for the types most GGUFs are made of.
 
-Q4_K, Q6_K and Q8_0 matrices on the CPU stay as the file stores them (no repacking: Q4_K is 0.5625
-bytes a weight here against 0.75 in `cpu_pack`'s float32-scaled form), and a decode step reads each
+Matrices of the types in TYPES (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) stay on the CPU as the file stores
+them (no repacking: Q4_K is 0.5625 bytes a weight here against 0.75 in `cpu_pack`'s float32-scaled
+form), and a decode step reads each
 byte once: `gemv` multiplies up to GEMV_MAX_M rows of x per pass over the weights, on torch's
 threads. Prompts dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`.
 
@@ -32,7 +33,7 @@ from llmx.errors import first_line
 from llmx.quant import QType
 
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
-TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}  # the C file's type numbers
+TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q5_K": 5}  # the C file's type numbers
 MAX_ROWS = 8  # rows of x a `gemv` call takes (the C kernel's accumulators)
 
 
@@ -52,6 +53,11 @@ def _library() -> ctypes.CDLL | None:
         return _unavailable((errors or ["the compiler failed"])[0])
     except OSError as e:
         return _unavailable(first_line(e))
+    return bind(path)
+
+
+def bind(path: Path) -> ctypes.CDLL:
+    """Load a build of `cpu_blocks.c` and declare its two functions."""
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.llmx_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
@@ -70,12 +76,33 @@ def available() -> bool:
     return _library() is not None
 
 
-def _built() -> Path:
-    """The shared library for this source, compiler and CPU, compiled on first use."""
+def _compiler() -> str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on the PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
+    return compiler
+
+
+def compile_to(out: Path, *flags: str) -> None:
+    """Build `cpu_blocks.c` into the shared library `out` (extra `flags` after the usual ones)."""
+    cmd = [
+        _compiler(),
+        "-O3",
+        "-march=native",
+        "-fopenmp",
+        "-shared",
+        "-fPIC",
+        *flags,
+        str(SOURCE),
+        "-o",
+        str(out),
+    ]
+    subprocess.run(cmd, capture_output=True, check=True)
+
+
+def _built() -> Path:
+    """The shared library for this source, compiler and CPU, compiled on first use."""
+    version = subprocess.run([_compiler(), "--version"], capture_output=True, check=True).stdout
     flags = next((ln for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("flags")), "")
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + version + (flags or platform.processor()).encode()).hexdigest()[:16]
@@ -86,8 +113,7 @@ def _built() -> Path:
     print(f"llmx: building the native CPU kernels once into {path}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: no torn file
         out = Path(tmp) / path.name
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
-        subprocess.run(cmd, capture_output=True, check=True)
+        compile_to(out)
         out.replace(path)
     return path
 

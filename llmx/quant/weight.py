@@ -4,7 +4,7 @@ A QWeight keeps a tensor's GGUF bytes as they are (uint8 rows of blocks, or a fl
 F32/F16/BF16) on its device. `linear(x, w)` chooses the kernel from (type, device, M):
 
 - CUDA:  `llmx.quant.triton_ops.linear` (fused dequant GEMV/GEMM); "emulated" if Triton is missing;
-- CPU, Q4_K/Q6_K/Q8_0 matrices: kept as GGUF's blocks and multiplied by the native kernels
+- CPU, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrices: kept as GGUF's blocks and multiplied by the native kernels
   (`cpu_native.py`): one pass over the weights for up to GEMV_MAX_M rows of x, else chunks of rows
   dequantized into float32 for `torch.mm`; where no C compiler is at hand, the packed path below;
 - CPU, other quantized matrices (repacked at load by `prepare_cpu`, see `cpu_pack.py`): up to GEMV_MAX_M
