@@ -118,6 +118,23 @@ def test_graphs_match_eager_after_the_context_grows(model_path, cpu_tokens):
 
 
 @pytest.mark.gpu
+def test_prompts_run_eagerly_when_a_graph_does_not_fit(model_path, cpu_tokens, monkeypatch):
+    """Out of memory while capturing a prompt graph: a warning, the eager result, no more captures."""
+    model = llmx.load(model_path, ctx_size=512, n_gpu_layers="all")
+    executor, tokens = model.engine.executor, cpu_tokens[:4]
+    eager = forced_logits(model, tokens)
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(executor, "_capture", no_memory)  # decode graphs are captured already
+    with pytest.warns(UserWarning, match="no GPU memory left to capture prompt graphs"):
+        again = forced_logits(model, tokens)
+    assert torch.equal(again, eager) and executor._prompt_graphs_off
+    assert torch.equal(forced_logits(model, tokens), eager)
+
+
+@pytest.mark.gpu
 def test_allocated_bytes_match_the_plan(model_path):
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +124,7 @@ class Executor:
     _prompt_graphs: dict[tuple[int, int, int, bool], _Graph] = field(default_factory=dict, init=False)
     _prompt_shapes_seen: set[tuple[int, int, int, bool]] = field(default_factory=set, init=False)
     _pools: dict[torch.device, tuple[int, int]] = field(default_factory=dict, init=False)
+    _prompt_graphs_off: bool = field(default=False, init=False)
     _streamer: WeightStreamer | None = field(default=None, init=False)
     _offload_from: int | None = field(default=None, init=False)
     last: StepCounters = field(default_factory=StepCounters, init=False)
@@ -259,7 +261,10 @@ class Executor:
 
     def _prompt_graph_wanted(self, key: tuple[int, int, int, bool]) -> bool:
         """Whether a prompt batch of this (segment, tokens, position, logits) runs from a graph: once
-        one is captured, or when the shape comes a second time (the first ran eagerly)."""
+        one is captured, or when the shape comes a second time (the first ran eagerly); never after
+        a capture ran out of memory."""
+        if self._prompt_graphs_off:
+            return False
         if key in self._prompt_graphs or key in self._prompt_shapes_seen:
             return True
         if len(self._prompt_shapes_seen) >= PROMPT_SHAPES_REMEMBERED:
@@ -280,12 +285,26 @@ class Executor:
                 del self._prompt_graphs[next(iter(self._prompt_graphs))]
             positions = torch.arange(n_past, n_past + t, device=seg.device)
             pool = self._pools.setdefault(seg.device, torch.cuda.graph_pool_handle())
-            # the same shape already ran eagerly: kernels are compiled and tuned, no warm-up needed
-            g = self._capture(seg, x, positions, n_past + t, all_logits, warm_up=False, pool=pool)
+            try:  # the same shape already ran eagerly: kernels are compiled and tuned, no warm-up needed
+                g = self._capture(seg, x, positions, n_past + t, all_logits, warm_up=False, pool=pool)
+            except torch.OutOfMemoryError:
+                self._stop_prompt_graphs()
+                return self._run_segment(seg, x, Step(positions, masked=True, n_read=n_past + t), all_logits)
         self._prompt_graphs[key] = g  # most recently used last
         g.x_in.copy_(x)
         g.graph.replay()
         return g.x_out
+
+    def _stop_prompt_graphs(self) -> None:
+        """A prompt graph's pool is memory the plan does not count: where it does not fit, prompts
+        run eagerly from then on, as the plan assumed, rather than fail."""
+        self._prompt_graphs_off = True
+        self._prompt_graphs.clear()
+        self._pools.clear()
+        torch.cuda.empty_cache()
+        warnings.warn(
+            "llmx: no GPU memory left to capture prompt graphs; prompts run without them", stacklevel=4
+        )
 
     def _capture(
         self,
