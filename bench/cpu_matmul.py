@@ -3,7 +3,9 @@
 For every distinct (type, N x K) of the model (default: the embedded SmolLM2 Q4_1) and each batch M,
 the best-of-R time of each way to compute x @ W^T on the CPU:
 
-- packed:    what `linear` runs (fused GEMV on repacked codes for M <= 4, else dequant chunks + mm)
+- packed:    what `linear` runs: the native kernels on the GGUF blocks for their types, else the fused
+             GEMV on repacked codes (M <= 8), else dequant chunks + mm
+- repacked:  for the native kernels' types, the repacked codes' path they replaced
 - dequant:   raw blocks dequantized a chunk at a time (torch_ops) + mm, no repacking
 - emulated:  the whole matrix dequantized, then one mm
 - int4pack:  torch's `_weight_int4pack_mm_for_cpu` (bf16 x, scales and y; 4-bit types only)
@@ -29,7 +31,7 @@ import torch
 from llmx.bench.tables import Column, markdown
 from llmx.gguf import open_gguf
 from llmx.models_on_disk import default_model_path
-from llmx.quant import reference
+from llmx.quant import cpu_pack, reference, weight
 from llmx.quant import torch_ops as T
 from llmx.quant.weight import QWeight, dequantize, linear, linear_many, prepare_cpu
 from llmx.runtime.weights import host_view
@@ -77,6 +79,9 @@ def methods(w: QWeight) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor
         "dequant": (lambda x: linear(x, w, kernel="dequant"), w.raw.nbytes),
         "emulated": (lambda x: linear(x, w, kernel="emulated"), w.raw.nbytes),
     }
+    if w.packed is None and cpu_pack.packable(w.qtype, w.shape):  # the native kernels take it
+        pk = cpu_pack.pack(w.raw, w.qtype)
+        out["repacked"] = (lambda x: weight._packed_matmul(x, pk), pk.nbytes)
     for name, fn in (("int4pack", int4pack(w)), ("int8pack", int8pack(w))):
         if fn is not None:
             out[name] = (fn, n * k // (2 if name == "int4pack" else 1) + n * k // 32 * 4)
