@@ -50,7 +50,7 @@ def test_gemv_matches_a_float64_product(name, m, kernels):
     n, k = 45, 5 * 256
     raw, ref = random_weight(name, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    y = cpu_native.gemv(x, raw, qt, n)
+    y = cpu_native.gemv(x, [(raw, qt)])
     want = x.double().numpy() @ ref.astype(np.float64).T
     scale = np.abs(x.double().numpy()) @ np.abs(ref.astype(np.float64)).T  # the sum's magnitude
     assert y.shape == (m, n)
@@ -73,3 +73,25 @@ def test_linear_takes_the_native_kernels_for_decode_and_prompts(name):
         a, b = linear_many(x, [w, w])
         torch.testing.assert_close(a, linear(x, w))
         torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_one_call_serves_matrices_of_different_types_sharing_x(m, kernels):
+    """q/k/v or gate/up in one call, of mixed types and heights: each block of the output equals
+    that matrix's own GEMV, and `linear_many` returns them split."""
+    k = 512
+    parts = [
+        random_weight(name, n, k, seed)
+        for name, n, seed in (("Q4_K", 40, 1), ("Q8_0", 8, 2), ("Q6_K", 24, 3))
+    ]
+    names = ["Q4_K", "Q8_0", "Q6_K"]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
+    joined = cpu_native.gemv(x, [(raw, qtype(name)) for (raw, _), name in zip(parts, names, strict=True)])
+    alone = [cpu_native.gemv(x, [(raw, qtype(name))]) for (raw, _), name in zip(parts, names, strict=True)]
+    assert torch.equal(joined, torch.cat(alone, dim=1))
+    ws = [
+        prepare_cpu(QWeight(raw, qtype(name), (raw.shape[0], k), name))
+        for (raw, _), name in zip(parts, names, strict=True)
+    ]
+    for got, want in zip(linear_many(x, ws), alone, strict=True):
+        assert torch.equal(got, want)

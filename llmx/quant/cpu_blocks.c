@@ -287,15 +287,25 @@ static int block_of(int type, dot_fn *dot, void (**decode)(const uint8_t *, floa
     }
 }
 
-/* y[i, r] = sum_k W[r, k] x[i, k] for W [n, k] (rows row_bytes apart) and m <= 8 rows of x [m, k],
- * y [m, n]. Returns 0, or -1 for an unknown type, a bad m, or no memory. */
-int llmx_gemv(int type, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, const float *x, int64_t m,
-              float *y, int threads) {
-    dot_fn dot;
+#define MAX_WEIGHTS 4
+
+/* Several matrices that multiply the same x (q/k/v, gate/up), of any of the types, in one parallel
+ * region: y [m, N] holds weight j's outputs in columns off_j .. off_j + n[j] - 1 (in order, N their
+ * sum). Each W_j is n[j] rows of k weights, row_bytes[j] apart; m <= 8 rows of x [m, k].
+ * Returns 0, or -1 for an unknown type, a bad count or m, or no memory. */
+int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const int64_t *ns,
+                   const int64_t *row_bytes, int64_t k, const float *x, int64_t m, float *y, int threads) {
+    dot_fn dot[MAX_WEIGHTS];
     void (*decode)(const uint8_t *, float *);
-    int qk, bytes;
-    if (!block_of(type, &dot, &decode, &qk, &bytes) || m < 1 || m > 8) return -1;
-    const int64_t blocks = k / qk, groups = k / 32;
+    int64_t blocks[MAX_WEIGHTS], start[MAX_WEIGHTS + 1] = {0};
+    if (count < 1 || count > MAX_WEIGHTS || m < 1 || m > 8) return -1;
+    for (int j = 0; j < count; j++) {
+        int qk, bytes;
+        if (!block_of(types[j], &dot[j], &decode, &qk, &bytes)) return -1;
+        blocks[j] = k / qk;
+        start[j + 1] = start[j] + ns[j];
+    }
+    const int64_t total = start[count], groups = k / 32;
     float *xsum = malloc(sizeof(float) * (size_t)(m * groups));
     if (xsum == NULL) return -1;
     for (int64_t g = 0; g < m * groups; g++) {
@@ -304,8 +314,12 @@ int llmx_gemv(int type, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t 
         xsum[g] = s;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t i = 0; i < m; i++) y[i * n + r] = dot(w + r * row_bytes, blocks, x + i * k, xsum + i * groups);
+    for (int64_t r = 0; r < total; r++) {
+        int j = 0;
+        while (r >= start[j + 1]) j++;
+        const uint8_t *row = ws[j] + (r - start[j]) * row_bytes[j];
+        for (int64_t i = 0; i < m; i++) y[i * total + r] = dot[j](row, blocks[j], x + i * k, xsum + i * groups);
+    }
     free(xsum);
     return 0;
 }

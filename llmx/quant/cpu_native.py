@@ -2,9 +2,9 @@
 
 Matrices of the types in TYPES (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) stay on the CPU as the file stores
 them (no repacking: Q4_K is 0.5625 bytes a weight here against 0.75 in `cpu_pack`'s float32-scaled
-form), and a decode step reads each
-byte once: `gemv` multiplies up to GEMV_MAX_M rows of x per pass over the weights, on torch's
-threads. Prompts dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`.
+form), and a decode step reads each byte once: `gemv` multiplies up to MAX_ROWS rows of x per pass over
+the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one call. Prompts
+dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`.
 
 The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second) into the
 cache directory, keyed by its source, the compiler and the CPU's features, and loaded with ctypes.
@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ from llmx.quant import QType
 
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
 TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q5_K": 5}  # the C file's type numbers
-MAX_ROWS = 8  # rows of x a `gemv` call takes (the C kernel's accumulators)
+MAX_ROWS = 8  # rows of x a `gemv` call takes
+MAX_WEIGHTS = 4  # matrices one `gemv` call takes (cpu_blocks.c's MAX_WEIGHTS)
 
 
 def supports(qt: QType, shape: tuple[int, ...]) -> bool:
@@ -59,10 +61,10 @@ def _library() -> ctypes.CDLL | None:
 def bind(path: Path) -> ctypes.CDLL:
     """Load a build of `cpu_blocks.c` and declare its two functions."""
     lib = ctypes.CDLL(str(path))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.llmx_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.llmx_dequantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
-    lib.llmx_gemv.restype = lib.llmx_dequantize_rows.restype = ctypes.c_int
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
+    lib.llmx_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i32]
+    lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = i32
     return lib
 
 
@@ -125,25 +127,30 @@ def _read(path: str) -> str:
         return ""
 
 
-def gemv(x2: torch.Tensor, raw: torch.Tensor, qt: QType, n: int) -> torch.Tensor:
-    """x2 [M, K] float32 (M <= MAX_ROWS) @ W^T -> [M, N], W [N, K] the GGUF rows `raw` [N, row_bytes]."""
+def gemv(x2: torch.Tensor, weights: Sequence[tuple[torch.Tensor, QType]]) -> torch.Tensor:
+    """x2 [M, K] float32 (M <= MAX_ROWS) times up to MAX_WEIGHTS matrices that share it, in one call:
+    [M, N1 + N2 + ...], each W [N, K] given as its GGUF rows `raw` [N, row_bytes] and type."""
     lib = _library()
-    assert lib is not None and raw.is_contiguous() and x2.dtype == torch.float32
+    assert lib is not None and x2.dtype == torch.float32 and 0 < len(weights) <= MAX_WEIGHTS
+    assert all(raw.is_contiguous() for raw, _ in weights)
     x2 = x2.contiguous()
     m, k = x2.shape
-    y = torch.empty((m, n), dtype=torch.float32)
-    err = lib.llmx_gemv(
-        TYPES[qt.name],
-        raw.data_ptr(),
-        n,
-        raw.shape[1],
+    count = len(weights)
+    ns = [raw.shape[0] for raw, _ in weights]
+    y = torch.empty((m, sum(ns)), dtype=torch.float32)
+    err = lib.llmx_gemv_many(
+        count,
+        (ctypes.c_int * count)(*(TYPES[qt.name] for _, qt in weights)),
+        (ctypes.c_void_p * count)(*(raw.data_ptr() for raw, _ in weights)),
+        (ctypes.c_int64 * count)(*ns),
+        (ctypes.c_int64 * count)(*(raw.shape[1] for raw, _ in weights)),
         k,
         x2.data_ptr(),
         m,
         y.data_ptr(),
         torch.get_num_threads(),
     )
-    assert err == 0, (qt.name, m)
+    assert err == 0, ([qt.name for _, qt in weights], m)
     return y
 
 

@@ -117,6 +117,17 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
     """
     if (kernel or KERNEL) == "auto" and all(w.raw.device.type == "cuda" for w in ws):
         return _cuda_many(x, ws)
+    k = ws[0].shape[1]
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (
+        (kernel or KERNEL) in ("auto", "packed")
+        and 1 < len(ws) <= N.MAX_WEIGHTS
+        and rows <= N.MAX_ROWS
+        and x.shape[-1] == k
+        and all(_native(w) and w.shape[1] == k for w in ws)
+    ):
+        y = N.gemv(x.reshape(-1, k), [(w.raw, w.qtype) for w in ws])
+        return list(y.reshape(*x.shape[:-1], -1).split([w.shape[0] for w in ws], dim=-1))
     joined = ws[0].joined
     if (
         joined is None
@@ -213,7 +224,7 @@ def _native_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
     """x2 [M, K] @ W^T on the GGUF blocks: one pass over W for few rows, else dense chunks."""
     n, k = w.shape
     if x2.shape[0] <= N.MAX_ROWS:
-        return N.gemv(x2, w.raw, w.qtype, n)
+        return N.gemv(x2, [(w.raw, w.qtype)])
     buf = _scratch(min(n, _chunk_rows(k)) * k)
     return _chunked_matmul(
         x2, n, lambda r0, r1: N.dequantize_rows(w.raw, w.qtype, r0, r1, k, buf[: (r1 - r0) * k].view(-1, k))
