@@ -35,10 +35,11 @@ def test_rows_dequantize_to_gguf_py_values(name):
 
 @pytest.fixture(params=["native", "portable"])
 def kernels(request, monkeypatch, tmp_path):
-    """The kernels as built for this machine, or built without AVX2 (the portable C loops)."""
+    """The kernels as built for this machine, or built without AVX2 (the portable C)."""
     if request.param == "portable":
         path = tmp_path / "portable.so"
-        cpu_native.compile_to(path, "-mno-avx2", "-mno-fma")
+        # no AVX2, no F16C, no _Float16: the plain C loops and half-precision conversion
+        cpu_native.compile_to(path, "-mno-avx2", "-mno-fma", "-mno-f16c", "-U__FLT16_MAX__")
         monkeypatch.setattr(cpu_native, "_library", lambda: cpu_native.bind(path))
     return request.param
 

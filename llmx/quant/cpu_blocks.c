@@ -17,16 +17,37 @@
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define LLMX_AVX2 1
+#endif
+#if defined(LLMX_AVX2) || defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_Q4_0 = 3, T_Q4_1 = 4, T_Q5_K = 5 };
 
 static inline float half_to_float(const uint8_t *p) {
-    _Float16 h; /* the compiler's own conversion: one instruction where the CPU has it (F16C) */
-    memcpy(&h, p, 2);
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(bits); /* one instruction */
+#elif defined(__FLT16_MAX__)
+    _Float16 h; /* the compiler's own conversion */
+    memcpy(&h, &bits, 2);
     return (float)h;
+#else
+    const uint32_t sign = (uint32_t)(bits & 0x8000u) << 16, exp = (bits >> 10) & 31u, man = bits & 0x3ffu;
+    uint32_t out;
+    float f;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&out, &f, 4);
+        out |= sign;
+    } else {
+        out = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    }
+    memcpy(&f, &out, 4);
+    return f;
+#endif
 }
 
 /* Q4_K: d, dmin (f16), 12 bytes of 6-bit scales and mins for 8 groups of 32, 128 bytes of nibbles;
