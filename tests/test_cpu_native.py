@@ -96,3 +96,31 @@ def test_one_call_serves_matrices_of_different_types_sharing_x(m, kernels):
     ]
     for got, want in zip(linear_many(x, ws), alone, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.fixture
+def fresh_library():
+    """`_library` decides again in the test, and again after it (for the other tests)."""
+    cpu_native._library.cache_clear()
+    yield
+    cpu_native._library.cache_clear()
+
+
+def test_without_a_compiler_the_packed_path_serves_with_a_warning(fresh_library, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.warns(UserWarning, match="native CPU kernels could not be built"):
+        assert not cpu_native.available()
+    raw, ref = random_weight("Q4_K", 16, 256)
+    w = prepare_cpu(QWeight(raw, qtype("Q4_K"), (16, 256), "w"))
+    assert w.packed is not None  # repacked instead
+    x = torch.randn(1, 256)
+    want = torch.from_numpy(x.double().numpy() @ ref.astype(np.float64).T)
+    torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+def test_a_library_that_does_not_load_is_a_warning(fresh_library, monkeypatch, tmp_path):
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not a shared library")
+    monkeypatch.setattr(cpu_native, "_built", lambda: broken)
+    with pytest.warns(UserWarning, match="native CPU kernels could not be built"):
+        assert not cpu_native.available()

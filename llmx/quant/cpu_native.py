@@ -49,13 +49,12 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("LLMX_CPU_GEMV") == "eager":
         return None
     try:
-        path = _built()
+        return bind(_built())
     except subprocess.CalledProcessError as e:
         errors = [ln for ln in e.stderr.decode(errors="replace").splitlines() if "error" in ln]
         return _unavailable((errors or ["the compiler failed"])[0])
-    except OSError as e:
+    except OSError as e:  # no compiler, an unwritable cache, a library that does not load
         return _unavailable(first_line(e))
-    return bind(path)
 
 
 def bind(path: Path) -> ctypes.CDLL:

@@ -5,8 +5,9 @@ F32/F16/BF16) on its device. `linear(x, w)` chooses the kernel from (type, devic
 
 - CUDA:  `llmx.quant.triton_ops.linear` (fused dequant GEMV/GEMM); "emulated" if Triton is missing;
 - CPU, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrices: kept as GGUF's blocks and multiplied by the native kernels
-  (`cpu_native.py`): one pass over the weights for up to GEMV_MAX_M rows of x, else chunks of rows
-  dequantized into float32 for `torch.mm`; where no C compiler is at hand, the packed path below;
+  (`cpu_native.py`): one pass over the weights for up to 8 rows of x (and one call for the matrices
+  that share x), else chunks of rows dequantized into float32 for `torch.mm`; where no C compiler is
+  at hand, the packed path below;
 - CPU, other quantized matrices (repacked at load by `prepare_cpu`, see `cpu_pack.py`): up to GEMV_MAX_M
   rows of x, the compiled GEMV on the packed codes, row by row; more rows (prompts), the packed
   rows dequantized a chunk at a time into float32 and multiplied by MKL (`torch.mm`);

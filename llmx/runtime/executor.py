@@ -10,7 +10,8 @@ whole range of context lengths. A prompt batch is captured too, the second time 
 Python takes about twice as long as the GPU takes to run them. Repeated shapes are common: every
 full `-ub` chunk of a long prompt, a benchmark's repetitions, a server's prompts re-read from the
 start. Prompt graphs of one device share one memory pool (they never run at the same time, and
-each one's output is consumed before the next replays), so they hold one prompt's activations.
+each one's output is consumed before the next replays), so they reuse one another's blocks; that pool
+is memory the plan does not count, and a capture that runs out of it turns prompt graphs off.
 
 Each call also leaves `StepCounters` behind (perf_counter readings only, no added device sync):
 when the step was fully issued, how long it waited for a GPU at a GPU -> CPU boundary, and the time
