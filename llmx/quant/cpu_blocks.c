@@ -62,20 +62,25 @@ static inline void q4_k_scale_min(int j, const uint8_t *s, int *scale, int *min)
     }
 }
 
-static void decode_q4_k(const uint8_t *b, float *out) {
+/* Q4_K, and Q5_K (five: 32 bytes of fifth bits at 16, the nibbles at 48; see decode_q5_k). */
+static inline void decode_k_nibbles(const uint8_t *b, float *out, int five) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *qh = b + 16;
     for (int c = 0; c < 4; c++) {
         int s0, m0, s1, m1;
         q4_k_scale_min(2 * c, b + 4, &s0, &m0);
         q4_k_scale_min(2 * c + 1, b + 4, &s1, &m1);
         const float a0 = d * (float)s0, b0 = dmin * (float)m0, a1 = d * (float)s1, b1 = dmin * (float)m1;
-        const uint8_t *q = b + 16 + 32 * c;
+        const uint8_t *q = b + (five ? 48 : 16) + 32 * c;
         for (int l = 0; l < 32; l++) {
-            out[64 * c + l] = a0 * (float)(q[l] & 15) - b0;
-            out[64 * c + l + 32] = a1 * (float)(q[l] >> 4) - b1;
+            const int h0 = five ? ((qh[l] >> (2 * c)) & 1) << 4 : 0, h1 = five ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+            out[64 * c + l] = a0 * (float)((q[l] & 15) | h0) - b0;
+            out[64 * c + l + 32] = a1 * (float)((q[l] >> 4) | h1) - b1;
         }
     }
 }
+
+static void decode_q4_k(const uint8_t *b, float *out) { decode_k_nibbles(b, out, 0); }
 
 /* Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16), d (f16).
  * Each half of 128 weights is four quarters j of 32: position l of quarter j takes the low (j < 2)
@@ -122,21 +127,7 @@ static void decode_q4_1(const uint8_t *b, float *out) {
 
 /* Q5_K: Q4_K's d, dmin and scales, then 32 bytes qh, then Q4_K's 128 bytes of nibbles; the fifth
  * bit of group 2c's weight l is bit 2c of qh[l], of group 2c + 1's bit 2c + 1. */
-static void decode_q5_k(const uint8_t *b, float *out) {
-    const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t *qh = b + 16;
-    for (int c = 0; c < 4; c++) {
-        int s0, m0, s1, m1;
-        q4_k_scale_min(2 * c, b + 4, &s0, &m0);
-        q4_k_scale_min(2 * c + 1, b + 4, &s1, &m1);
-        const float a0 = d * (float)s0, b0 = dmin * (float)m0, a1 = d * (float)s1, b1 = dmin * (float)m1;
-        const uint8_t *q = b + 48 + 32 * c;
-        for (int l = 0; l < 32; l++) {
-            out[64 * c + l] = a0 * (float)((q[l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) - b0;
-            out[64 * c + l + 32] = a1 * (float)((q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) - b1;
-        }
-    }
-}
+static void decode_q5_k(const uint8_t *b, float *out) { decode_k_nibbles(b, out, 1); }
 
 /* One row of W (`blocks` blocks) times x. `xsum` is x's sum over each group of 32, so that a
  * group's offset (Q4_K's and Q5_K's minimums, Q4_0's -8, Q4_1's m) costs one multiply. */
