@@ -94,6 +94,7 @@ def test_weights_kv_and_compute_peak_stay_within_the_plan(model_path, stream_eve
 
     import llmx
     from llmx.bench.gpumem import GpuMemory, allocated, cuda_devices
+    from llmx.quant.weight import QWeight
 
     release()
     before = allocated(cuda_devices())
@@ -104,6 +105,14 @@ def test_weights_kv_and_compute_peak_stay_within_the_plan(model_path, stream_eve
     exercise(model.engine, ub)
     measured = memory.measure()
     streamed = model.engine.executor.bytes_streamed
+    host_weights = [
+        w
+        for layer in model.engine.executor.model.layers
+        for _, w in layer.items()
+        if isinstance(w, QWeight) and w.raw.device.type == "cpu"
+    ]
+    # a streamed layer's pinned copy is its only host copy (the CPU decodes from it too)
+    pinned_only = all(w.raw.is_pinned() for w in host_weights) if streamed else True
     del model
     release()
     for dev, m in measured.items():
@@ -115,6 +124,7 @@ def test_weights_kv_and_compute_peak_stay_within_the_plan(model_path, stream_eve
         assert m["compute_peak"] <= m["compute_planned"], (dev, m)
     if options["n_gpu_layers"] != "all":
         assert streamed > 0  # the prompt's CPU layers did run on the GPU
+        assert pinned_only
     assert torch.cuda.is_available()
 
 

@@ -3,8 +3,9 @@
 During decode a CPU layer's weights are used on the CPU (one token reads each weight once, and
 PCIe is slower than RAM). A prompt batch of T tokens does T times the arithmetic per weight byte,
 so past some T it is faster to copy the weights over PCIe and multiply on the GPU. The copies come
-from page-locked memory (made once, on first use) on a side stream, one layer ahead of the compute,
-so transfer and compute overlap. The threshold T is measured on this machine and cached.
+from page-locked memory (made once, on first use, and kept as the weights' only host copy) on a
+side stream, one layer ahead of the compute, so transfer and compute overlap. The threshold T is
+measured on this machine and cached.
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ class WeightStreamer:
     _stream: torch.cuda.Stream | None = None
 
     def _pinned_raw(self, layer: int, key: str, w: QWeight) -> torch.Tensor:
+        """The weight's bytes in page-locked memory, made on first use. The pinned copy becomes the
+        weight's own storage (the CPU reads it as fast for decode), so host memory holds each layer
+        once; the file's pages it was read from stay only as reclaimable page cache."""
         pinned = self._pinned.get((layer, key))
         if pinned is None:
             pinned = self._pinned[(layer, key)] = w.raw.pin_memory()
+            w.raw = pinned
         return pinned
 
     def prefetch(self, layer: int) -> tuple[TensorGroup, torch.cuda.Event]:
