@@ -5,7 +5,7 @@
 #   bash bench/gpu_session.sh check     # GPU tests (+ two-GPU tests on a 2-GPU machine), ~4 min
 #   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
 #   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), profiles, load time, ~6 min
-#   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, ~6 min
+#   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0 (-r 3: prompt graphs replay), ~6 min
 #   bash bench/gpu_session.sh multi     # two GPUs: one GPU, layer split and row split, ~4 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
 #
@@ -59,7 +59,7 @@ hybrid)
     timeout 60 $PY -m llmx.cli bench --ceilings | tee "$OUT/ceilings.txt"
     # one process per placement, each with its own limit, so a slow row does not lose the others
     for ngl in ${NGL:-24 16 0}; do
-        timeout "${HYBRID_LIMIT:-160}" $PY -m llmx.cli bench -m "$q4" -ngl "$ngl" -p 512 -n 128 -r 1 \
+        timeout "${HYBRID_LIMIT:-160}" $PY -m llmx.cli bench -m "$q4" -ngl "$ngl" -p 512 -n 128 -r 3 \
             -t "${THREADS:-$(nproc)}" -o json > "$OUT/hybrid-$ngl.json"
         $PY bench/e2e.py table "$OUT/hybrid-$ngl.json" | tee "$OUT/hybrid-$ngl.md"
     done
