@@ -182,6 +182,13 @@ def test_time_test_warms_up_then_fills_the_depth_untimed_for_every_repetition():
     assert engine.calls == one_rep * 3
 
 
+def test_prompt_tests_warm_up_twice_so_that_timed_runs_replay_the_prompt_graph():
+    engine = CountingEngine()
+    samples = time_test(engine, BenchTest(16, 0), reps=3, n_vocab=100)
+    assert len(samples) == 3
+    assert engine.calls == [("reset",), ("prefill", 0, 16)] * 5  # 2 warm-ups (eager, capture) + 3 timed
+
+
 def test_speed_reports_llama_bench_statistics():
     s = Speed(n_tokens=100, samples_s=(1.0, 0.5))
     assert s.samples_ts == [100, 200] and s.avg_ts == 150

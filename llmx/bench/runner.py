@@ -1,7 +1,10 @@
 """llama-bench's measurements on an llmx engine: timed prompt (pp) and generation (tg) tests.
 
-A test runs `reps` times after one warm-up run that is not counted (the first run pays for kernel
-compilation, CUDA graph capture and cold caches). Each repetition starts from an empty context,
+A test runs `reps` times after warm-up runs that are not counted (`warmup_runs`: the first run pays
+for kernel compilation, decode graph capture and cold caches; a prompt test has a second one, since
+a prompt shape's first run is eager and its second captures the shape's CUDA graph, see
+`llmx.runtime.executor`, so the timed runs replay it as every later prompt of that shape does).
+Each repetition starts from an empty context,
 fills `n_depth` random tokens untimed, then times either one prompt of `n_prompt` random tokens or
 `n_gen` single-token decode steps fed random tokens, as llama-bench does: the speed of a step does
 not depend on which token it is, and sampling is not part of the measurement.
@@ -101,6 +104,11 @@ def time_once(engine: TimedEngine, test: BenchTest, rng: np.random.Generator, n_
     return Sample(seconds, engine.timings.since(before))
 
 
+def warmup_runs(test: BenchTest) -> int:
+    """Untimed runs before a test's repetitions (see the module docstring)."""
+    return 2 if test.n_prompt else 1
+
+
 def time_test(
     engine: TimedEngine,
     test: BenchTest,
@@ -109,12 +117,13 @@ def time_test(
     seed: int = 0,
     tick: Callable[[], None] | None = None,
 ) -> list[Sample]:
-    """Each of `reps` repetitions, after one uncounted warm-up repetition."""
+    """Each of `reps` repetitions, after `warmup_runs(test)` uncounted ones."""
     rng = np.random.default_rng(seed)
     samples = []
-    for i in range(reps + 1):
+    warmups = warmup_runs(test)
+    for i in range(reps + warmups):
         sample = time_once(engine, test, rng, n_vocab)
-        if i:
+        if i >= warmups:
             samples.append(sample)
         if tick:
             tick()

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from llmx.bench.loaded import free_memory, load_for_bench
     from llmx.bench.results import environment, model_info
     from llmx.bench.rows import CEILING_COLUMNS, bench_columns, bench_row
-    from llmx.bench.runner import Counters, Speed, bench_tests, time_test
+    from llmx.bench.runner import Counters, Speed, bench_tests, time_test, warmup_runs
     from llmx.bench.tables import markdown, render
     from llmx.errors import LlmxError
 
@@ -96,9 +96,8 @@ def run(args: argparse.Namespace) -> int:
                 opts = opts.replace(ctx_size=max(t.n_ctx for t in tests))
             bm = load_for_bench(path, opts)
             info = model_info(bm.model.file)
-            bar = tqdm(
-                total=len(tests) * (args.repetitions + 1), desc="benchmarking", leave=False, disable=None
-            )
+            runs = sum(args.repetitions + warmup_runs(t) for t in tests)
+            bar = tqdm(total=runs, desc="benchmarking", leave=False, disable=None)
             for test in tests:
                 bm.memory.start()
                 samples = time_test(
