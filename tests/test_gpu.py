@@ -4,6 +4,8 @@ match the plan. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -143,6 +145,20 @@ def test_allocated_bytes_match_the_plan(model_path):
     use = model.plan.device_use("cuda:0")
     planned = use.weights + use.kv
     assert abs(measured - planned) <= 0.05 * planned, (measured, planned)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_row_split_decode_replays_one_graph_across_both_gpus(model_path, cpu_tokens):
+    """A row-split model's decode step is one CUDA graph holding both GPUs' kernels and copies (the
+    executor falls back to eager steps with a warning where that fails: here it must not)."""
+    model = llmx.load(model_path, ctx_size=512, n_gpu_layers="all", split_mode="row", tensor_split="1,1")
+    executor = model.engine.executor
+    assert any(executor._peers)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not be captured")
+        assert greedy_ids(model) == cpu_tokens
+    assert executor._graphs
 
 
 @pytest.mark.gpu

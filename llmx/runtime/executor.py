@@ -11,7 +11,10 @@ Python takes about twice as long as the GPU takes to run them. Repeated shapes a
 full `-ub` chunk of a long prompt, a benchmark's repetitions, a server's prompts re-read from the
 start. Prompt graphs of one device share one memory pool (they never run at the same time, and
 each one's output is consumed before the next replays), so they reuse one another's blocks; that pool
-is memory the plan does not count, and a capture that runs out of it turns prompt graphs off.
+is memory the plan does not count, and a capture that runs out of it turns prompt graphs off. A
+decode step whose row-split matrices span GPUs is one graph too, holding every GPU's kernels and the
+copies between them (see `_capture`); where this torch or driver cannot capture or replay it
+exactly, a warning says so and those steps run eagerly.
 
 Each call also leaves `StepCounters` behind (perf_counter readings only, no added device sync):
 when the step was fully issued, how long it waited for a GPU at a GPU -> CPU boundary, and the time
@@ -23,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from llmx.errors import first_line
 from llmx.models.common import Model, Step
 from llmx.ops import RowSplit
 from llmx.quant.weight import QWeight
@@ -85,6 +90,7 @@ class _Graph:
     x_in: torch.Tensor
     positions: torch.Tensor
     x_out: torch.Tensor
+    pools: tuple = ()  # the peer GPUs' memory pools (row split): alive as long as the graph
 
 
 @dataclass
@@ -121,6 +127,7 @@ class Executor:
     op_offload: bool = True
     _segments: list[Segment] = field(init=False)
     _graphable: list[bool] = field(init=False)
+    _peers: list[list[torch.device]] = field(init=False)  # per segment: other GPUs of row-split matrices
     _graphs: dict[tuple[int, int], _Graph] = field(default_factory=dict, init=False)
     _prompt_graphs: dict[tuple[int, int, int, bool], _Graph] = field(default_factory=dict, init=False)
     _prompt_shapes_seen: set[tuple[int, int, int, bool]] = field(default_factory=set, init=False)
@@ -134,19 +141,32 @@ class Executor:
     def __post_init__(self) -> None:
         self._segments = segments(self.layer_devices, self.head_device)
         self._graphable = [self._all_on(seg) for seg in self._segments]
+        self._peers = [self._peer_gpus(seg) for seg in self._segments]
         self._cpu_reads = [self._host_reads(seg) for seg in self._segments]
         gpus = [d for d in (*self.layer_devices, self.head_device) if d.type == "cuda"]
         if self.op_offload and gpus and any(d.type == "cpu" for d in self.layer_devices):
             self._streamer = WeightStreamer(gpus[0], self.model.layers)
 
     def _all_on(self, seg: Segment) -> bool:
-        """Whether a segment's weights and KV all live on its device (then a CUDA graph can hold it)."""
+        """Whether a segment's weights and KV all live on its device, or (row-split matrices) on
+        GPUs: then a CUDA graph can hold its decode step."""
         for i in seg.layers:
             if self.cache.k[i].device != seg.device:
                 return False
-            if any(_devices(value) != {seg.device} for _, value in self.model.layers[i].items()):
-                return False
+            for _, value in self.model.layers[i].items():
+                devices = _devices(value)
+                on_gpus = isinstance(value, RowSplit) and all(d.type == "cuda" for d in devices)
+                if devices != {seg.device} and not on_gpus:
+                    return False
         return True
+
+    def _peer_gpus(self, seg: Segment) -> list[torch.device]:
+        """The other GPUs a segment's row-split matrices (its layers', and the head's) reach into."""
+        values = [v for i in seg.layers for _, v in self.model.layers[i].items()]
+        if seg.with_head:
+            values += [v for _, v in self.model.top.items()]
+        peers = {d for v in values if isinstance(v, RowSplit) for d in _devices(v)}
+        return sorted(peers - {seg.device}, key=str)
 
     def _host_reads(self, seg: Segment) -> tuple[int, int]:
         """(weight bytes, KV bytes per cached token) a one-token step of a CPU segment reads from RAM."""
@@ -199,10 +219,9 @@ class Executor:
             arriving = time.perf_counter()
             x = x.to(seg.device)  # from a GPU to the CPU this waits for the GPU's work so far
             graphs = self.use_graphs and seg.device.type == "cuda" and self._graphable[k]
-            if graphs and t == 1:
-                with current_device(seg.device):
-                    x = self._replay(k, seg, x, n_past)
-            elif graphs and self._prompt_graph_wanted((k, t, n_past, all_logits)):
+            if graphs and t == 1 and (y := self._replay(k, seg, x, n_past)) is not None:
+                x = y
+            elif graphs and not self._peers[k] and self._prompt_graph_wanted((k, t, n_past, all_logits)):
                 with current_device(seg.device):
                     x = self._replay_prompt(k, seg, x, n_past, all_logits)
             elif self._offloads(seg, t):
@@ -248,16 +267,31 @@ class Executor:
 
     # --- CUDA graphs ------------------------------------------------------------------------------
 
-    def _replay(self, k: int, seg: Segment, x: torch.Tensor, n_past: int) -> torch.Tensor:
-        """One decode step of segment k from a graph of its bucket (captured on first use)."""
+    def _replay(self, k: int, seg: Segment, x: torch.Tensor, n_past: int) -> torch.Tensor | None:
+        """One decode step of segment k from a graph of its bucket (captured on first use); None
+        when a segment that spans GPUs cannot be captured here (it then runs eagerly from now on)."""
         bucket = min(-(-(n_past + 1) // GRAPH_BUCKET) * GRAPH_BUCKET, self.cache.n_ctx)
         g = self._graphs.get((k, bucket))
         if g is None:
             positions = torch.full((1,), n_past, dtype=torch.long, device=seg.device)
-            g = self._graphs[(k, bucket)] = self._capture(seg, x, positions, bucket, False, warm_up=True)
-        g.x_in.copy_(x)
-        g.positions.fill_(n_past)
-        g.graph.replay()
+            try:
+                with current_device(seg.device):
+                    g = self._capture(seg, x, positions, bucket, False, warm_up=True, peers=self._peers[k])
+            except Exception as e:  # across GPUs any failure (CUDA, this torch's API) means eager steps
+                if not self._peers[k]:
+                    raise
+                self._graphable[k] = False
+                warnings.warn(
+                    f"llmx: a decode step across {len(self._peers[k]) + 1} GPUs could not be captured in "
+                    f"one CUDA graph here ({first_line(e)}); it runs without one",
+                    stacklevel=3,
+                )
+                return None
+            self._graphs[(k, bucket)] = g
+        with current_device(seg.device):
+            g.x_in.copy_(x)
+            g.positions.fill_(n_past)
+            g.graph.replay()
         return g.x_out
 
     def _prompt_graph_wanted(self, key: tuple[int, int, int, bool]) -> bool:
@@ -316,20 +350,51 @@ class Executor:
         all_logits: bool,
         warm_up: bool,
         pool: tuple[int, int] | None = None,
+        peers: Sequence[torch.device] = (),
     ) -> _Graph:
+        """Capture a step of `seg`. With `peers` (the other GPUs of row-split matrices) their work
+        runs on side streams forked from and joined to the capture stream, so one graph records
+        every GPU's kernels and copies; their allocations go to memory pools the graph keeps. Such a
+        graph is replayed once and must give the warm-up's output bit for bit, else RuntimeError."""
         x_in = x.clone()
         # Capture on a stream of the segment's own GPU: torch.cuda.graph's default capture stream is
         # made once, on whichever GPU captures first, and a second GPU's kernels must not land on it.
         stream = torch.cuda.Stream(seg.device)
         stream.wait_stream(torch.cuda.current_stream(seg.device))
+        sides = {d: torch.cuda.Stream(d) for d in peers}
+        warm = None
         if warm_up:
             # Warm up outside the graph (Triton autotuning, lazy allocations, RoPE tables) on the side
             # stream, as capture requires; it computes exactly what the replay will. The capture gets
             # a fresh Step so its per-step gathers are recorded, not reused.
-            with torch.cuda.stream(stream):
-                self._run_segment(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
+            with torch.cuda.stream(stream), _forked(stream, sides, {}):
+                warm = self._run_segment(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
             torch.cuda.current_stream(seg.device).wait_stream(stream)
+        pools = {d: torch.cuda.MemPool() for d in peers}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream), _forked(stream, sides, pools):
             x_out = self._run_segment(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
-        return _Graph(graph, x_in, positions, x_out)
+        g = _Graph(graph, x_in, positions, x_out, tuple(pools.values()))
+        if peers and warm is not None:
+            graph.replay()
+            if not torch.equal(x_out, warm):
+                raise RuntimeError("the captured step differs from the eager one")
+        return g
+
+
+@contextlib.contextmanager
+def _forked(stream: torch.cuda.Stream, sides: dict[torch.device, torch.cuda.Stream], pools: dict):
+    """Work on the GPUs of `sides` goes to their streams, forked from `stream` and joined back at the
+    end (a capture on `stream` then records it), allocating from `pools` where given; the current
+    device stays `stream`'s."""
+    for side in sides.values():
+        side.wait_stream(stream)
+    with contextlib.ExitStack() as stack:
+        for d, side in sides.items():
+            if d in pools:
+                stack.enter_context(torch.cuda.use_mem_pool(pools[d], device=d))
+            stack.enter_context(torch.cuda.stream(side))  # also makes `d` the current device
+        stack.enter_context(torch.cuda.device(stream.device))
+        yield
+    for side in sides.values():
+        stream.wait_stream(side)
