@@ -7,6 +7,7 @@ Shapes: T = tokens in this step, H = query heads, Hk = KV heads, D = head dim, E
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -29,6 +30,7 @@ __all__ = [
     "attention",
     "causal_mask",
     "causal_prompt_attention",
+    "current_device",
     "ring_mask",
     "embedding",
     "gelu_tanh",
@@ -55,6 +57,13 @@ FUSED_NORM_MAX_TOKENS = 16
 FUSED_NORM_MAX_WIDTH = 16384  # the widest row the norm kernels hold in registers (norm.MAX_WIDTH)
 
 
+def current_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make `device` CUDA's current device while work for it is issued: Triton launches its kernels
+    on the current device, whatever their tensors' device (on another GPU that is an illegal
+    memory access)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 @dataclass
 class RowSplit:
     """A matrix whose output rows are spread over several GPUs (`-sm row`): each GPU multiplies its
@@ -63,18 +72,30 @@ class RowSplit:
     parts: list[QWeight]
     main: torch.device
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for p in self.parts:  # Triton launches on the current device: make it the part's
-            with torch.cuda.device(p.raw.device):
-                outs.append(qw.linear(x.to(p.raw.device, non_blocking=True), p))
-        return torch.cat([o.to(self.main, non_blocking=True) for o in outs], dim=-1)
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        return tuple(p.raw.device for p in self.parts)
+
+    @staticmethod
+    def linear_many(x: torch.Tensor, ws: list[RowSplit]) -> list[torch.Tensor]:
+        """[x @ W^T for W in ws] for matrices split over the same devices (q/k/v, gate/up): each
+        device gets x once and multiplies its slices of all of them in one joined call, and sends
+        its results back in one copy, so the GPUs meet once per group rather than once per matrix."""
+        blocks, widths = [], []
+        for j, device in enumerate(ws[0].devices):
+            with current_device(device):
+                outs = qw.linear_many(x.to(device, non_blocking=True), [w.parts[j] for w in ws])
+                joined = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+            blocks.append(joined.to(ws[0].main, non_blocking=True))
+            widths.append([o.shape[-1] for o in outs])
+        pieces = [block.split(sizes, dim=-1) for block, sizes in zip(blocks, widths, strict=True)]
+        return [torch.cat([p[i] for p in pieces], dim=-1) for i in range(len(ws))]
 
 
 def linear(x: torch.Tensor, w: QWeight | RowSplit) -> torch.Tensor:
     """x [..., in] @ W^T -> [..., out], computed where W lives (only the activation moves)."""
     if isinstance(w, RowSplit):
-        return w.linear(x).to(x.device)
+        return RowSplit.linear_many(x, [w])[0].to(x.device)
     if x.device == w.raw.device:
         return qw.linear(x, w)
     return qw.linear(x.to(w.raw.device), w).to(x.device)
@@ -118,6 +139,8 @@ def linear_many(x: torch.Tensor, ws: list[QWeight | RowSplit]) -> list[torch.Ten
     call where they live together on x's device, separate calls otherwise."""
     if all(isinstance(w, QWeight) and w.raw.device == x.device for w in ws):
         return qw.linear_many(x, ws)
+    if all(isinstance(w, RowSplit) for w in ws) and len({w.devices for w in ws}) == 1:
+        return [y.to(x.device) for y in RowSplit.linear_many(x, ws)]
     return [linear(x, w) for w in ws]
 
 

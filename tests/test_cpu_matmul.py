@@ -298,3 +298,32 @@ def test_cpu_gemv_eager_and_bad_values(monkeypatch):
     monkeypatch.setenv("LLMX_CPU_GEMV", "fast")
     with pytest.raises(LlmxError, match="LLMX_CPU_GEMV='fast' is not one of auto, aot, jit, eager"):
         cpu_pack.compiled_kernels()
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_row_split_matrices_gather_the_full_product(m):
+    """`-sm row` assembly, with CPU parts standing in for GPUs: each matrix's row slices, computed
+    per device (for q/k/v-like groups in one call a device) and gathered in order, give the whole
+    matrix's product."""
+    from llmx.ops import RowSplit
+    from llmx.ops import linear as op_linear
+    from llmx.ops import linear_many as op_linear_many
+
+    def split(w: QWeight, at: int) -> RowSplit:
+        n, k = w.shape
+        parts = [
+            prepare_cpu(QWeight(w.raw[r0:r1], w.qtype, (r1 - r0, k), f"{w.name}@{r0}"))
+            for r0, r1 in ((0, at), (at, n))
+        ]
+        return RowSplit(parts, torch.device("cpu"))
+
+    made = [
+        quant_weight(name, n, 256, seed)
+        for name, n, seed in (("Q4_K", 48, 1), ("Q5_1", 16, 2), ("Q8_0", 16, 3))
+    ]
+    splits = [split(w, at) for (w, _), at in zip(made, (32, 8, 4), strict=True)]
+    x = torch.randn(m, 256)
+    for (_, w64), s in zip(made, splits, strict=True):
+        assert_matmul_close(op_linear(x, s), x, w64)
+    for got, (_, w64) in zip(op_linear_many(x, splits), made, strict=True):
+        assert_matmul_close(got, x, w64)

@@ -33,7 +33,7 @@ import torch
 
 from llmx.errors import first_line
 from llmx.models.common import Model, Step
-from llmx.ops import RowSplit
+from llmx.ops import RowSplit, current_device
 from llmx.quant.weight import QWeight
 from llmx.runtime.cache import KVCache
 from llmx.runtime.offload import WeightStreamer, offload_threshold
@@ -66,13 +66,6 @@ def segments(layer_devices: list[torch.device], head_device: torch.device) -> li
     else:
         out.append(Segment(head_device, range(0), True))
     return out
-
-
-def current_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """Make `device` CUDA's current device while a segment runs there: Triton launches its kernels
-    on the current device, whatever their tensors' device (on another GPU that is an illegal
-    memory access)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _devices(value: QWeight | RowSplit | torch.Tensor) -> set[torch.device]:
