@@ -4,10 +4,10 @@ A test runs `reps` times after warm-up runs that are not counted (`warmup_runs`:
 for kernel compilation, decode graph capture and cold caches; a prompt test has a second one, since
 a prompt shape's first run is eager and its second captures the shape's CUDA graph, see
 `llmx.runtime.executor`, so the timed runs replay it as every later prompt of that shape does).
-Each repetition starts from an empty context,
-fills `n_depth` random tokens untimed, then times either one prompt of `n_prompt` random tokens or
-`n_gen` single-token decode steps fed random tokens, as llama-bench does: the speed of a step does
-not depend on which token it is, and sampling is not part of the measurement.
+Each repetition starts from an empty context, fills `n_depth` random tokens untimed, then times
+either one prompt of `n_prompt` random tokens or `n_gen` single-token decode steps fed random
+tokens, as llama-bench does: the speed of a step does not depend on which token it is, and sampling
+is not part of the measurement.
 
 Beside the seconds, each repetition keeps the engine's counters for its timed part (`Timings`:
 host time and CPU-segment time of decode steps, bytes op offload streamed for the prompt), and
