@@ -6,8 +6,9 @@ form), and a decode step reads each byte once: `gemv` multiplies up to MAX_ROWS 
 the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one call. Prompts
 dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`.
 
-The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second) into the
-cache directory, keyed by its source, the compiler and the CPU's features, and loaded with ctypes.
+The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second, linked to
+torch's own OpenMP runtime) into the cache directory, keyed by its source, the compiler, the CPU's
+features and that runtime, and loaded with ctypes.
 Without a C compiler, or with LLMX_CPU_GEMV=eager, `available` is False and these types take
 `cpu_pack`'s path, with a warning saying why.
 """
@@ -19,6 +20,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -84,21 +86,32 @@ def _compiler() -> str:
     return compiler
 
 
+def _torch_openmp() -> str | None:
+    """The file of the OpenMP runtime torch loaded into this process, if any. The kernels link to
+    it, so that they share torch's thread pool: a second runtime's threads would spin beside torch's
+    (a wheel may bundle its libgomp under another name than the system's)."""
+    for line in _read("/proc/self/maps").splitlines():
+        path = line.split()[-1] if "/" in line else ""
+        if re.search(r"/lib(gomp|iomp5)[^/]*\.so", path):
+            return path
+    return None
+
+
 def compile_to(out: Path, *flags: str) -> None:
-    """Build `cpu_blocks.c` into the shared library `out` (extra `flags` after the usual ones)."""
-    cmd = [
-        _compiler(),
-        "-O3",
-        "-march=native",
-        "-fopenmp",
-        "-shared",
-        "-fPIC",
-        *flags,
-        str(SOURCE),
-        "-o",
-        str(out),
-    ]
-    subprocess.run(cmd, capture_output=True, check=True)
+    """Build `cpu_blocks.c` into the shared library `out` (extra `flags` after the usual ones),
+    linked to torch's OpenMP runtime where it has one."""
+    cc, runtime = _compiler(), _torch_openmp()
+    compile_flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", *flags]
+    if runtime is None:
+        subprocess.run(
+            [cc, *compile_flags, "-shared", str(SOURCE), "-o", str(out)], capture_output=True, check=True
+        )
+        return
+    obj = out.with_suffix(".o")
+    subprocess.run([cc, *compile_flags, "-c", str(SOURCE), "-o", str(obj)], capture_output=True, check=True)
+    link = [cc, "-shared", str(obj), runtime, f"-Wl,-rpath,{Path(runtime).parent}", "-o", str(out)]
+    subprocess.run(link, capture_output=True, check=True)
+    obj.unlink()
 
 
 def _built() -> Path:
@@ -106,7 +119,8 @@ def _built() -> Path:
     version = subprocess.run([_compiler(), "--version"], capture_output=True, check=True).stdout
     flags = next((ln for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("flags")), "")
     source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + version + (flags or platform.processor()).encode()).hexdigest()[:16]
+    machine = (flags or platform.processor()) + str(_torch_openmp())
+    tag = hashlib.sha256(source + version + machine.encode()).hexdigest()[:16]
     path = cache_dir() / f"cpu-blocks-{tag}.so"
     if path.exists():
         return path
