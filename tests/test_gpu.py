@@ -137,6 +137,29 @@ def test_prompts_run_eagerly_when_a_graph_does_not_fit(model_path, cpu_tokens, m
 
 
 @pytest.mark.gpu
+def test_prompt_graphs_of_many_shapes_cost_no_workspace_each(model_path):
+    """torch keeps a cuBLAS workspace (32 MiB) for every stream that ran a matmul: captures of many
+    prompt shapes must share one stream, not grow the memory by a workspace each."""
+    model = llmx.load(model_path, ctx_size=512, n_gpu_layers="all", split_mode="none")
+    engine = model.engine
+
+    def twice(n: int) -> None:  # a shape's second sighting is captured
+        for _ in range(2):
+            engine.reset()
+            engine.prefill(list(range(1, n + 1)))  # >= 16 tokens: cuBLAS multiplies them
+
+    for n in (17, 18):
+        twice(n)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(0)
+    for n in range(19, 27):
+        twice(n)
+    torch.cuda.synchronize()
+    assert len(engine.executor._prompt_graphs) == 10
+    assert torch.cuda.memory_allocated(0) - before < 32 * 2**20
+
+
+@pytest.mark.gpu
 def test_allocated_bytes_match_the_plan(model_path):
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(0)

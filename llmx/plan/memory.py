@@ -23,7 +23,7 @@ GPU_DEQUANT_MIN_M = 16  # from this many rows a GPU matmul dequantizes the weigh
 GPU_DEQUANT_CHUNK_BYTES = 64 * MiB  # ... this much of it at a time
 CPU_DEQUANT_CHUNK_BYTES = 4 * MiB  # the CPU's float32 chunk of weight rows for a prompt matmul
 # cuBLAS takes a workspace per stream it runs on: 32 MiB each on Hopper. Two: the compute stream
-# and the CUDA-graph capture's warm-up stream.
+# and the one stream a GPU's CUDA graphs are captured on (`Executor._side_stream`).
 CUBLAS_WORKSPACES = 2 * 32 * MiB
 STREAMED_LAYERS = 3
 

@@ -126,6 +126,7 @@ class Executor:
     _prompt_shapes_seen: set[tuple[int, int, int, bool]] = field(default_factory=set, init=False)
     _pools: dict[torch.device, tuple[int, int]] = field(default_factory=dict, init=False)
     _prompt_graphs_off: bool = field(default=False, init=False)
+    _streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict, init=False)
     _streamer: WeightStreamer | None = field(default=None, init=False)
     _offload_from: int | None = field(default=None, init=False)
     last: StepCounters = field(default_factory=StepCounters, init=False)
@@ -334,6 +335,16 @@ class Executor:
             "llmx: no GPU memory left to capture prompt graphs; prompts run without them", stacklevel=4
         )
 
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The one stream a GPU's captures (and their warm-ups) run on. Its own GPU's: torch.cuda.graph's
+        default capture stream is made once, on whichever GPU captures first, and a second GPU's
+        kernels must not land on it. One per GPU: torch keeps a cuBLAS workspace (32 MiB on a Hopper
+        GPU) for every stream that ever ran a matmul, so a stream per capture grew the memory of
+        prompts 8192 tokens deep past the plan (992 MB against 745 MB, bench/RESULTS.md)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
     def _capture(
         self,
         seg: Segment,
@@ -350,11 +361,9 @@ class Executor:
         every GPU's kernels and copies; their allocations go to memory pools the graph keeps. Such a
         graph is replayed once and must give the warm-up's output bit for bit, else RuntimeError."""
         x_in = x.clone()
-        # Capture on a stream of the segment's own GPU: torch.cuda.graph's default capture stream is
-        # made once, on whichever GPU captures first, and a second GPU's kernels must not land on it.
-        stream = torch.cuda.Stream(seg.device)
+        stream = self._side_stream(seg.device)
         stream.wait_stream(torch.cuda.current_stream(seg.device))
-        sides = {d: torch.cuda.Stream(d) for d in peers}
+        sides = {d: self._side_stream(d) for d in peers}
         warm = None
         if warm_up:
             # Warm up outside the graph (Triton autotuning, lazy allocations, RoPE tables) on the side
