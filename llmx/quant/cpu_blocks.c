@@ -10,7 +10,7 @@
  * Weights are exactly GGUF's (d * scale * q - dmin * min); only the summation order differs from a
  * float32 reference. With AVX2 and FMA the dot products use them explicitly (compilers left the
  * partial sums in memory); elsewhere a portable loop decodes a block and multiplies.
- * OpenMP here is the runtime torch itself loaded (the same soname, libgomp.so.1), so
+ * The library is linked to the OpenMP runtime torch itself loaded (cpu_native.compile_to), so
  * torch.set_num_threads governs both and one thread pool serves them.
  */
 #include <stdint.h>
