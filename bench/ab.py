@@ -12,13 +12,13 @@ fresh process: load, a 512-token prompt timed twice, 20 decode steps, then the b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from llmx.bench.fresh import run_snippet
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,15 +50,7 @@ print(json.dumps({"prompt_tps": best_prompt, "decode_tps": best_decode}))
 
 
 def measure(tree: Path, model: str, threads: int) -> dict[str, float]:
-    out = subprocess.run(
-        [sys.executable, "-c", PAYLOAD, model, str(threads)],
-        cwd=tree,
-        env=os.environ | {"PYTHONPATH": str(tree)},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_snippet(PAYLOAD, model, str(threads), cwd=tree, env=os.environ | {"PYTHONPATH": str(tree)})
 
 
 def main() -> None:

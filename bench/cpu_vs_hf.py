@@ -11,10 +11,9 @@ table for bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from llmx.bench.fresh import run_snippet
 
 PROMPT_TOKENS, GEN_TOKENS = 512, 128
 
@@ -70,13 +69,7 @@ report(load, pp, tg)
 
 
 def measure(script: str, model: Path, threads: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(model), str(threads), str(PROMPT_TOKENS), str(GEN_TOKENS)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_snippet(script, str(model), str(threads), str(PROMPT_TOKENS), str(GEN_TOKENS))
 
 
 def main() -> None:

@@ -40,9 +40,9 @@ __all__ = [
     "swiglu",
 ]
 
-# One-token steps on a GPU take the fused Triton decode attention ("auto"), and on the CPU over a long
-# cache a compiled kernel (`llmx.kernels.cpu_attention`); "off" keeps the eager ops everywhere (to
-# compare), "on" takes the Triton kernel on the CPU too (tests, under TRITON_INTERPRET=1).
+# One-token steps on a GPU take the fused Triton decode attention ("auto"), and on the CPU a native
+# kernel (`llmx.kernels.cpu_attention`); "off" keeps the eager ops everywhere (to compare), "on"
+# takes the Triton kernel on the CPU too (tests, under TRITON_INTERPRET=1).
 # Read once; tests set the module attribute.
 FUSED_ATTENTION = os.environ.get("LLMX_FUSED_ATTENTION", "auto")
 if FUSED_ATTENTION not in ("auto", "on", "off"):
@@ -337,7 +337,7 @@ def attention(
     """
     t, n_head, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if _compiled_cpu_decode(q, k, mask, softcap):
+    if _native_cpu_decode(q, k, mask, softcap):
         from llmx.kernels import cpu_attention
 
         out = cpu_attention.decode_attention(q, k, v, scale)
@@ -366,14 +366,12 @@ def attention(
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
 
 
-def _compiled_cpu_decode(
+def _native_cpu_decode(
     q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, softcap: float | None
 ) -> bool:
     """Whether a CPU step takes `llmx.kernels.cpu_attention`: one float32 token seeing every key of
-    a long cache (not with FUSED_ATTENTION "off")."""
-    from llmx.kernels.cpu_attention import MIN_KEYS
-
-    if FUSED_ATTENTION == "off" or mask is not None or softcap is not None or k.shape[0] < MIN_KEYS:
+    its cache (not with FUSED_ATTENTION "off")."""
+    if FUSED_ATTENTION == "off" or mask is not None or softcap is not None:
         return False
     return q.shape[0] == 1 and q.dtype == torch.float32 and not q.is_cuda and not k.is_cuda
 

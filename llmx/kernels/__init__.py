@@ -1,4 +1,4 @@
-"""Kernels for the non-matmul ops of `llmx.ops`: Triton ones for GPUs, and a compiled one for the CPU.
+"""Kernels for the non-matmul ops of `llmx.ops`: Triton ones for GPUs, and a native one for the CPU.
 
 Only `llmx.ops` imports them, lazily: the Triton modules (importing one imports triton) only for
 CUDA tensors (or when a test forces a kernel under TRITON_INTERPRET=1), so CPU-only installs never
@@ -6,5 +6,5 @@ load triton.
 
 - `decode_attention`: one decode token's RoPE, KV-cache write and attention in two launches.
 - `norm`: RMSNorm, residual add + RMSNorm, and silu(g) * u of a few rows, one launch each.
-- `cpu_attention`: one CPU token over a long cache, compiled by torch.compile (no triton).
+- `cpu_attention`: one CPU token over its cache, in one call of the native CPU kernels (no triton).
 """

@@ -13,6 +13,7 @@
  * The library is linked to the OpenMP runtime torch itself loaded (cpu_native.compile_to), so
  * torch.set_num_threads governs both and one thread pool serves them.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -347,5 +348,182 @@ int llmx_dequantize_rows(int type, const uint8_t *w, int64_t r0, int64_t r1, int
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = r0; r < r1; r++)
         for (int64_t blk = 0; blk < blocks; blk++) decode(w + r * row_bytes + bytes * blk, out + (r - r0) * k + qk * blk);
+    return 0;
+}
+
+/* --- one token's attention over a KV cache ------------------------------------------------------ */
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+/* Element i of a cache row of the given type, as float. */
+static inline float kv_at(const void *row, int type, int64_t i) {
+    if (type == KV_F32) return ((const float *)row)[i];
+    if (type == KV_F16) return half_to_float((const uint8_t *)row + 2 * i);
+    uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#ifdef LLMX_AVX2
+/* 8 elements of a cache row from element i, as floats (f16 through F16C where the CPU has it). */
+static inline __m256 kv8(const void *row, int type, int64_t i) {
+    if (type == KV_F32) return _mm256_loadu_ps((const float *)row + i);
+    if (type == KV_BF16) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+#else
+    float f[8];
+    for (int j = 0; j < 8; j++) f[j] = kv_at(row, type, i + j);
+    return _mm256_loadu_ps(f);
+#endif
+}
+#endif
+
+/* A cache row of `type` as d floats in `out` (d a multiple of 8). */
+static inline void kv_row(const void *row, int type, int64_t d, float *out) {
+#ifdef LLMX_AVX2
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(out + i, kv8(row, type, i));
+#else
+    for (int64_t i = 0; i < d; i++) out[i] = kv_at(row, type, i);
+#endif
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t d) {
+#ifdef LLMX_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum(acc);
+#else
+    float s = 0.0f;
+    for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+#endif
+}
+
+#ifdef LLMX_AVX2
+/* e^x for 8 floats x <= 0 (softmax's shifted scores), to within a few float32 ulps: x = n ln2 + r
+ * with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n into the exponent bits. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  /* ln2 in two parts, */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);       /* so r stays exact */
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
+/* The largest of n scores. */
+static inline float max_of(const float *s, int64_t n) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
+    return top;
+}
+
+/* s[j] = e^(s[j] - top) for n scores; returns their sum. */
+static inline float exp_shifted(float *s, int64_t n, float top) {
+    float sum = 0.0f;
+    int64_t j = 0;
+#ifdef LLMX_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum(acc);
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - top);
+        sum += s[j];
+    }
+    return sum;
+}
+
+#define MAX_HEAD_DIM 512
+#define PREFETCH_ROWS 8 /* cache rows ahead (prefetching past the end is harmless: it cannot fault) */
+
+/* q [H, D] float32 (scaled), k and v [n, Hk, D] of `type`, every key visible -> out [H, D] float32.
+ * The keys are cut into chunks, so that there are a few (KV head, chunk) items a thread; each item
+ * reads its keys and values once, converting each row once for the H / Hk query heads of its group,
+ * and leaves per query head its scores' maximum, the sum of their exponentials and the unnormalized
+ * weighted sum of its values; the chunks of a head are then combined (as flash-decoding does).
+ * `scratch` holds H * n floats. Returns 0, or -1 for D not a multiple of 8 (or above MAX_HEAD_DIM),
+ * H not a multiple of Hk, or no memory. */
+int llmx_decode_attention(const float *q, const void *k, const void *v, int type, int64_t n, int64_t n_head,
+                          int64_t n_kv, int64_t d, float *scratch, float *out, int threads) {
+    if (d % 8 != 0 || d > MAX_HEAD_DIM || n_head % n_kv != 0 || n < 1) return -1;
+    const int64_t group = n_head / n_kv, elem = type == KV_F32 ? 4 : 2, row_bytes = n_kv * d * elem;
+    int64_t chunks = (4 * threads + n_kv - 1) / n_kv;  /* about four items a thread ... */
+    if (chunks > (n + 63) / 64) chunks = (n + 63) / 64; /* ... of 64 keys or more */
+    if (chunks < 1) chunks = 1;
+    const int64_t len = (n + chunks - 1) / chunks;
+    float *part = malloc(sizeof(float) * (size_t)(n_head * chunks * (d + 2)));  /* o, then max and sum */
+    if (part == NULL) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+    for (int64_t h = 0; h < n_kv; h++) {
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t j0 = c * len, j1 = j0 + len < n ? j0 + len : n;
+            const char *kh = (const char *)k + h * d * elem, *vh = (const char *)v + h * d * elem;
+            const float *qh = q + h * group * d;
+            float *s = scratch + h * group * n, row[MAX_HEAD_DIM];
+            for (int64_t j = j0; j < j1; j++) {
+                __builtin_prefetch(kh + (j + PREFETCH_ROWS) * row_bytes);  /* rows are strided: help */
+                kv_row(kh + j * row_bytes, type, d, row);
+                for (int64_t g = 0; g < group; g++) s[g * n + j] = dot_f32(qh + g * d, row, d);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *pg = part + ((h * group + g) * chunks + c) * (d + 2);
+                if (j1 <= j0) {  /* an empty last chunk: weight 0 in the combination */
+                    pg[d] = -INFINITY;
+                    pg[d + 1] = 0.0f;
+                    continue;
+                }
+                pg[d] = max_of(s + g * n + j0, j1 - j0);
+                pg[d + 1] = exp_shifted(s + g * n + j0, j1 - j0, pg[d]);
+                for (int64_t i = 0; i < d; i++) pg[i] = 0.0f;
+            }
+            for (int64_t j = j0; j < j1; j++) {
+                __builtin_prefetch(vh + (j + PREFETCH_ROWS) * row_bytes);
+                kv_row(vh + j * row_bytes, type, d, row);
+                for (int64_t g = 0; g < group; g++) {
+                    const float p = s[g * n + j];
+                    float *og = part + ((h * group + g) * chunks + c) * (d + 2);
+#ifdef LLMX_AVX2
+                    const __m256 pv = _mm256_set1_ps(p);
+                    for (int64_t i = 0; i < d; i += 8)
+                        _mm256_storeu_ps(og + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + i), _mm256_loadu_ps(og + i)));
+#else
+                    for (int64_t i = 0; i < d; i++) og[i] += p * row[i];
+#endif
+                }
+            }
+        }
+    }
+    for (int64_t hq = 0; hq < n_head; hq++) {  /* combine each query head's chunks */
+        const float *ph = part + hq * chunks * (d + 2);
+        float top = -INFINITY, sum = 0.0f, *o = out + hq * d;
+        for (int64_t c = 0; c < chunks; c++) top = ph[c * (d + 2) + d] > top ? ph[c * (d + 2) + d] : top;
+        for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *pc = ph + c * (d + 2), w = pc[d] == -INFINITY ? 0.0f : expf(pc[d] - top);
+            sum += w * pc[d + 1];
+            for (int64_t i = 0; i < d; i++) o[i] += w * pc[i];
+        }
+        for (int64_t i = 0; i < d; i++) o[i] /= sum;
+    }
+    free(part);
     return 0;
 }

@@ -4,7 +4,8 @@ Matrices of the types in TYPES (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) stay on the 
 them (no repacking: Q4_K is 0.5625 bytes a weight here against 0.75 in `cpu_pack`'s float32-scaled
 form), and a decode step reads each byte once: `gemv` multiplies up to MAX_ROWS rows of x per pass over
 the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one call. Prompts
-dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`.
+dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`. `decode_attention` is one
+token's attention over a KV cache (see `llmx.kernels.cpu_attention`).
 
 The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second, linked to
 torch's own OpenMP runtime) into the cache directory, keyed by its source, the compiler, the CPU's
@@ -65,7 +66,8 @@ def bind(path: Path) -> ctypes.CDLL:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i32]
-    lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = i32
+    lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
     return lib
 
 
@@ -103,13 +105,12 @@ def compile_to(out: Path, *flags: str) -> None:
     cc, runtime = _compiler(), _torch_openmp()
     compile_flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", *flags]
     if runtime is None:
-        subprocess.run(
-            [cc, *compile_flags, "-shared", str(SOURCE), "-o", str(out)], capture_output=True, check=True
-        )
+        build = [cc, *compile_flags, "-shared", str(SOURCE), "-lm", "-o", str(out)]
+        subprocess.run(build, capture_output=True, check=True)
         return
     obj = out.with_suffix(".o")
     subprocess.run([cc, *compile_flags, "-c", str(SOURCE), "-o", str(obj)], capture_output=True, check=True)
-    link = [cc, "-shared", str(obj), runtime, f"-Wl,-rpath,{Path(runtime).parent}", "-o", str(out)]
+    link = [cc, "-shared", str(obj), runtime, f"-Wl,-rpath,{Path(runtime).parent}", "-lm", "-o", str(out)]
     subprocess.run(link, capture_output=True, check=True)
     obj.unlink()
 
@@ -177,4 +178,36 @@ def dequantize_rows(
         TYPES[qt.name], raw.data_ptr(), r0, r1, raw.shape[1], k, out.data_ptr(), torch.get_num_threads()
     )
     assert err == 0, qt.name
+    return out
+
+
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # cpu_blocks.c's cache types
+MAX_HEAD_DIM = 512  # cpu_blocks.c's MAX_HEAD_DIM
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token's attention: q [1, H, D] float32 over k, v [N, Hk, D] (a contiguous cache prefix of a
+    type in KV_TYPES, every key visible) -> [1, H * D] float32. Each key and value is read once, in
+    the cache's own type."""
+    lib = _library()
+    _, n_head, d = q.shape
+    n, n_kv = k.shape[0], k.shape[1]
+    assert lib is not None and k.dtype == v.dtype and k.is_contiguous() and v.is_contiguous()
+    qs = (q.reshape(n_head, d) * scale).contiguous()
+    out = torch.empty(1, n_head * d, dtype=torch.float32)
+    scratch = torch.empty(n_head * n, dtype=torch.float32)
+    err = lib.llmx_decode_attention(
+        qs.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        KV_TYPES[k.dtype],
+        n,
+        n_head,
+        n_kv,
+        d,
+        scratch.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    assert err == 0, (n_head, n_kv, d)
     return out
