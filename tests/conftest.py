@@ -39,6 +39,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(params=["native", "portable"])
+def native_kernels(request, monkeypatch, tmp_path):
+    """The native CPU kernels as built for this machine, or built without AVX2, FMA, F16C and
+    _Float16: the plain C loops and half-precision conversion other CPUs and compilers get."""
+    from llmx.quant import cpu_native
+
+    if request.param == "portable":
+        path = tmp_path / "portable.so"
+        cpu_native.compile_to(path, "-mno-avx2", "-mno-fma", "-mno-f16c", "-U__FLT16_MAX__")
+        monkeypatch.setattr(cpu_native, "_library", lambda: cpu_native.bind(path))
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return default_model_path()

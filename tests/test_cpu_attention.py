@@ -33,16 +33,6 @@ def step(n_head: int, n_kv: int, dim: int, n_keys: int, dtype: torch.dtype, seed
     return q, k, v
 
 
-@pytest.fixture(params=["native", "portable"])
-def kernels(request, monkeypatch, tmp_path):
-    """The kernels as built for this machine, or built without AVX2, F16C and _Float16."""
-    if request.param == "portable":
-        path = tmp_path / "portable.so"
-        cpu_native.compile_to(path, "-mno-avx2", "-mno-fma", "-mno-f16c", "-U__FLT16_MAX__")
-        monkeypatch.setattr(cpu_native, "_library", lambda: cpu_native.bind(path))
-    return request.param
-
-
 @pytest.mark.parametrize(
     ("n_head", "n_kv", "dim", "n_keys", "dtype"),
     [
@@ -54,7 +44,7 @@ def kernels(request, monkeypatch, tmp_path):
     ],
     ids=["smollm2-f16", "no-groups-bf16", "llama-f32", "one-key", "llama3-odd-length"],
 )
-def test_matches_sdpa(n_head, n_kv, dim, n_keys, dtype, kernels) -> None:
+def test_matches_sdpa(n_head, n_kv, dim, n_keys, dtype, native_kernels) -> None:
     q, k, v = step(n_head, n_kv, dim, n_keys, dtype, seed=n_keys)
     out = cpu_attention.decode_attention(q, k, v, 0.125)
     assert out is not None and out.shape == (1, n_head * dim) and out.dtype == torch.float32

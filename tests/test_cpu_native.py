@@ -33,20 +33,9 @@ def test_rows_dequantize_to_gguf_py_values(name):
     np.testing.assert_allclose(out.numpy(), ref[11:31], rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
-@pytest.fixture(params=["native", "portable"])
-def kernels(request, monkeypatch, tmp_path):
-    """The kernels as built for this machine, or built without AVX2 (the portable C)."""
-    if request.param == "portable":
-        path = tmp_path / "portable.so"
-        # no AVX2, no F16C, no _Float16: the plain C loops and half-precision conversion
-        cpu_native.compile_to(path, "-mno-avx2", "-mno-fma", "-mno-f16c", "-U__FLT16_MAX__")
-        monkeypatch.setattr(cpu_native, "_library", lambda: cpu_native.bind(path))
-    return request.param
-
-
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_gemv_matches_a_float64_product(name, m, kernels):
+def test_gemv_matches_a_float64_product(name, m, native_kernels):
     qt = qtype(name)
     n, k = 45, 5 * 256
     raw, ref = random_weight(name, n, k, seed=m)
@@ -77,7 +66,7 @@ def test_linear_takes_the_native_kernels_for_decode_and_prompts(name):
 
 
 @pytest.mark.parametrize("m", [1, 4])
-def test_one_call_serves_matrices_of_different_types_sharing_x(m, kernels):
+def test_one_call_serves_matrices_of_different_types_sharing_x(m, native_kernels):
     """q/k/v or gate/up in one call, of mixed types and heights: each block of the output equals
     that matrix's own GEMV, and `linear_many` returns them split."""
     k = 512
