@@ -1,6 +1,7 @@
-/* GEMV and row dequantization straight on GGUF's blocks, for the CPU (built by cpu_native.py).
+/* GEMV and row dequantization straight on GGUF's blocks, and one token's attention over a KV
+ * cache, for the CPU (built by cpu_native.py).
  *
- * Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (most GGUFs' matrices).
+ * Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (most GGUFs' matrices); f32, f16, bf16 caches.
  *
  * Decode on the CPU is a race to read every weight byte once: a Q4_K matrix kept as GGUF stores it
  * is 0.5625 bytes a weight, against 0.75 for cpu_pack's float32-scaled form. Each thread takes a
