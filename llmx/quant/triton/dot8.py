@@ -103,16 +103,11 @@ def _quad(base, unit_words, u, QUADS: tl.constexpr, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _words(w_ptr, word, ok):
-    """The weight words at word offsets `word`, 0 where not `ok`: the step after the last one is
-    loaded ahead like any other, and its blocks must cost no memory traffic."""
-    return tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
-
-
-@triton.jit
-def _x(xq_ptr, word, ok):
-    """The x words at offsets `word` (any shape, broadcast over rows), 0 where not `ok`."""
-    return tl.load(xq_ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
+def _words(ptr, word, ok):
+    """The 32-bit words at word offsets `word` of a weight's rows or of x's codes (any shape, x's
+    broadcast over rows), 0 where not `ok`: the step after the last one is loaded ahead like any
+    other, and its blocks must cost no memory traffic."""
+    return tl.load(ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
 
 
 @triton.jit
@@ -129,7 +124,7 @@ def _q8_0_load(w_ptr, row_w, u, ok, K):
 @triton.jit
 def _q8_0(codes, d, xq_ptr, dx_ptr, row_w, u, ok, ASM: tl.constexpr):
     """[BN, U, 2] partial dots of loaded Q8_0 blocks `u`."""
-    xw = _x(xq_ptr, _quad(row_w * 0, 8, u, 2, 4), ok[None, :, None, None])
+    xw = _words(xq_ptr, _quad(row_w * 0, 8, u, 2, 4), ok[None, :, None, None])
     dot = tl.sum(dp4a(codes, xw, True, ASM), 3)
     dx = tl.load(
         dx_ptr + u[None, :, None] + 0 * tl.arange(0, 2)[None, None, :], mask=ok[None, :, None], other=0.0
@@ -169,8 +164,8 @@ def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, ASM: tl.constexpr):
     e4 = tl.arange(0, 8)[None, None, :, None]
     x_lo = xw + 8 * (e4 // 2)  # low nibbles of quad e: x words 16(e//2) + 4(e%2) + lane; high: 8 on
     ok4 = ok[None, :, None, None]
-    s_lo = tl.sum(dp4a(codes & LOW_NIBBLES, _x(xq_ptr, x_lo, ok4), False, ASM), 3)
-    s_hi = tl.sum(dp4a((codes >> 4) & LOW_NIBBLES, _x(xq_ptr, x_lo + 8, ok4), False, ASM), 3)
+    s_lo = tl.sum(dp4a(codes & LOW_NIBBLES, _words(xq_ptr, x_lo, ok4), False, ASM), 3)
+    s_hi = tl.sum(dp4a((codes >> 4) & LOW_NIBBLES, _words(xq_ptr, x_lo + 8, ok4), False, ASM), 3)
     e = tl.arange(0, 8)[None, None, :]
     pair = e // 2
     # Sub-blocks j and j + 1 have their scale bytes side by side in each of header words 1-3.
@@ -232,7 +227,7 @@ def _q6_k(ql_a, ql_b, qh, sc01, sc23, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, o
     ok3 = ok[None, :, None]
     acc = tl.zeros(sc01.shape, tl.float32)
     for kq in tl.static_range(4):
-        s = tl.sum(dp4a(quarters[kq], _x(xq_ptr, x0 + 8 * kq, ok4), False, ASM), 3)
+        s = tl.sum(dp4a(quarters[kq], _words(xq_ptr, x0 + 8 * kq, ok4), False, ASM), 3)
         word = sc01 if kq < 2 else sc23
         byte = 2 * (kq % 2) + e % 2
         sc = int_f32((word << (24 - 8 * byte)) >> 24)  # the int8 scale
