@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,18 +31,16 @@ class WeightStreamer:
     device: torch.device
     layers: list[TensorGroup]
     bytes_streamed: int = 0
-    _pinned: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     _stream: torch.cuda.Stream | None = None
 
-    def _pinned_raw(self, layer: int, key: str, w: QWeight) -> torch.Tensor:
+    @staticmethod
+    def _pinned_raw(w: QWeight) -> torch.Tensor:
         """The weight's bytes in page-locked memory, made on first use. The pinned copy becomes the
         weight's own storage (the CPU reads it as fast for decode), so host memory holds each layer
         once; the file's pages it was read from stay only as reclaimable page cache."""
-        pinned = self._pinned.get((layer, key))
-        if pinned is None:
-            pinned = self._pinned[(layer, key)] = w.raw.pin_memory()
-            w.raw = pinned
-        return pinned
+        if not w.raw.is_pinned():
+            w.raw = w.raw.pin_memory()
+        return w.raw
 
     def prefetch(self, layer: int) -> tuple[TensorGroup, torch.cuda.Event]:
         """Start copying layer `layer` to the GPU; returns its GPU tensors and an event to wait on."""
@@ -54,7 +52,7 @@ class WeightStreamer:
         with torch.cuda.stream(stream):
             for key, value in self.layers[layer].items():
                 if isinstance(value, QWeight) and value.raw.device.type == "cpu":
-                    raw = self._pinned_raw(layer, key, value).to(self.device, non_blocking=True)
+                    raw = self._pinned_raw(value).to(self.device, non_blocking=True)
                     raw.record_stream(compute)  # allocated on the copy stream, used on the compute one
                     moved[key] = QWeight(raw, value.qtype, value.shape, value.name)
                     self.bytes_streamed += raw.nbytes
