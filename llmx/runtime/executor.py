@@ -134,14 +134,14 @@ class Executor:
 
     def __post_init__(self) -> None:
         self._segments = segments(self.layer_devices, self.head_device)
-        self._graphable = [self._all_on(seg) for seg in self._segments]
+        self._graphable = [self._capturable(seg) for seg in self._segments]
         self._peers = [self._peer_gpus(seg) for seg in self._segments]
         self._cpu_reads = [self._host_reads(seg) for seg in self._segments]
         gpus = [d for d in (*self.layer_devices, self.head_device) if d.type == "cuda"]
         if self.op_offload and gpus and any(d.type == "cpu" for d in self.layer_devices):
             self._streamer = WeightStreamer(gpus[0], self.model.layers)
 
-    def _all_on(self, seg: Segment) -> bool:
+    def _capturable(self, seg: Segment) -> bool:
         """Whether a segment's weights and KV all live on its device, or (row-split matrices) on
         GPUs: then a CUDA graph can hold its decode step."""
         for i in seg.layers:
