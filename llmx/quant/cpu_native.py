@@ -20,7 +20,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from llmx.cache_dir import cache_dir
+from llmx.cache_dir import cache_dir, cpu_features, read_or_empty
 from llmx.errors import first_line
 from llmx.quant import QType
 
@@ -92,7 +91,7 @@ def _torch_openmp() -> str | None:
     """The file of the OpenMP runtime torch loaded into this process, if any. The kernels link to
     it, so that they share torch's thread pool: a second runtime's threads would spin beside torch's
     (a wheel may bundle its libgomp under another name than the system's)."""
-    for line in _read("/proc/self/maps").splitlines():
+    for line in read_or_empty("/proc/self/maps").splitlines():
         path = line.split()[-1] if "/" in line else ""
         if re.search(r"/lib(gomp|iomp5)[^/]*\.so", path):
             return path
@@ -118,9 +117,8 @@ def compile_to(out: Path, *flags: str) -> None:
 def _built() -> Path:
     """The shared library for this source, compiler and CPU, compiled on first use."""
     version = subprocess.run([_compiler(), "--version"], capture_output=True, check=True).stdout
-    flags = next((ln for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("flags")), "")
     source = SOURCE.read_bytes()
-    machine = (flags or platform.processor()) + str(_torch_openmp())
+    machine = cpu_features() + str(_torch_openmp())
     tag = hashlib.sha256(source + version + machine.encode()).hexdigest()[:16]
     path = cache_dir() / f"cpu-blocks-{tag}.so"
     if path.exists():
@@ -132,13 +130,6 @@ def _built() -> Path:
         compile_to(out)
         out.replace(path)
     return path
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 def gemv(x2: torch.Tensor, weights: Sequence[tuple[torch.Tensor, QType]]) -> torch.Tensor:

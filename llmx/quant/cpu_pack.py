@@ -35,7 +35,6 @@ import hashlib
 import inspect
 import mmap
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from llmx.cache_dir import cache_dir
+from llmx.cache_dir import cache_dir, cpu_features
 from llmx.errors import LlmxError, first_line
 from llmx.quant import QType
 from llmx.quant import torch_ops as T
@@ -273,21 +272,11 @@ def _cache_dir() -> Path:
     """Where the compiled packages live: keyed by torch version, the CPU's features (they are built with
     -march=native) and the kernel source, so that any change means a fresh build."""
     cpu = torch.backends.cpu.get_cpu_capability()
-    flags = next(
-        (ln for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("flags")), platform.processor()
-    )
     tag = hashlib.sha256(
-        (inspect.getsource(gemv_torch) + inspect.getsource(_build) + flags).encode()
+        (inspect.getsource(gemv_torch) + inspect.getsource(_build) + cpu_features()).encode()
     ).hexdigest()
     root = cache_dir()
     return root / f"cpu-gemv-torch{torch.__version__}-{cpu}-{tag[:12]}"
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 def _build_all(folder: Path, variants: list[str]) -> str | None:
