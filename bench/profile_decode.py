@@ -38,6 +38,15 @@ def print_kernels(prof: torch.profiler.profile, runs: int, what: str, unit: str,
         print(f"{us / runs:9.1f} us/{unit} {counts[name] / runs:6.1f} x  {name[:110]}")
 
 
+HOST_AND_GPU = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+
+def print_host_ops(prof: torch.profiler.profile, what: str, top: int) -> None:
+    """Host time by operator, largest self time first."""
+    print(f"host time of {what} by operator:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
 def timed_prefills(engine, batch: list[int], runs: int = 8) -> None:
     """Wall time of `runs` prefills without the profiler, each with the time Python's cyclic
     garbage collector spent inside it: whether its full passes explain slow samples."""
@@ -98,14 +107,11 @@ def main() -> None:
         engine.synchronize()
     print_kernels(prof, args.steps, "eager decode", "token", args.top)
     if args.host:
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=HOST_AND_GPU) as prof:
             for _ in range(args.steps):
                 engine.decode(1)
             engine.synchronize()
-        print(f"host time of {args.steps} eager decode steps by operator:")
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
-        print(table)
+        print_host_ops(prof, f"{args.steps} eager decode steps", args.top)
 
     if args.prefill:
         batch = list(range(1, args.prefill + 1))
@@ -113,17 +119,14 @@ def main() -> None:
             engine.reset()
             engine.synchronize()
             t0 = time.perf_counter()
-            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            with torch.profiler.profile(activities=activities) as prof:
+            with torch.profiler.profile(activities=HOST_AND_GPU) as prof:
                 engine.prefill(batch)
                 engine.synchronize()
             ms = (time.perf_counter() - t0) * 1000
         rate = args.prefill / ms * 1000
         print(f"prefill of {args.prefill} tokens: {ms:.1f} ms under the profiler ({rate:.0f} t/s)")
         print_kernels(prof, 1, f"prefill {args.prefill}", "prefill", args.top)
-        print("host time of the prefill by operator (what the GPU waits on when it is not busy):")
-        ops = prof.key_averages()
-        print(ops.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+        print_host_ops(prof, "the prefill (what the GPU waits on when it is not busy)", args.top)
         timed_prefills(engine, batch)
 
     for graphs in (False, True):
