@@ -17,7 +17,7 @@ matrices (every layer's, plus the output head) are timed in sequence at M = 1, a
 matmul time (one call per matrix, then with each layer's q/k/v and gate/up joined by `linear_many`),
 and the layers' at M = 512, a prompt's. Weights stream from RAM as in real decoding.
 
-    python bench/cpu_matmul.py [--model PATH] [--threads 2] [--m 1,512] [--repeat 20]
+    python bench/cpu_matmul.py [--model PATH] [--threads 2] [--m 1,512] [--repeat 20] [--prompt 512]
 """
 
 from __future__ import annotations
@@ -121,11 +121,8 @@ def forward_rows(weights: list[QWeight], head: QWeight, repeat: int, prompt: int
     calls = [[w] for w in [*weights, head]]
     joined = _joined_calls(weights) + [[head]]
     rows = []
-    for label, m, groups in (
-        ("decode step", 1, calls),
-        ("decode step, q/k/v + gate/up joined", 1, joined),
-        (f"prompt of {prompt}", prompt, calls[:-1]),
-    ):
+    tests = [("decode step", 1, calls), ("decode step, q/k/v + gate/up joined", 1, joined)]
+    for label, m, groups in tests + ([(f"prompt of {prompt}", prompt, calls[:-1])] if prompt else []):
         xs = {k: torch.randn(m, k) for k in {g[0].shape[1] for g in groups}}
         ms_ = best_ms(
             lambda g=groups, xs=xs: [linear_many(xs[ws[0].shape[1]], ws) for ws in g], repeat if m == 1 else 2
@@ -171,8 +168,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--m", default="1,512")
+    ap.add_argument("--m", default="1,512", help="batches of the per-matrix table ('' skips it)")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--prompt", type=int, default=512, help="the forward table's prompt (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     layers, head, file_bytes = load(args.model or str(default_model_path()))
@@ -180,10 +178,11 @@ def main() -> None:
     packed = sum(w.packed.nbytes for w in [*layers, head] if w.packed is not None)
     print(f"packed matrices: {packed / 2**20:.1f} MiB (file {file_bytes / 2**20:.1f} MiB)\n")
     with torch.inference_mode():
-        rows = matrix_rows([*layers, head], [int(m) for m in args.m.split(",")], args.repeat)
-        print(markdown(rows, MATRIX_COLUMNS))
-        print()
-        print(markdown(forward_rows(layers, head, args.repeat, 512), FORWARD_COLUMNS))
+        if args.m:
+            rows = matrix_rows([*layers, head], [int(m) for m in args.m.split(",")], args.repeat)
+            print(markdown(rows, MATRIX_COLUMNS))
+            print()
+        print(markdown(forward_rows(layers, head, args.repeat, args.prompt), FORWARD_COLUMNS))
 
 
 MATRIX_COLUMNS = [

@@ -39,15 +39,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=["native", "portable"])
+# builds of the native CPU kernels besides this machine's own: AVX2 without the VNNI dot-product
+# instructions (maddubs in their place), and the plain C loops and half-precision conversion of CPUs
+# and compilers without AVX2, FMA, F16C or _Float16
+NATIVE_BUILDS = {
+    "no-vnni": ("-mno-avx512vnni", "-mno-avxvnni"),
+    "portable": ("-mno-avx2", "-mno-fma", "-mno-f16c", "-U__FLT16_MAX__"),
+}
+
+
+@pytest.fixture(params=["native", *NATIVE_BUILDS])
 def native_kernels(request, monkeypatch, tmp_path):
-    """The native CPU kernels as built for this machine, or built without AVX2, FMA, F16C and
-    _Float16: the plain C loops and half-precision conversion other CPUs and compilers get."""
+    """The native CPU kernels as built for this machine, or one of NATIVE_BUILDS."""
     from llmx.quant import cpu_native
 
-    if request.param == "portable":
-        path = tmp_path / "portable.so"
-        cpu_native.compile_to(path, "-mno-avx2", "-mno-fma", "-mno-f16c", "-U__FLT16_MAX__")
+    if request.param in NATIVE_BUILDS:
+        path = tmp_path / f"{request.param}.so"
+        cpu_native.compile_to(path, *NATIVE_BUILDS[request.param])
         monkeypatch.setattr(cpu_native, "_library", lambda: cpu_native.bind(path))
     return request.param
 

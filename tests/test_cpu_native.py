@@ -1,7 +1,8 @@
 """The native CPU kernels on GGUF blocks (`llmx.quant.cpu_native`) against gguf-py's dequantization:
 rows dequantized to the same float32 values, and GEMVs of 1 to 8 rows of x within float32 summation
-error of a float64 product; the AVX2 dot products and the portable ones (built without AVX2) alike.
-Skipped without a C compiler."""
+error of a float64 product with x rounded to 16-bit codes per group of 32, as the kernels read it
+(an independent numpy rounding here); the integer dot products (AVX2, with or without VNNI) and the
+portable ones (built without AVX2) alike. Skipped without a C compiler."""
 
 from __future__ import annotations
 
@@ -33,6 +34,28 @@ def test_rows_dequantize_to_gguf_py_values(name):
     np.testing.assert_allclose(out.numpy(), ref[11:31], rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
+X_CODES = 32512  # cpu_blocks.c's X_CODES
+
+
+def quantized(x: np.ndarray) -> np.ndarray:
+    """x [M, K] float32 as the kernels read it: per group of 32, c = round(x * (X_CODES / max|x|)) half
+    away from zero (the scale and the product rounded to float32 first, as in C), times the step
+    max|x| / X_CODES."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(groups).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(X_CODES) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    v = (groups * inv).astype(np.float64)
+    codes = np.sign(v) * np.floor(np.abs(v) + 0.5)
+    return (codes * (amax / np.float32(X_CODES))).reshape(x.shape)
+
+
+def test_quantized_x_keeps_each_value_within_half_a_step():
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    step = np.abs(x.reshape(3, -1, 32)).max(axis=2, keepdims=True) / X_CODES
+    err = np.abs(quantized(x) - x).reshape(3, -1, 32)
+    assert np.all(err <= step / 2 * (1 + 1e-3))
+
+
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_gemv_matches_a_float64_product(name, m, native_kernels):
@@ -40,9 +63,11 @@ def test_gemv_matches_a_float64_product(name, m, native_kernels):
     n, k = 45, 5 * 256
     raw, ref = random_weight(name, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[0, :32] = 0.0  # a group of zeros (dx = 0)
     y = cpu_native.gemv(x, [(raw, qt)])
-    want = x.double().numpy() @ ref.astype(np.float64).T
-    scale = np.abs(x.double().numpy()) @ np.abs(ref.astype(np.float64)).T  # the sum's magnitude
+    xq = quantized(x.numpy())
+    want = xq @ ref.astype(np.float64).T
+    scale = np.abs(xq) @ np.abs(ref.astype(np.float64)).T  # the sum's magnitude
     assert y.shape == (m, n)
     assert np.all(np.abs(y.numpy() - want) <= 1e-5 * scale + 1e-30)
 
@@ -58,7 +83,9 @@ def test_linear_takes_the_native_kernels_for_decode_and_prompts(name):
     assert w.packed is None and "GGUF blocks" in w.describe()
     for m in (1, 5, 40):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        want = torch.from_numpy(x.double().numpy() @ ref.astype(np.float64).T)
+        # decode batches (GEMV) read x quantized; prompts dequantize W and multiply x as it is
+        xs = quantized(x.numpy()) if m <= cpu_native.MAX_ROWS else x.double().numpy()
+        want = torch.from_numpy(xs @ ref.astype(np.float64).T)
         torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
         a, b = linear_many(x, [w, w])
         torch.testing.assert_close(a, linear(x, w))

@@ -49,10 +49,13 @@ def prefill_vs_decode(model: LoadedModel, ids: list[int]) -> float:
 # --- Gemma 3 270M against the committed transformers reference -----------------------------------
 
 GEMMA_REF = Path(__file__).parent / "data" / "gemma3_logits.npz"
-# Max |ours - reference| over the reference's top-20 logits of every position; measured 5e-5.
-GEMMA_MAX_ABS_DIFF = 1e-3
-# Prefill (dequantized rows + dense matmul) against decode (fused GEMV); measured <= 4e-5.
-PREFILL_DECODE_MAX_ABS_DIFF = 1e-3
+# Max |ours - reference| over the reference's top-20 logits of every position; measured 3e-5 to 1e-3.
+# (The largest where a prompt's last few tokens take the decode GEMV, which reads x as 16-bit codes per
+# group of 32 (cpu_blocks.c); Gemma's activations have outliers that coarsen their groups' steps.)
+GEMMA_MAX_ABS_DIFF = 5e-3
+# Prefill (dequantized rows + dense matmul on float32 x) against decode (GEMV on x's 16-bit codes);
+# measured <= 3.3e-3 (Gemma 3 270M), 1.1e-3 (tiny models). x rounded to 8 bits gives 0.67.
+PREFILL_DECODE_MAX_ABS_DIFF = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +154,9 @@ def test_llmx_chat_on_gemma3_uses_its_chat_template(gemma, gemma3_path):
 
 # --- tiny random models against transformers, live ------------------------------------------------
 
-# Max |ours - transformers| over all logits of every position; measured <= 1e-5 for F32 and Q8_0,
-# <= 1e-4 for Q4_K_M (whose random blocks make a few logits large).
+# Max |ours - transformers| over all logits of every position; measured <= 1e-5 for F32, <= 6e-5 for
+# Q8_0 and <= 5e-4 for Q4_K_M (whose random blocks make a few logits large), the last two where a
+# prompt's final ubatch of a few tokens takes the GEMV on x's 16-bit codes.
 TINY_MAX_ABS_DIFF = 1e-3
 PROMPT_LENGTHS = (64, 72, 80, 96)  # all longer than the tiny Gemma 3's window of 8
 N_GREEDY = 32

@@ -5,12 +5,14 @@
  *
  * Decode on the CPU is a race to read every weight byte once: a Q4_K matrix kept as GGUF stores it
  * is 0.5625 bytes a weight, against 0.75 for cpu_pack's float32-scaled form. Each thread takes a
- * contiguous range of rows; a row's dot product multiplies each group's codes with x first and
- * applies the group's scale once to the partial sums, as llama.cpp's dot products do, but in
- * float32 (x is not quantized). Up to 8 rows of x reuse each weight row while it sits in L1.
- * Weights are exactly GGUF's (d * scale * q - dmin * min); only the summation order differs from a
- * float32 reference. With AVX2 and FMA the dot products use them explicitly (compilers left the
- * partial sums in memory); elsewhere a portable loop decodes a block and multiplies.
+ * contiguous range of rows and prefetches ahead of itself in it. A row's dot product multiplies
+ * each group's integer codes with x's (rounded to 16-bit codes per group of 32, see qx_t) in integer
+ * dot-product instructions, as llama.cpp's do with 8-bit x, and applies the group's scales once to
+ * the exact integer sum: about a third of the instructions of float32 products, which left one core
+ * at ~6 GB/s, short of its share of RAM's bandwidth. Up to 8 rows of x reuse each weight row while
+ * it sits in L1. Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
+ * are written out (VNNI's dpbusd where the CPU has it, else maddubs + madd: the same exact sums);
+ * elsewhere a portable loop decodes a block and multiplies it with x's rounded values in float32.
  * The library is linked to the OpenMP runtime torch itself loaded (cpu_native.compile_to), so
  * torch.set_num_threads governs both and one thread pool serves them.
  */
@@ -54,25 +56,29 @@ static inline float half_to_float(const uint8_t *p) {
 
 /* Q4_K: d, dmin (f16), 12 bytes of 6-bit scales and mins for 8 groups of 32, 128 bytes of nibbles;
  * bytes 32c..32c+31 hold group 2c in their low nibbles and group 2c+1 in their high ones. */
-static inline void q4_k_scale_min(int j, const uint8_t *s, int *scale, int *min) {
-    if (j < 4) {
-        *scale = s[j] & 63;
-        *min = s[j + 4] & 63;
-    } else {
-        *scale = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
+static inline void k_scales(const uint8_t *s, uint8_t scale[8], uint8_t min[8]) {
+    /* groups 0..3: the low 6 bits of bytes 0..3 (scales) and 4..7 (mins); groups 4..7: the nibbles
+     * of bytes 8..11, with the top 2 bits of bytes 0..3 (scales) and 4..7 (mins) above them */
+    uint32_t u[3], out[4];
+    memcpy(u, s, 12);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    out[0] = u[0] & six;
+    out[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+    out[2] = u[1] & six;
+    out[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+    memcpy(scale, out, 8);
+    memcpy(min, out + 2, 8);
 }
 
 /* Q4_K, and Q5_K (five: 32 bytes of fifth bits at 16, the nibbles at 48; see decode_q5_k). */
 static inline void decode_k_nibbles(const uint8_t *b, float *out, int five) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
     const uint8_t *qh = b + 16;
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
     for (int c = 0; c < 4; c++) {
-        int s0, m0, s1, m1;
-        q4_k_scale_min(2 * c, b + 4, &s0, &m0);
-        q4_k_scale_min(2 * c + 1, b + 4, &s1, &m1);
-        const float a0 = d * (float)s0, b0 = dmin * (float)m0, a1 = d * (float)s1, b1 = dmin * (float)m1;
+        const float a0 = d * (float)sc[2 * c], b0 = dmin * (float)mn[2 * c];
+        const float a1 = d * (float)sc[2 * c + 1], b1 = dmin * (float)mn[2 * c + 1];
         const uint8_t *q = b + (five ? 48 : 16) + 32 * c;
         for (int l = 0; l < 32; l++) {
             const int h0 = five ? ((qh[l] >> (2 * c)) & 1) << 4 : 0, h1 = five ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
@@ -131,9 +137,42 @@ static void decode_q4_1(const uint8_t *b, float *out) {
  * bit of group 2c's weight l is bit 2c of qh[l], of group 2c + 1's bit 2c + 1. */
 static void decode_q5_k(const uint8_t *b, float *out) { decode_k_nibbles(b, out, 1); }
 
-/* One row of W (`blocks` blocks) times x. `xsum` is x's sum over each group of 32, so that a
- * group's offset (Q4_K's and Q5_K's minimums, Q4_0's -8, Q4_1's m) costs one multiply. */
-typedef float (*dot_fn)(const uint8_t *row, int64_t blocks, const float *x, const float *xsum);
+/* x as the dot products read it: 16-bit codes per group of 32, c = round(x * X_CODES / max|x|) (half
+ * away from zero), dx = max|x| / X_CODES, each code split into two signed bytes c = 255 * hi + lo, so
+ * that integer dot-product instructions (bytes times bytes) multiply both halves with the weights'
+ * codes: two instructions where float32 x takes eight. (Bytes alone, as llama.cpp's CPU and GPU dot
+ * products and our GPU's quantize x, round each value by up to 1/254 of its group's largest; that
+ * moves SmolLM2's greedy text away from float32's. Sixteen bits round by 1/65024.) s16 and s32 are
+ * dx times the codes' sums per 16 and per 32, so that a group's offset (Q4_K's and Q5_K's minimums,
+ * Q4_0's -8, Q4_1's m, Q6_K's -32) costs one multiply; f = dx * c, the same values in float32, for
+ * the portable loops. */
+#define X_CODES 32512 /* 255 * 127 + 127: both halves in -127..127 (byte sign flips stay exact) */
+typedef struct {
+    const int8_t *hi, *lo;
+    const float *d, *s16, *s32, *f;
+} qx_t;
+
+static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, float *s16, float *s32, float *f) {
+    float amax = 0.0f;
+    for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(x[l]));
+    const float inv = amax > 0.0f ? (float)X_CODES / amax : 0.0f, dx = amax / (float)X_CODES;
+    int sums[2] = {0, 0};
+    for (int l = 0; l < 32; l++) {
+        const float v = x[l] * inv;
+        const int c = (int)roundf(v), low = ((c + 127) % 255 + 255) % 255 - 127;
+        hi[l] = (int8_t)((c - low) / 255);
+        lo[l] = (int8_t)low;
+        f[l] = dx * (float)c;
+        sums[l / 16] += c;
+    }
+    *d = dx;
+    s16[0] = dx * (float)sums[0];
+    s16[1] = dx * (float)sums[1];
+    *s32 = dx * (float)(sums[0] + sums[1]);
+}
+
+/* One row of W (`blocks` blocks) times x. */
+typedef float (*dot_fn)(const uint8_t *row, int64_t blocks, const qx_t *x);
 
 #ifdef LLMX_AVX2
 static inline float hsum(__m256 v) {
@@ -143,140 +182,178 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256i bytes8(const uint8_t *p) { /* 8 bytes, zero-extended to 8 int32 */
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+/* acc + 8 int32 lanes, each the sum of 4 adjacent products of unsigned bytes u and signed bytes s
+ * (exact: no pair of products here reaches maddubs' int16 saturation, |u| <= 128, |s| <= 127). */
+static inline __m256i add_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
 }
 
-/* Q4_K and Q5_K (qh != 0: the fifth bits, at byte 16 of each block, nibbles at 48). */
-static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const float *x, const float *xsum, int five) {
-    const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+static inline __m256i times255(__m256i v) { return _mm256_sub_epi32(_mm256_slli_epi32(v, 8), v); }
+
+/* The same sums against 16-bit codes given as their halves: (u . hi) * 255 + u . lo. (At most
+ * 4 * 128 * 127 * 256 in a lane: far inside int32.) */
+static inline __m256i sum_u8s16(__m256i u, __m256i hi, __m256i lo) {
+    return add_u8s8(times255(add_u8s8(_mm256_setzero_si256(), u, hi)), u, lo);
+}
+
+/* acc + (integer lane sums) * scale */
+static inline __m256 add_scaled(__m256i sums, __m256 scale, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+}
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+static inline __m256i sum_x(__m256i u, const qx_t *x, int64_t at) { /* u times x's 32 codes from `at` */
+    return sum_u8s16(u, load32(x->hi + at), load32(x->lo + at));
+}
+
+/* A thread's rows lie one after another: ask for the cache lines PREFETCH_AHEAD bytes past a block
+ * while multiplying it, so that the stream from RAM keeps that many bytes in flight (one core's
+ * hardware prefetchers alone stop at each 4 KiB page). Past the end it is harmless: no fault. */
+#define PREFETCH_AHEAD 2048
+static inline void prefetch_block(const uint8_t *b, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(b + PREFETCH_AHEAD + o), _MM_HINT_T0);
+}
+
+static inline __m256 eight_floats(const uint8_t *bytes) { /* 8 unsigned bytes as floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes)));
+}
+
+/* Q4_K and Q5_K (five: the fifth bits at byte 16 of each block, nibbles at 48). Group j's codes times
+ * x's are scaled by d * scale_j * dx_j; the minimums come off at the end, dmin * min_j * s32_j. */
+static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int five) {
+    const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const int bytes = five ? 176 : 144, nibbles = five ? 48 : 16;
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + bytes * blk;
-        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        prefetch_block(b, bytes);
+        uint8_t sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        float scale[8];
+        _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(b)), eight_floats(sc)),
+                                              _mm256_loadu_ps(x->d + 8 * blk)));
+        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)), eight_floats(mn)),
+                               _mm256_loadu_ps(x->s32 + 8 * blk), mins);
+        const __m256i hb = five ? load32(b + 16) : _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
-            int s0, m0, s1, m1;
-            q4_k_scale_min(2 * c, b + 4, &s0, &m0);
-            q4_k_scale_min(2 * c + 1, b + 4, &s1, &m1);
-            const uint8_t *q = b + nibbles + 32 * c;
-            const float *x0 = x + 256 * blk + 64 * c, *x1 = x0 + 32;
-            __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
-            for (int l = 0; l < 32; l += 8) {
-                const __m256i v = bytes8(q + l);
-                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_srli_epi32(v, 4);
-                if (five) {
-                    const __m256i h = bytes8(b + 16 + l);
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * c), one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * c + 1), one), 4));
-                }
-                p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(x0 + l), p0);
-                p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(x1 + l), p1);
+            const __m256i v = load32(b + nibbles + 32 * c);
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (five) { /* bits 2c and 2c + 1 of each qh byte, moved to bit 4 (16-bit shifts stay in
+                           their byte once masked) */
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
             }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s0), p0, acc);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s1), p1, acc);
-            mins += dmin * (float)m0 * xsum[8 * blk + 2 * c] + dmin * (float)m1 * xsum[8 * blk + 2 * c + 1];
+            even = add_scaled(sum_x(lo, x, 256 * blk + 64 * c), _mm256_broadcast_ss(scale + 2 * c), even);
+            odd = add_scaled(sum_x(hi, x, 256 * blk + 64 * c + 32), _mm256_broadcast_ss(scale + 2 * c + 1), odd);
         }
     }
-    return hsum(acc) - mins;
+    return hsum(_mm256_add_ps(even, odd)) - hsum(mins);
 }
 
-static float dot_q4_k(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
-    return dot_k_nibbles(row, blocks, x, xsum, 0);
-}
+static float dot_q4_k(const uint8_t *row, int64_t blocks, const qx_t *x) { return dot_k_nibbles(row, blocks, x, 0); }
 
-static float dot_q5_k(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
-    return dot_k_nibbles(row, blocks, x, xsum, 1);
-}
+static float dot_q5_k(const uint8_t *row, int64_t blocks, const qx_t *x) { return dot_k_nibbles(row, blocks, x, 1); }
 
-/* Q4_0 and Q4_1 (offset: the f16 m after d, else the -8 every code carries). */
-static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const float *x, const float *xsum,
-                                       int with_m) {
-    const __m256i low = _mm256_set1_epi32(15);
+/* Q4_0 and Q4_1 (with_m: the f16 m after d; else the -8 every code carries). */
+static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int with_m) {
+    const __m128i low = _mm_set1_epi8(15);
     const int bytes = with_m ? 20 : 18;
     __m256 acc = _mm256_setzero_ps();
     float offsets = 0.0f;
     for (int64_t blk = 0; blk < blocks; blk++) {
-        const uint8_t *b = row + bytes * blk, *q = b + (with_m ? 4 : 2);
-        const float *xb = x + 32 * blk, d = half_to_float(b);
-        __m256 p = _mm256_setzero_ps();
-        for (int l = 0; l < 16; l += 8) {
-            const __m256i v = bytes8(q + l);
-            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(xb + l), p);
-            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(xb + 16 + l), p);
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
-        offsets += (with_m ? half_to_float(b + 2) : -8.0f * d) * xsum[blk];
+        const uint8_t *b = row + bytes * blk;
+        prefetch_block(b, bytes);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(b + (with_m ? 4 : 2)));
+        const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+        const float d = half_to_float(b);
+        acc = add_scaled(sum_x(codes, x, 32 * blk), _mm256_set1_ps(d * x->d[blk]), acc);
+        offsets += (with_m ? half_to_float(b + 2) : -8.0f * d) * x->s32[blk];
     }
     return hsum(acc) + offsets;
 }
 
-static float dot_q4_0(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
-    return dot_legacy_nibbles(row, blocks, x, xsum, 0);
+static float dot_q4_0(const uint8_t *row, int64_t blocks, const qx_t *x) {
+    return dot_legacy_nibbles(row, blocks, x, 0);
 }
 
-static float dot_q4_1(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
-    return dot_legacy_nibbles(row, blocks, x, xsum, 1);
+static float dot_q4_1(const uint8_t *row, int64_t blocks, const qx_t *x) {
+    return dot_legacy_nibbles(row, blocks, x, 1);
 }
 
-static float dot_q6_k(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
-    (void)xsum;
-    const __m256i low = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
-    __m256 acc = _mm256_setzero_ps();
+/* Q6_K: codes 0..63 (the -32 comes off at the end, d * scale_i * s16_i for each 16), each quarter's
+ * two scales applied to the integer products as 16-bit factors (madd), then d * dx per group. */
+static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
+    const __m256i low = _mm256_set1_epi8(15), bits01 = _mm256_set1_epi8(3), bits23 = _mm256_set1_epi8(12),
+                  bits45 = _mm256_set1_epi8(48);
+    /* picks 16-bit scale 2j for bytes 0..15 of a quarter, 2j + 1 for bytes 16..31 (plus 4j) */
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                                          3, 2, 3, 2, 3, 2, 3);
+    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + 210 * blk;
-        const float d = half_to_float(b + 208);
+        prefetch_block(b, 210);
+        const __m256 d = _mm256_set1_ps(half_to_float(b + 208));
+        float scale[8];
+        _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_loadu_ps(x->d + 8 * blk)));
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
+        const __m256 sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)),
+                     sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
+        offsets = _mm256_fmadd_ps(d, _mm256_fmadd_ps(sc_lo, _mm256_loadu_ps(x->s16 + 16 * blk),
+                                                     _mm256_mul_ps(sc_hi, _mm256_loadu_ps(x->s16 + 16 * blk + 8))),
+                                  offsets);
         for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-            const int8_t *sc = (const int8_t *)(b + 192 + 8 * h);
-            const float *xh = x + 256 * blk + 128 * h;
-            for (int g = 0; g < 2; g++) { /* positions 16g .. 16g + 15 of each quarter: one scale each */
-                __m256 p[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                for (int l = 16 * g; l < 16 * g + 16; l += 8) {
-                    const __m256i a = bytes8(ql + l), c = bytes8(ql + l + 32), hb = bytes8(qh + l);
-                    const __m256i q[4] = {
-                        _mm256_or_si256(_mm256_and_si256(a, low), _mm256_slli_epi32(_mm256_and_si256(hb, three), 4)),
-                        _mm256_or_si256(_mm256_and_si256(c, low),
-                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 2), three), 4)),
-                        _mm256_or_si256(_mm256_srli_epi32(a, 4),
-                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 4), three), 4)),
-                        _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(hb, 6), 4)),
-                    };
-                    for (int j = 0; j < 4; j++)
-                        p[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], bias)),
-                                               _mm256_loadu_ps(xh + 32 * j + l), p[j]);
-                }
-                for (int j = 0; j < 4; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[g + 2 * j]), p[j], acc);
+            const uint8_t *ql = b + 64 * h;
+            const __m256i a = load32(ql), c = load32(ql + 32), hb = load32(b + 128 + 32 * h);
+            const __m128i half_scales = _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h));
+            const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(half_scales));
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(a, low), _mm256_slli_epi16(_mm256_and_si256(hb, bits01), 4)),
+                _mm256_or_si256(_mm256_and_si256(c, low), _mm256_slli_epi16(_mm256_and_si256(hb, bits23), 2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, bits45)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low),
+                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45)),
+            };
+            for (int j = 0; j < 4; j++) {
+                const __m256i factors =
+                    _mm256_shuffle_epi8(scales, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(4 * j))));
+                const int64_t at = 256 * blk + 128 * h + 32 * j;
+                const __m256i high = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load32(x->hi + at)), factors),
+                              low_ = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load32(x->lo + at)), factors);
+                const __m256i sums = _mm256_add_epi32(times255(high), low_);
+                acc = add_scaled(sums, _mm256_broadcast_ss(scale + 4 * h + j), acc);
             }
         }
     }
-    return hsum(acc);
+    return hsum(acc) - 32.0f * hsum(offsets);
 }
 
-static float dot_q8_0(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
-    (void)xsum;
+static float dot_q8_0(const uint8_t *row, int64_t blocks, const qx_t *x) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + 34 * blk;
-        const float *xb = x + 32 * blk;
-        __m256 p = _mm256_setzero_ps();
-        for (int l = 0; l < 32; l += 8) {
-            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + l)));
-            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(xb + l), p);
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(b)), p, acc);
+        prefetch_block(b, 34);
+        const __m256i w = load32(b + 2);
+        /* |w| times x with w's sign: unsigned times signed, as the instruction wants */
+        const __m256i sums = sum_u8s16(_mm256_abs_epi8(w), _mm256_sign_epi8(load32(x->hi + 32 * blk), w),
+                                       _mm256_sign_epi8(load32(x->lo + 32 * blk), w));
+        acc = add_scaled(sums, _mm256_set1_ps(half_to_float(b) * x->d[blk]), acc);
     }
     return hsum(acc);
 }
 #else
 #define DOT_BY_DECODING(name, QK, BYTES)                                                               \
-    static float dot_##name(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {   \
-        (void)xsum;                                                                                     \
+    static float dot_##name(const uint8_t *row, int64_t blocks, const qx_t *x) {                        \
         float wf[QK], s = 0.0f;                                                                         \
         for (int64_t blk = 0; blk < blocks; blk++) {                                                    \
             decode_##name(row + BYTES * blk, wf);                                                       \
-            for (int l = 0; l < QK; l++) s += wf[l] * x[QK * blk + l];                                  \
+            for (int l = 0; l < QK; l++) s += wf[l] * x->f[QK * blk + l];                               \
         }                                                                                               \
         return s;                                                                                       \
     }
@@ -320,21 +397,28 @@ int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const 
         start[j + 1] = start[j] + ns[j];
     }
     const int64_t total = start[count], groups = k / 32;
-    float *xsum = malloc(sizeof(float) * (size_t)(m * groups));
-    if (xsum == NULL) return -1;
-    for (int64_t g = 0; g < m * groups; g++) {
-        float s = 0.0f;
-        for (int l = 0; l < 32; l++) s += x[32 * g + l];
-        xsum[g] = s;
+    /* x's code halves, then per group dx, s32, two s16, and f (k floats a row) */
+    int8_t *hi = malloc((size_t)(2 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + k))), *lo = hi + m * k;
+    if (hi == NULL) return -1;
+    float *dx = (float *)(lo + m * k), *s32 = dx + m * groups, *s16 = s32 + m * groups, *f = s16 + 2 * m * groups;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < m * groups; g++)
+            quantize_group(x + 32 * g, hi + 32 * g, lo + 32 * g, dx + g, s16 + 2 * g, s32 + g, f + 32 * g);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < total; r++) {
+            int j = 0;
+            while (r >= start[j + 1]) j++;
+            const uint8_t *row = ws[j] + (r - start[j]) * row_bytes[j];
+            for (int64_t i = 0; i < m; i++) {
+                const qx_t xi = {hi + i * k, lo + i * k, dx + i * groups,
+                                 s16 + 2 * i * groups, s32 + i * groups, f + i * k};
+                y[i * total + r] = dot[j](row, blocks[j], &xi);
+            }
+        }
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < total; r++) {
-        int j = 0;
-        while (r >= start[j + 1]) j++;
-        const uint8_t *row = ws[j] + (r - start[j]) * row_bytes[j];
-        for (int64_t i = 0; i < m; i++) y[i * total + r] = dot[j](row, blocks[j], x + i * k, xsum + i * groups);
-    }
-    free(xsum);
+    free(hi);
     return 0;
 }
 

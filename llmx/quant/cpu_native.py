@@ -3,7 +3,8 @@
 Matrices of the types in TYPES (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) stay on the CPU as the file stores
 them (no repacking: Q4_K is 0.5625 bytes a weight here against 0.75 in `cpu_pack`'s float32-scaled
 form), and a decode step reads each byte once: `gemv` multiplies up to MAX_ROWS rows of x per pass over
-the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one call. Prompts
+the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one call; it
+reads x rounded to 16-bit codes per group of 32 (see cpu_blocks.c). Prompts
 dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`. `decode_attention` is one
 token's attention over a KV cache (see `llmx.kernels.cpu_attention`).
 
