@@ -113,7 +113,7 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
         layer_devices,
         torch.device(plan.device_of("token_embd.weight")),
         torch.device(plan.device_of("output_norm.weight")),
-        op_offload=plan.op_offload,
+        op_offload=torch.device(plan.op_offload) if plan.op_offload else None,
     )
     engine = Engine(executor, ubatch=opts.n_ubatch)
     return LoadedModel(mf, config, engine, tokenizer, opts, plan, report, time.perf_counter() - t0)

@@ -314,7 +314,16 @@ def test_op_offload_buffers_are_reserved_on_the_first_gpu_or_planned_off():
     p = place(m, tight, Options(n_gpu_layers=16))
     assert not p.op_offload and p.over_budget() == []
     assert any(n.startswith("op offload off: streaming CPU layers to cuda:0") for n in p.notes)
-    assert not place(m, parse_devices("cuda0=80GiB,cpu=64GiB"), Options(n_gpu_layers=0)).op_offload
+    # with no layer on a GPU (-ngl 0), the main GPU runs the prompts, as llama.cpp's does
+    two_gpus = parse_devices("cuda0=80GiB,cuda1=24GiB,cpu=64GiB")
+    none_on = place(m, two_gpus, Options(n_gpu_layers=0, main_gpu=1))
+    assert none_on.op_offload == "cuda:1"
+    layer_scratch = compute_bytes(
+        m, Options(n_gpu_layers=0), attention=True, ffn=True, output=False, inp=False, gpu=True
+    )
+    streamed = stream_bytes(m, list(range(m.n_layer)))
+    assert next(u for u in none_on.usage if u.device == "cuda:1").compute == streamed + layer_scratch
+    assert not place(m, parse_devices("cpu=64GiB"), Options(n_gpu_layers=0)).op_offload
 
 
 def test_sliding_window_layers_keep_a_ring_of_window_plus_ubatch_positions():

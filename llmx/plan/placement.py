@@ -73,7 +73,7 @@ class Plan:
     extra_copies: dict[str, str] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # how the options came about (e.g. what --fit chose)
-    op_offload: bool = False  # prompt batches of CPU layers run on a GPU (its buffers are counted)
+    op_offload: str | None = None  # the GPU that runs CPU layers' prompt batches (its buffers counted)
 
     # --- what the runtime asks ---
 

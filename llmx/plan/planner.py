@@ -78,7 +78,8 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
     kv_devices = tuple("cpu" if opts.no_kv_offload else d for d in layer_dev)
     where = _Where(tensor_device, row_splits, extra_copies, layer_dev, output_dev, kv_devices)
     usage = _usage(model, inv, opts, where)
-    usage, op_offload, offload_notes = _reserve_streaming(model, opts, layer_dev, output_dev, usage)
+    main_gpu = inv.gpus[opts.main_gpu].name if gpus else None
+    usage, op_offload, offload_notes = _reserve_streaming(model, opts, layer_dev, output_dev, main_gpu, usage)
     notes = (*notes, *offload_notes)
     warnings = [f"{r.source} matched no tensor" for r, n in zip(rules, hits, strict=True) if n == 0]
     warnings += _empty_gpu_warnings(opts, gpus, usage, n_offloaded)
@@ -106,27 +107,37 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
 
 
 def _reserve_streaming(
-    model: ModelSpec, opts: Options, layer_dev: list[str], output_dev: str, usage: tuple[DeviceUse, ...]
-) -> tuple[tuple[DeviceUse, ...], bool, tuple[str, ...]]:
+    model: ModelSpec,
+    opts: Options,
+    layer_dev: list[str],
+    output_dev: str,
+    main_gpu: str | None,
+    usage: tuple[DeviceUse, ...],
+) -> tuple[tuple[DeviceUse, ...], str | None, tuple[str, ...]]:
     """Op offload (prompt batches of CPU layers computed on a GPU with their weights streamed) where
-    the runtime would do it: some layers on the CPU, and a GPU (the first one in layer order) to
-    stream to. Its buffers are added to that GPU's compute when they fit within its free memory
-    and margin; when they do not, op offload is planned off, and a note says so."""
-    gpus = [d for d in (*layer_dev, output_dev) if d != "cpu"]
+    the runtime would do it: some layers on the CPU, and a GPU to stream to: the first one in layer
+    order, or with no layer on a GPU (-ngl 0, as llama.cpp does then) the main one (-mg). Its buffers
+    (the streamed layers, and a layer's scratch where it runs no layer of its own) are added to that
+    GPU's compute when they fit within its free memory and margin; when they do not, op offload is
+    planned off, and a note says so. Returns the usage, that GPU (None: off), notes."""
+    holding = [d for d in (*layer_dev, output_dev) if d != "cpu"]
+    target = holding[0] if holding else main_gpu
     cpu_layers = [i for i, d in enumerate(layer_dev) if d == "cpu"]
-    if opts.no_op_offload or not gpus or not cpu_layers or opts.n_ubatch < 2:
-        return usage, False, ()
+    if opts.no_op_offload or target is None or not cpu_layers or opts.n_ubatch < 2:
+        return usage, None, ()
     need = stream_bytes(model, cpu_layers)
-    i = next(k for k, u in enumerate(usage) if u.device == gpus[0])
+    if target not in layer_dev:
+        need += compute_bytes(model, opts, attention=True, ffn=True, output=False, inp=False, gpu=True)
+    i = next(k for k, u in enumerate(usage) if u.device == target)
     u = usage[i]
     if u.total and u.left - u.margin < need:
         note = (
             f"op offload off: streaming CPU layers to {u.device} for prompts needs {need / GiB:.2f} GiB "
             f"beyond its fit margin ({u.left / GiB:.2f} GiB left); the CPU layers run prompts on the CPU"
         )
-        return usage, False, (note,)
+        return usage, None, (note,)
     grown = replace(u, compute=u.compute + need)
-    return (*usage[:i], grown, *usage[i + 1 :]), True, ()
+    return (*usage[:i], grown, *usage[i + 1 :]), target, ()
 
 
 # --- layers -> devices ---

@@ -117,7 +117,7 @@ class Executor:
     embed_device: torch.device
     head_device: torch.device
     use_graphs: bool = True
-    op_offload: bool = True
+    op_offload: torch.device | None = None  # the GPU that runs CPU layers' prompt batches
     _segments: list[Segment] = field(init=False)
     _graphable: list[bool] = field(init=False)
     _peers: list[list[torch.device]] = field(init=False)  # per segment: other GPUs of row-split matrices
@@ -137,9 +137,8 @@ class Executor:
         self._graphable = [self._capturable(seg) for seg in self._segments]
         self._peers = [self._peer_gpus(seg) for seg in self._segments]
         self._cpu_reads = [self._host_reads(seg) for seg in self._segments]
-        gpus = [d for d in (*self.layer_devices, self.head_device) if d.type == "cuda"]
-        if self.op_offload and gpus and any(d.type == "cpu" for d in self.layer_devices):
-            self._streamer = WeightStreamer(gpus[0], self.model.layers)
+        if self.op_offload is not None and any(d.type == "cpu" for d in self.layer_devices):
+            self._streamer = WeightStreamer(self.op_offload, self.model.layers)
 
     def _capturable(self, seg: Segment) -> bool:
         """Whether a segment's weights and KV all live on its device, or (row-split matrices) on
