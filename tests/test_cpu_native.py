@@ -6,6 +6,9 @@ portable ones (built without AVX2) alike. Skipped without a C compiler."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -140,3 +143,26 @@ def test_a_library_that_does_not_load_is_a_warning(fresh_library, monkeypatch, t
     monkeypatch.setattr(cpu_native, "_built", lambda: broken)
     with pytest.warns(UserWarning, match="native CPU kernels could not be built"):
         assert not cpu_native.available()
+
+
+def _allowed_cpus(task_status: Path) -> str:
+    line = next(ln for ln in task_status.read_text().splitlines() if ln.startswith("Cpus_allowed_list:"))
+    return line.split(":", 1)[1].strip()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_openmp_workers_are_pinned_and_python_stays_free(monkeypatch):
+    """After a GEMV on 2 threads, the OpenMP worker runs on the second allowed CPU alone, while this
+    (Python's) thread keeps every CPU it had."""
+    before = os.sched_getaffinity(0)
+    monkeypatch.setattr(cpu_native, "_pinned_team", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        raw, _ = random_weight("Q8_0", 64, 256)
+        cpu_native.gemv(torch.randn(1, 256), [(raw, qtype("Q8_0"))])
+    finally:
+        torch.set_num_threads(threads)
+    assert os.sched_getaffinity(0) == before
+    tasks = Path(f"/proc/{os.getpid()}/task").glob("*/status")
+    assert str(sorted(before)[1]) in {_allowed_cpus(t) for t in tasks}

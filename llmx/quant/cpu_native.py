@@ -67,7 +67,9 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i32]
     lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.llmx_pin_threads.argtypes = [ptr, i32]
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
+    lib.llmx_pin_threads.restype = i32
     return lib
 
 
@@ -133,6 +135,23 @@ def _built() -> Path:
     return path
 
 
+_pinned_team = 0  # the thread count whose workers were last pinned
+
+
+def _threads(lib: ctypes.CDLL) -> int:
+    """torch's CPU thread count; the first time a count is used, its OpenMP workers are pinned to CPUs
+    of their own (`llmx_pin_threads`: the calling thread stays free), unless LLMX_PIN_THREADS=0 or
+    there are more threads than CPUs this process may use."""
+    global _pinned_team
+    n = torch.get_num_threads()
+    if n != _pinned_team:
+        _pinned_team = n
+        cpus = sorted(os.sched_getaffinity(0))
+        if os.environ.get("LLMX_PIN_THREADS") != "0" and 1 < n <= len(cpus):
+            lib.llmx_pin_threads((ctypes.c_int * n)(*cpus[:n]), n)
+    return n
+
+
 def gemv(x2: torch.Tensor, weights: Sequence[tuple[torch.Tensor, QType]]) -> torch.Tensor:
     """x2 [M, K] float32 (M <= MAX_ROWS) times up to MAX_WEIGHTS matrices that share it, in one call:
     [M, N1 + N2 + ...], each W [N, K] given as its GGUF rows `raw` [N, row_bytes] and type."""
@@ -154,7 +173,7 @@ def gemv(x2: torch.Tensor, weights: Sequence[tuple[torch.Tensor, QType]]) -> tor
         x2.data_ptr(),
         m,
         y.data_ptr(),
-        torch.get_num_threads(),
+        _threads(lib),
     )
     assert err == 0, ([qt.name for _, qt in weights], m)
     return y
@@ -167,7 +186,7 @@ def dequantize_rows(
     lib = _library()
     assert lib is not None and raw.is_contiguous() and out.is_contiguous() and out.shape == (r1 - r0, k)
     err = lib.llmx_dequantize_rows(
-        TYPES[qt.name], raw.data_ptr(), r0, r1, raw.shape[1], k, out.data_ptr(), torch.get_num_threads()
+        TYPES[qt.name], raw.data_ptr(), r0, r1, raw.shape[1], k, out.data_ptr(), _threads(lib)
     )
     assert err == 0, qt.name
     return out
@@ -199,7 +218,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         d,
         scratch.data_ptr(),
         out.data_ptr(),
-        torch.get_num_threads(),
+        _threads(lib),
     )
     assert err == 0, (n_head, n_kv, d)
     return out
