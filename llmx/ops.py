@@ -268,6 +268,13 @@ def rope_attention(
             q, k, v, cos, sin, cache.k, cache.v, cache.positions, cache.n_read,
             n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
         )  # fmt: skip
+    if _native_cpu_step(q, cache, mask, softcap):
+        from llmx.kernels import cpu_attention
+
+        scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        out = cpu_attention.rope_decode_attention(q, k, v, rope, cos, sin, cache, scale_)
+        if out is not None:
+            return out
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     keys, values = cache(k, v)
     ring = cache.key_positions()
@@ -364,6 +371,14 @@ def attention(
             scores = scores.masked_fill(~mask, float("-inf"))
         out = scores.softmax(-1) @ vh
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
+
+
+def _native_cpu_step(
+    q: torch.Tensor, cache: LayerKV, mask: torch.Tensor | None, softcap: float | None
+) -> bool:
+    """Whether a CPU step's RoPE, cache write and attention can go to `cpu_attention` in one call: as
+    `_native_cpu_decode`, with its cache on the CPU too."""
+    return _native_cpu_decode(q, cache.k, mask, softcap) and cache.positions.device.type == "cpu"
 
 
 def _native_cpu_decode(

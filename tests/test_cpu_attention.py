@@ -75,3 +75,86 @@ def test_shapes_it_does_not_take_keep_the_flash_path() -> None:
     assert relative_error(ops.attention(q, k, v, None, 0.125), reference(q, k, v, 0.125)) < 1e-3
     q, k, v = step(4, 2, 64, 30, torch.float16, seed=4)
     assert cpu_attention.decode_attention(q, k[::2], v[::2], 0.125) is None
+
+
+# --- the whole step: RoPE, cache write and attention in one call (`rope_decode_attention`) ---------
+
+
+def unfused_step(q, k, v, rope, cos, sin, cache, scale):
+    """`ops.rope_attention`'s torch path for the same step: the reference for the fused one."""
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    keys, values = cache(k, v)
+    return reference(q, keys, values, scale)
+
+
+@pytest.mark.parametrize(
+    ("n_head", "n_kv", "dim", "n_dims", "neox", "dtype"),
+    [
+        (9, 3, 64, 64, False, torch.float16),
+        (8, 2, 128, 128, True, torch.bfloat16),
+        (4, 4, 64, 32, False, torch.float32),
+        (32, 8, 128, 64, True, torch.float16),
+    ],
+    ids=["smollm2-f16", "neox-bf16", "partial-rotary-f32", "neox-partial-f16"],
+)
+def test_one_call_step_matches_rope_then_write_then_attention(
+    n_head, n_kv, dim, n_dims, neox, dtype, native_kernels
+) -> None:
+    from llmx.runtime.cache import LayerWriter
+
+    g = torch.Generator().manual_seed(dim + n_dims)
+    rows, pos = 48, 29
+    past_k, past_v = (torch.randn(rows, n_kv, dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(1, n_head, dim, generator=g) * 3
+    k, v = torch.randn(1, n_kv, dim, generator=g), torch.randn(1, n_kv, dim, generator=g)
+    rope = ops.Rope(n_dims, 10000.0, neox)
+    positions = torch.tensor([pos])
+    cos, sin = rope.tables(positions, pos + 1)
+    fused_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
+    torch_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
+    out = cpu_attention.rope_decode_attention(q, k, v, rope, cos, sin, fused_cache, 0.1)
+    want = unfused_step(q, k, v, rope, cos, sin, torch_cache, 0.1)
+    assert out is not None and out.shape == (1, n_head * dim)
+    assert relative_error(out, want) < 1e-5
+    # the step's row holds its rotated key and its value (to an ulp of the cache's type: the rotation
+    # rounds in another order), and no other row changed
+    for fused, ref in ((fused_cache.k, torch_cache.k), (fused_cache.v, torch_cache.v)):
+        torch.testing.assert_close(fused[pos].float(), ref[pos].float(), rtol=1e-2, atol=1e-6)
+        assert torch.equal(torch.cat((fused[:pos], fused[pos + 1 :])), torch.cat((ref[:pos], ref[pos + 1 :])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cache_rows_round_as_torch_does(dtype, native_kernels) -> None:
+    """Without rotation (n_dims 0 is not RoPE's, so: cos 1, sin 0), the stored row equals torch's own
+    conversion bit for bit: ties to even, subnormals, overflow to infinity, signed zero."""
+    from llmx.runtime.cache import LayerWriter
+
+    specials = [65504.0, 65519.0, 65520.0, 1e6, -1e6, 2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-26, 5.96e-8]
+    specials += [1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, -0.0, 1.0 + 2.0**-8, 3.0e38, 1.0000001, 2.0**-133]
+    values = torch.tensor(specials + [0.0] * (64 - len(specials)), dtype=torch.float32)
+    values = torch.cat((values, torch.randn(64, generator=torch.Generator().manual_seed(0)) * 1e-4))
+    k = values.reshape(1, 2, 64)
+    rope = ops.Rope(64, 10000.0, False)
+    positions = torch.tensor([0])
+    cos, sin = torch.ones(1, 32), torch.zeros(1, 32)
+    cache = LayerWriter(torch.zeros(4, 2, 64, dtype=dtype), torch.zeros(4, 2, 64, dtype=dtype), positions, 1)
+    q = torch.randn(1, 2, 64)
+    assert cpu_attention.rope_decode_attention(q, k, k, rope, cos, sin, cache, 0.1) is not None
+    want = k[0].to(dtype)
+    assert torch.equal(cache.k[0].view(torch.int16), want.view(torch.int16))
+    assert torch.equal(cache.v[0].view(torch.int16), want.view(torch.int16))
+
+
+def test_decode_steps_take_the_one_call_step(monkeypatch, smollm2_path) -> None:
+    """A CPU model's decode steps go through it (one call a layer), and a step it does not take (a
+    wrapped ring, a mask) keeps the torch path."""
+    import llmx
+
+    calls = []
+    step_fn = cpu_attention.rope_decode_attention
+    monkeypatch.setattr(cpu_attention, "rope_decode_attention", lambda *a: calls.append(1) or step_fn(*a))
+    model = llmx.load(smollm2_path, ctx_size=64)
+    model.engine.prefill([1, 2, 3])
+    assert calls == []  # a prompt of three tokens: masked
+    model.engine.decode(4)
+    assert len(calls) == model.config.n_layer

@@ -8,22 +8,29 @@ and converts each row once for all the query heads of its group: on 2 cores at S
 26-242 µs for the flash path (bench/RESULTS.md). It replaces a torch.compile'd kernel that took
 seconds to compile in the middle of a generation and ~100 µs of dispatch a call.
 
+`rope_decode_attention` does a whole decode step's attention in that one call: RoPE on q and k,
+the cache write and the attention (some twenty torch ops and their dispatch, ~50 µs a layer, before).
+
 Where the native kernels cannot be built, or for shapes they do not take, the caller keeps the
 flash path.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from llmx.quant import cpu_native
 
+if TYPE_CHECKING:
+    from llmx.ops import LayerKV, Rope
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q [1, H, D] float32 over k, v [N, Hk, D] (every key visible) -> [1, H * D] float32, or None
-    where the native kernel does not take this step."""
+
+def _takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the native kernel takes q [1, H, D] over cache rows k, v [N, Hk, D]."""
     n_head, head_dim = q.shape[1], q.shape[2]
-    takes = (
+    return (
         k.dtype == v.dtype
         and k.dtype in cpu_native.KV_TYPES
         and k.shape[-1] == v.shape[-1] == head_dim
@@ -32,7 +39,31 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         and n_head % k.shape[1] == 0
         and k.is_contiguous()
         and v.is_contiguous()
+        and cpu_native.available()
     )
-    if not takes or not cpu_native.available():
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """q [1, H, D] float32 over k, v [N, Hk, D] (every key visible) -> [1, H * D] float32, or None
+    where the native kernel does not take this step."""
+    return cpu_native.decode_attention(q, k, v, scale) if _takes(q, k, v) else None
+
+
+def rope_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: Rope,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: LayerKV,
+    scale: float,
+) -> torch.Tensor | None:
+    """`ops.rope_attention` for one float32 token whose cache is on the CPU and not a wrapped ring,
+    seeing every key of it: q [1, H, D], k and v [1, Hk, D] this step's, cos/sin [1, n_dims / 2] ->
+    [1, H * D], the cache written; None (nothing written) where the native kernel does not take it."""
+    kc, vc = cache.k, cache.v
+    slot = int(cache.positions[0])
+    if not (_takes(q, kc, vc) and k.shape[-1] == q.shape[-1] and slot < cache.n_read <= kc.shape[0]):
         return None
-    return cpu_native.decode_attention(q, k, v, scale)
+    return cpu_native.rope_store_attend(q, k, v, cos[0], sin[0], rope.neox, kc, vc, slot, cache.n_read, scale)

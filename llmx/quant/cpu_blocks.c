@@ -627,6 +627,82 @@ int llmx_decode_attention(const float *q, const void *k, const void *v, int type
     return 0;
 }
 
+/* A float as a cache element of `type` at `out`, rounded to nearest even as torch's .to() does. */
+static inline void store_kv(float f, int type, void *out) {
+    if (type == KV_F32) {
+        memcpy(out, &f, 4);
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    uint16_t h;
+    if (type == KV_BF16) {
+        h = (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((bits >> 16) | 0x40u) /* NaN stays NaN */
+                                                : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    } else {
+#if defined(__F16C__)
+        h = _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#elif defined(__FLT16_MAX__)
+        _Float16 v = (_Float16)f;
+        memcpy(&h, &v, 2);
+#else
+        const uint32_t sign = (bits >> 16) & 0x8000u, mag = bits & 0x7fffffffu;
+        if (mag > 0x7f800000u) {
+            h = (uint16_t)(sign | 0x7e00u); /* NaN */
+        } else if (mag >= 0x477ff000u) {
+            h = (uint16_t)(sign | 0x7c00u); /* rounds past 65504: infinity */
+        } else if (mag < 0x38800000u) { /* below 2^-14: a subnormal half (or zero), m * 2^-24 */
+            const int shift = 126 - (int)(mag >> 23); /* 14 .. for the implicit-one mantissa */
+            if (shift > 24) {
+                h = (uint16_t)sign;
+            } else {
+                const uint32_t m = (mag & 0x7fffffu) | 0x800000u, q = m >> shift, rest = m & ((1u << shift) - 1u),
+                               half = 1u << (shift - 1);
+                h = (uint16_t)(sign | (q + (rest > half || (rest == half && (q & 1u)))));
+            }
+        } else { /* normal: rebias the exponent, round the 13 dropped mantissa bits to even */
+            const uint32_t r = mag - 0x38000000u;
+            h = (uint16_t)(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+        }
+#endif
+    }
+    memcpy(out, &h, 2);
+}
+
+/* x [D] rotated in place by RoPE's angles (cos, sin [n_dims / 2]): pairs (x[2i], x[2i+1]) as GGML
+ * rotates them, or (x[i], x[i + n_dims / 2]) in NeoX's mode; elements past n_dims untouched. */
+static inline void rope_in_place(float *x, const float *cos, const float *sin, int64_t n_dims, int neox) {
+    const int64_t half = n_dims / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float *a = neox ? x + i : x + 2 * i, *b = neox ? x + i + half : x + 2 * i + 1;
+        const float x0 = *a, x1 = *b;
+        *a = x0 * cos[i] - x1 * sin[i];
+        *b = x0 * sin[i] + x1 * cos[i];
+    }
+}
+
+/* One token's attention step on the CPU, whole: q [H, D] and k [Hk, D] (float32, this step's; both
+ * overwritten) rotated by RoPE, q scaled, k and v [Hk, D] stored as cache row `slot` of kc and vc
+ * (`type`), then llmx_decode_attention over the cache's first n rows (every key visible).
+ * The step costs one call instead of some twenty torch ops. Returns as llmx_decode_attention. */
+int llmx_rope_store_attend(float *q, float *k, const float *v, const float *cos, const float *sin, int64_t n_dims,
+                           int neox, void *kc, void *vc, int type, int64_t slot, int64_t n, int64_t n_head,
+                           int64_t n_kv, int64_t d, float scale, float *scratch, float *out, int threads) {
+    if (n_dims > d || n_dims % 2 != 0 || slot < 0 || slot >= n) return -1;
+    for (int64_t h = 0; h < n_head; h++) {
+        rope_in_place(q + h * d, cos, sin, n_dims, neox);
+        for (int64_t i = 0; i < d; i++) q[h * d + i] *= scale;
+    }
+    const int64_t elem = type == KV_F32 ? 4 : 2;
+    char *krow = (char *)kc + slot * n_kv * d * elem, *vrow = (char *)vc + slot * n_kv * d * elem;
+    for (int64_t h = 0; h < n_kv; h++) rope_in_place(k + h * d, cos, sin, n_dims, neox);
+    for (int64_t i = 0; i < n_kv * d; i++) {
+        store_kv(k[i], type, krow + i * elem);
+        store_kv(v[i], type, vrow + i * elem);
+    }
+    return llmx_decode_attention(q, kc, vc, type, n, n_head, n_kv, d, scratch, out, threads);
+}
+
 /* --- threads ------------------------------------------------------------------------------------ */
 
 /* Pins each worker of an OpenMP team of `threads` (the pool torch's CPU ops use too) to its own CPU,

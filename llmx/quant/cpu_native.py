@@ -67,6 +67,9 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i32]
     lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i64, i64]
+    lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, ctypes.c_float, ptr, ptr, i32]
+    lib.llmx_rope_store_attend.restype = i32
     lib.llmx_pin_threads.argtypes = [ptr, i32]
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
     lib.llmx_pin_threads.restype = i32
@@ -221,4 +224,39 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         _threads(lib),
     )
     assert err == 0, (n_head, n_kv, d)
+    return out
+
+
+def rope_store_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: int,
+    n: int,
+    scale: float,
+) -> torch.Tensor:
+    """One token's attention step in one call: q [1, H, D] and k [1, Hk, D] float32 rotated by RoPE
+    (cos, sin [n_dims / 2] float32), k and v [1, Hk, D] stored as row `slot` of the caches [rows, Hk,
+    D] (contiguous, of a type in KV_TYPES), then attention over their first n rows (every key
+    visible) -> [1, H * D] float32."""
+    lib = _library()
+    _, n_head, d = q.shape
+    n_kv = k.shape[1]
+    assert lib is not None and k_cache.dtype == v_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    qs, ks, vs = q.contiguous().clone(), k.contiguous().clone(), v.contiguous()  # rotated in place: copies
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(1, n_head * d, dtype=torch.float32)
+    scratch = torch.empty(n_head * n, dtype=torch.float32)
+    err = lib.llmx_rope_store_attend(
+        qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
+        int(neox), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype], slot, n,
+        n_head, n_kv, d, scale, scratch.data_ptr(), out.data_ptr(), _threads(lib),
+    )  # fmt: skip
+    assert err == 0, (n_head, n_kv, d, slot, n)
     return out
