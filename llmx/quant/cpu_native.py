@@ -155,31 +155,40 @@ def _threads(lib: ctypes.CDLL) -> int:
     return n
 
 
+class Gemv:
+    """Up to MAX_WEIGHTS matrices that share x (q/k/v, gate/up), each W [N, K] given as its GGUF rows
+    `raw` [N, row_bytes] and type, made ready once for `llmx_gemv_many`: called with x2 [M, K] float32
+    (M <= MAX_ROWS), [M, N1 + N2 + ...]. A decode step makes some hundred of these calls, so their
+    arguments are built here once rather than at every call (~15 us each)."""
+
+    def __init__(self, weights: Sequence[tuple[torch.Tensor, QType]]) -> None:
+        count = len(weights)
+        assert 0 < count <= MAX_WEIGHTS and all(raw.is_contiguous() for raw, _ in weights)
+        self.raws = tuple(raw for raw, _ in weights)  # kept alive with the pointers below
+        self.sizes = [raw.shape[0] for raw in self.raws]
+        self.n = sum(self.sizes)
+        self._weights = (
+            count,
+            (ctypes.c_int * count)(*(TYPES[qt.name] for _, qt in weights)),
+            (ctypes.c_void_p * count)(*(raw.data_ptr() for raw in self.raws)),
+            (ctypes.c_int64 * count)(*self.sizes),
+            (ctypes.c_int64 * count)(*(raw.shape[1] for raw in self.raws)),
+        )
+
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        lib = _library()
+        assert lib is not None and x2.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
+        x2 = x2.contiguous()
+        m, k = x2.shape
+        y = torch.empty((m, self.n), dtype=torch.float32)
+        err = lib.llmx_gemv_many(*self._weights, k, x2.data_ptr(), m, y.data_ptr(), _threads(lib))
+        assert err == 0, (self.sizes, m)
+        return y
+
+
 def gemv(x2: torch.Tensor, weights: Sequence[tuple[torch.Tensor, QType]]) -> torch.Tensor:
-    """x2 [M, K] float32 (M <= MAX_ROWS) times up to MAX_WEIGHTS matrices that share it, in one call:
-    [M, N1 + N2 + ...], each W [N, K] given as its GGUF rows `raw` [N, row_bytes] and type."""
-    lib = _library()
-    assert lib is not None and x2.dtype == torch.float32 and 0 < len(weights) <= MAX_WEIGHTS
-    assert all(raw.is_contiguous() for raw, _ in weights)
-    x2 = x2.contiguous()
-    m, k = x2.shape
-    count = len(weights)
-    ns = [raw.shape[0] for raw, _ in weights]
-    y = torch.empty((m, sum(ns)), dtype=torch.float32)
-    err = lib.llmx_gemv_many(
-        count,
-        (ctypes.c_int * count)(*(TYPES[qt.name] for _, qt in weights)),
-        (ctypes.c_void_p * count)(*(raw.data_ptr() for raw, _ in weights)),
-        (ctypes.c_int64 * count)(*ns),
-        (ctypes.c_int64 * count)(*(raw.shape[1] for raw, _ in weights)),
-        k,
-        x2.data_ptr(),
-        m,
-        y.data_ptr(),
-        _threads(lib),
-    )
-    assert err == 0, ([qt.name for _, qt in weights], m)
-    return y
+    """`Gemv(weights)(x2)`, for a call made once."""
+    return Gemv(weights)(x2)
 
 
 def dequantize_rows(

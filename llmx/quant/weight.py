@@ -20,6 +20,7 @@ Every CPU path computes in float32 from the exact weights, so they differ only i
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ class QWeight:
     packed: a device form built once at load, or None: cpu_pack.PackedCodes from `prepare_cpu`,
             triton_ops.SPLIT (raw rows rearranged) from `triton_ops.prepare`
     joined: set by `linear_many` when it joined this weight's packed form with its siblings'
+    native: the native GEMV call prepared for this weight, alone or first of the weights sharing x
     """
 
     raw: torch.Tensor
@@ -59,6 +61,7 @@ class QWeight:
     name: str = ""
     packed: object | None = None
     joined: Joined | None = field(default=None, repr=False)
+    native: tuple[tuple[QWeight, ...], N.Gemv] | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         """How this weight is computed on the CPU, for the load report: "Q4_1 -> 4-bit codes, ..."."""
@@ -120,15 +123,10 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
         return _cuda_many(x, ws)
     k = ws[0].shape[1]
     rows = x.numel() // max(x.shape[-1], 1)
-    if (
-        (kernel or KERNEL) in ("auto", "packed")
-        and 1 < len(ws) <= N.MAX_WEIGHTS
-        and rows <= N.MAX_ROWS
-        and x.shape[-1] == k
-        and all(_native(w) and w.shape[1] == k for w in ws)
-    ):
-        y = N.gemv(x.reshape(-1, k), [(w.raw, w.qtype) for w in ws])
-        return list(y.reshape(*x.shape[:-1], -1).split([w.shape[0] for w in ws], dim=-1))
+    call = _native_call(ws) if (kernel or KERNEL) in ("auto", "packed") and rows <= N.MAX_ROWS else None
+    if call is not None and x.shape[-1] == k:
+        outs = call(x.reshape(-1, k)).split_with_sizes(call.sizes, dim=1)
+        return list(outs) if x.dim() == 2 else [y.reshape(*x.shape[:-1], -1) for y in outs]
     joined = ws[0].joined
     if (
         joined is None
@@ -221,11 +219,26 @@ def _native(w: QWeight) -> bool:
     )
 
 
+def _native_call(ws: Sequence[QWeight]) -> N.Gemv | None:
+    """The native GEMV for weights sharing x, all `_native` with the same K, prepared on the first
+    weight the first time (a weight is first of one group in a model: q of q/k/v, gate of gate/up);
+    None where they do not all take it."""
+    cached = ws[0].native
+    if cached is not None and len(cached[0]) == len(ws) and all(map(operator.is_, cached[0], ws)):
+        return cached[1]
+    k = ws[0].shape[1]
+    if len(ws) > N.MAX_WEIGHTS or not all(_native(w) and w.shape[1] == k for w in ws):
+        return None
+    call = N.Gemv([(w.raw, w.qtype) for w in ws])
+    ws[0].native = (tuple(ws), call)
+    return call
+
+
 def _native_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
     """x2 [M, K] @ W^T on the GGUF blocks: one pass over W for few rows, else dense chunks."""
     n, k = w.shape
     if x2.shape[0] <= N.MAX_ROWS:
-        return N.gemv(x2, [(w.raw, w.qtype)])
+        return _native_call([w])(x2)
     buf = _scratch(min(n, _chunk_rows(k)) * k)
     return _chunked_matmul(
         x2, n, lambda r0, r1: N.dequantize_rows(w.raw, w.qtype, r0, r1, k, buf[: (r1 - r0) * k].view(-1, k))
