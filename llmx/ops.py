@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmx.errors import LlmxError
+from llmx.quant import cpu_native
 from llmx.quant import weight as qw
 from llmx.quant.weight import QWeight, embedding
 
@@ -103,6 +104,8 @@ def linear(x: torch.Tensor, w: QWeight | RowSplit) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, ..., E] scaled to unit root-mean-square, then by `weight` [E] (brought to x: a few KB)."""
+    if _native_cpu_rows(x, weight):
+        return cpu_native.rms_norm(x, weight, eps)[1]
     if _fused_rows(x) and x.shape[-1] <= FUSED_NORM_MAX_WIDTH:
         from llmx.kernels import norm
 
@@ -116,12 +119,29 @@ def add_rms_norm(
     """The residual stream's next value and its norm: h = x + delta, (h, rms_norm(h, weight, eps)).
     One launch for decode steps on a GPU (see FUSED_NORM)."""
     same = delta.shape == x.shape and delta.dtype == x.dtype and delta.device == x.device
+    if same and _native_cpu_rows(x, weight):
+        return cpu_native.rms_norm(x, weight, eps, delta)
     if same and _fused_rows(x) and x.shape[-1] <= FUSED_NORM_MAX_WIDTH:
         from llmx.kernels import norm
 
         return norm.add_rms_norm(x, delta, weight.to(x.device), eps)
     h = x + delta
     return h, rms_norm(h, weight, eps)
+
+
+def _native_cpu_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a CPU decode step's norm takes the native kernel (`cpu_native.rms_norm`): a few
+    float32 tokens, contiguous, their weight on the CPU in float32 (not with FUSED_NORM "off")."""
+    return (
+        FUSED_NORM == "auto"
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and x.dim() > 1
+        and x.shape[0] <= FUSED_NORM_MAX_TOKENS
+        and x.is_contiguous()
+        and cpu_native.available()
+    )
 
 
 def _fused_rows(x: torch.Tensor) -> bool:

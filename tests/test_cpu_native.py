@@ -166,3 +166,18 @@ def test_openmp_workers_are_pinned_and_python_stays_free(monkeypatch):
     assert os.sched_getaffinity(0) == before
     tasks = Path(f"/proc/{os.getpid()}/task").glob("*/status")
     assert str(sorted(before)[1]) in {_allowed_cpus(t) for t in tasks}
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 4096), (1, 9, 64)], ids=["smollm2", "3-rows", "q-heads"])
+def test_rms_norm_matches_float64(shape, native_kernels):
+    """`rms_norm` (a decode step's norms) against float64: each last-dim row, with and without the
+    residual added first (which it also returns, exactly)."""
+    g = torch.Generator().manual_seed(len(shape))
+    x, delta = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    weight = torch.randn(shape[-1], generator=g)
+    for d in (None, delta):
+        h64 = x.double() if d is None else x.double() + d.double()
+        want = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+        h, out = cpu_native.rms_norm(x, weight, 1e-6, d)
+        assert torch.equal(h, x if d is None else x + d)
+        torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=1e-6)

@@ -450,6 +450,29 @@ int llmx_dequantize_rows(int type, const uint8_t *w, int64_t r0, int64_t r1, int
     return 0;
 }
 
+/* --- RMSNorm of a few rows --------------------------------------------------------------------- */
+
+/* out[r] = h[r] / sqrt(mean(h[r]^2) + eps) * w for `rows` rows of n floats, h = x, or with `delta`
+ * h = x + delta, also written to `sum`: a decode step's norms (two a layer, and the per-head q/k norms
+ * of some models), each one call on one thread where torch took ~14 us of dispatch and helpers. The
+ * squares are summed in double. */
+void llmx_rms_norm(const float *x, const float *delta, const float *w, float *sum, float *out, int64_t rows,
+                   int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *hr = out + r * n;
+        if (delta != NULL) {
+            float *sr = sum + r * n;
+            for (int64_t i = 0; i < n; i++) sr[i] = xr[i] + delta[r * n + i];
+            xr = sr;
+        }
+        double squares = 0.0;
+        for (int64_t i = 0; i < n; i++) squares += (double)xr[i] * xr[i];
+        const float scale = (float)(1.0 / sqrt(squares / (double)n + (double)eps));
+        for (int64_t i = 0; i < n; i++) hr[i] = xr[i] * scale * w[i];
+    }
+}
+
 /* --- one token's attention over a KV cache ------------------------------------------------------ */
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };

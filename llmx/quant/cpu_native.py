@@ -70,6 +70,8 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i64, i64]
     lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, ctypes.c_float, ptr, ptr, i32]
     lib.llmx_rope_store_attend.restype = i32
+    lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.llmx_rms_norm.restype = None
     lib.llmx_pin_threads.argtypes = [ptr, i32]
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
     lib.llmx_pin_threads.restype = i32
@@ -269,3 +271,19 @@ def rope_store_attend(
     )  # fmt: skip
     assert err == 0, (n_head, n_kv, d, slot, n)
     return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, RMSNorm(h) * weight) for x [..., E] float32 (contiguous) and weight [E] float32, where
+    h = x, or x + delta (same shape) when given."""
+    lib = _library()
+    assert lib is not None and x.dtype == weight.dtype == torch.float32 and x.is_contiguous()
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    h = x if delta is None else torch.empty_like(x)
+    add = None if delta is None else delta.contiguous().data_ptr()
+    w = weight.contiguous().data_ptr()
+    lib.llmx_rms_norm(x.data_ptr(), add, w, h.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    return h, out
