@@ -181,3 +181,16 @@ def test_rms_norm_matches_float64(shape, native_kernels):
         h, out = cpu_native.rms_norm(x, weight, 1e-6, d)
         assert torch.equal(h, x if d is None else x + d)
         torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=1e-6)
+
+
+def test_a_prepared_gemv_follows_a_replaced_raw():
+    """The native call prepared for a weight is rebuilt when its `raw` is replaced (op offload makes a
+    pinned copy the weight's storage), so it never keeps the old bytes alive or reads them."""
+    raw, ref = random_weight("Q8_0", 32, 256)
+    w = prepare_cpu(QWeight(raw, qtype("Q8_0"), (32, 256), "w"))
+    x = torch.randn(1, 256)
+    before = linear(x, w)
+    first = w.native[1]
+    w.raw = raw.clone()
+    assert torch.equal(linear(x, w), before)
+    assert w.native[1] is not first and w.native[1].raws[0] is w.raw

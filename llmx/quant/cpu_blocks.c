@@ -4,8 +4,8 @@
  * Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (most GGUFs' matrices); f32, f16, bf16 caches.
  *
  * Decode on the CPU is a race to read every weight byte once: a Q4_K matrix kept as GGUF stores it
- * is 0.5625 bytes a weight, against 0.75 for cpu_pack's float32-scaled form. Each thread takes a
- * contiguous range of rows and prefetches ahead of itself in it. A row's dot product multiplies
+ * is 0.5625 bytes a weight, against 0.75 for cpu_pack's float32-scaled form. Threads take chunks of
+ * contiguous rows as they come free and prefetch ahead of themselves in them. A row's dot product multiplies
  * each group's integer codes with x's (rounded to 16-bit codes per group of 32, see qx_t) in integer
  * dot-product instructions, as llama.cpp's do with 8-bit x, and applies the group's scales once to
  * the exact integer sum: about a third of the instructions of float32 products, which left one core

@@ -221,10 +221,16 @@ def _native(w: QWeight) -> bool:
 
 def _native_call(ws: Sequence[QWeight]) -> N.Gemv | None:
     """The native GEMV for weights sharing x, all `_native` with the same K, prepared on the first
-    weight the first time (a weight is first of one group in a model: q of q/k/v, gate of gate/up);
-    None where they do not all take it."""
+    weight the first time (a weight is first of one group in a model: q of q/k/v, gate of gate/up)
+    and again if a weight's `raw` was replaced (op offload pins it); None where they do not all
+    take it."""
     cached = ws[0].native
-    if cached is not None and len(cached[0]) == len(ws) and all(map(operator.is_, cached[0], ws)):
+    if (
+        cached is not None
+        and len(cached[0]) == len(ws)
+        and all(map(operator.is_, cached[0], ws))
+        and all(map(operator.is_, cached[1].raws, (w.raw for w in ws)))
+    ):
         return cached[1]
     k = ws[0].shape[1]
     if len(ws) > N.MAX_WEIGHTS or not all(_native(w) and w.shape[1] == k for w in ws):
