@@ -292,7 +292,7 @@ def rope_attention(
         from llmx.kernels import cpu_attention
 
         scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        out = cpu_attention.rope_decode_attention(q, k, v, rope, cos, sin, cache, scale_)
+        out = cpu_attention.rope_decode_attention(q, k, v, rope, (cos, sin), cache, scale_)
         if out is not None:
             return out
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)

@@ -112,7 +112,7 @@ def test_one_call_step_matches_rope_then_write_then_attention(
     cos, sin = rope.tables(positions, pos + 1)
     fused_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
     torch_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
-    out = cpu_attention.rope_decode_attention(q, k, v, rope, cos, sin, fused_cache, 0.1)
+    out = cpu_attention.rope_decode_attention(q, k, v, rope, (cos, sin), fused_cache, 0.1)
     want = unfused_step(q, k, v, rope, cos, sin, torch_cache, 0.1)
     assert out is not None and out.shape == (1, n_head * dim)
     assert relative_error(out, want) < 1e-5
@@ -139,7 +139,7 @@ def test_cache_rows_round_as_torch_does(dtype, native_kernels) -> None:
     cos, sin = torch.ones(1, 32), torch.zeros(1, 32)
     cache = LayerWriter(torch.zeros(4, 2, 64, dtype=dtype), torch.zeros(4, 2, 64, dtype=dtype), positions, 1)
     q = torch.randn(1, 2, 64)
-    assert cpu_attention.rope_decode_attention(q, k, k, rope, cos, sin, cache, 0.1) is not None
+    assert cpu_attention.rope_decode_attention(q, k, k, rope, (cos, sin), cache, 0.1) is not None
     want = k[0].to(dtype)
     assert torch.equal(cache.k[0].view(torch.int16), want.view(torch.int16))
     assert torch.equal(cache.v[0].view(torch.int16), want.view(torch.int16))

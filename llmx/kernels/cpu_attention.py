@@ -50,18 +50,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def rope_decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rope: Rope,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache: LayerKV,
-    scale: float,
-) -> torch.Tensor | None:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, tables: tuple[torch.Tensor, torch.Tensor],
+    cache: LayerKV, scale: float,
+) -> torch.Tensor | None:  # fmt: skip
     """`ops.rope_attention` for one float32 token whose cache is on the CPU and not a wrapped ring,
-    seeing every key of it: q [1, H, D], k and v [1, Hk, D] this step's, cos/sin [1, n_dims / 2] ->
-    [1, H * D], the cache written; None (nothing written) where the native kernel does not take it."""
+    seeing every key of it: q [1, H, D], k and v [1, Hk, D] this step's, `tables` its (cos, sin)
+    [1, n_dims / 2] -> [1, H * D], the cache written; None (nothing written) where the native kernel
+    does not take it."""
+    cos, sin = tables
     kc, vc = cache.k, cache.v
     slot = int(cache.positions[0])
     if not (_takes(q, kc, vc) and k.shape[-1] == q.shape[-1] and slot < cache.n_read <= kc.shape[0]):
