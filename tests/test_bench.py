@@ -36,7 +36,7 @@ def test_floor_of_a_hybrid_moe_placement_by_hand():
         ("blk.0.attn_q.weight", 3 * GB, "cuda:0"),
         ("blk.1.ffn_up_exps.weight", 8 * GB, "cpu"),  # 2 of 8 experts read: 2 GB
     ]
-    tb = token_bytes(tensors, {"cuda:0": 1e6}, n_expert_used=2, n_expert=8)
+    tb = token_bytes(tensors, {"cuda:0": ((1e6, 4096),)}, n_expert_used=2, n_expert=8)
     assert tb.weights == {"cpu": 2 * GB, "cuda:0": 4 * GB}
     # one token at depth 1000: cuda:0 reads 4 GB + 1000 * 1 MB = 5 GB, the CPU 2 GB
     assert tb.at_depth(1000) == {"cpu": 2 * GB, "cuda:0": 5 * GB}
@@ -47,6 +47,14 @@ def test_floor_of_a_hybrid_moe_placement_by_hand():
     assert r.floor_tps() == pytest.approx(40)
     assert r.percent_of_floor(20) == pytest.approx(50)
     assert r.gbs(20) == pytest.approx(140)
+
+
+def test_a_sliding_window_ring_is_read_only_as_far_as_it_holds():
+    """A token reads every position of a full-context cache up to its depth, but of a sliding-window
+    layer's ring at most the positions the ring holds."""
+    tb = token_bytes([("blk.0.attn_q.weight", GB, "cpu")], {"cpu": ((100.0, 4096), (100.0, 520))})
+    assert tb.at_depth(300) == {"cpu": GB + 100 * 300 + 100 * 300}
+    assert tb.at_depth(1000) == {"cpu": GB + 100 * 1000 + 100 * 520}
 
 
 def test_tied_embeddings_are_read_as_the_output_matrix():

@@ -27,7 +27,16 @@ def tiny(tmp_path_factory):
     return llmx.load(path, ctx_size=256)
 
 
-def test_decode_steps_fill_the_host_and_cpu_segment_counters(tiny):
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    """Sliding-window layers whose rings (window 8 + -ub 4 = 12 positions) the decode steps outgrow."""
+    path = write_tiny("gemma3", "Q8_0", tmp_path_factory.mktemp("timings-gemma3"))
+    return llmx.load(path, ctx_size=256, ubatch_size=4)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_gemma3"])
+def test_decode_steps_fill_the_host_and_cpu_segment_counters(model, request):
+    tiny = request.getfixturevalue(model)
     engine = tiny.engine
     engine.reset()
     prompt = random_prompt(10, seed=0)
@@ -44,6 +53,13 @@ def test_decode_steps_fill_the_host_and_cpu_segment_counters(tiny):
     tb = plan_token_bytes(tiny.plan, files, 0, 0)
     expected = sum(tb.at_depth(len(prompt) + i + 1)["cpu"] for i in range(4))
     assert t.gen_cpu_bytes == expected
+    # the last step, at depth 14, by hand from the cache buffers: a full-context layer's 14 positions,
+    # a ring's every row (12 for the Gemma 3's sliding layers)
+    cache = engine.executor.cache
+    buffers = zip(cache.k, cache.v, strict=True)
+    kv = sum((k.nbytes + v.nbytes) * min(14, k.shape[0]) // k.shape[0] for k, v in buffers)
+    assert tb.at_depth(14)["cpu"] - tb.at_depth(0)["cpu"] == kv
+    assert any(k.shape[0] == 12 for k in cache.k) == (model == "tiny_gemma3")
     assert t.cpu_gbs == pytest.approx(t.gen_cpu_bytes / t.gen_cpu_seconds / 1e9)
     assert t.host_ms_per_token == pytest.approx(1000 * t.gen_host_seconds / 4)
 

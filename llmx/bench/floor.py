@@ -4,7 +4,8 @@ Decode is memory-bound, so a token costs at least the bytes it must read divided
 of the device they sit on, summed over devices (GPU bytes / HBM bandwidth + CPU bytes / RAM
 bandwidth; the devices work one after another during decode, not in parallel). The bytes are every
 weight except the token embedding table (one row of it is read, not the table), plus only the
-active experts' share of MoE expert tensors, plus the KV cache at the current depth. With tied
+active experts' share of MoE expert tensors, plus the KV cache at the current depth (of a
+sliding-window layer's ring, at most the positions it holds). With tied
 embeddings (no `output.weight`) the embedding table is the output matrix and is read in full.
 Pure arithmetic: no torch, so it is tested on hand-computed cases. A `-sm row` split counts each
 GPU's rows on that GPU; those GPUs read concurrently, so for row splits the sum is an upper bound.
@@ -16,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmx.plan.memory import kv_read_bytes
+
 if TYPE_CHECKING:
     from llmx.plan.placement import Plan
 
@@ -26,16 +29,18 @@ GB = 1e9  # bandwidths are quoted in decimal GB/s, as hardware vendors and llama
 
 @dataclass(frozen=True)
 class TokenBytes:
-    """Bytes read to generate one token, per device: fixed weights plus KV per cached position."""
+    """Bytes read to generate one token, per device: fixed weights plus the KV caches it reads."""
 
     weights: dict[str, float] = field(default_factory=dict)  # device -> bytes of weights read
-    kv_per_position: dict[str, float] = field(default_factory=dict)  # device -> K+V bytes per position
+    # device -> its layers' caches as (K+V bytes a position, positions held)
+    kv: dict[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
     def at_depth(self, n_kv: float) -> dict[str, float]:
         """device -> bytes read for a token that attends over `n_kv` cached positions."""
-        devices = self.weights.keys() | self.kv_per_position.keys()
-        kv = self.kv_per_position
-        return {d: self.weights.get(d, 0.0) + kv.get(d, 0.0) * n_kv for d in sorted(devices)}
+        devices = self.weights.keys() | self.kv.keys()
+        return {
+            d: self.weights.get(d, 0.0) + kv_read_bytes(self.kv.get(d, ()), n_kv) for d in sorted(devices)
+        }
 
     def total(self, n_kv: float) -> float:
         return sum(self.at_depth(n_kv).values())
@@ -52,18 +57,19 @@ def weight_read_fraction(name: str, tied_embeddings: bool, n_expert_used: int, n
 
 def token_bytes(
     tensors: Iterable[tuple[str, int, str]],
-    kv_per_position: Mapping[str, float],
+    kv: Mapping[str, tuple[tuple[float, int], ...]],
     n_expert_used: int = 0,
     n_expert: int = 0,
 ) -> TokenBytes:
-    """Sum `(name, nbytes, device)` tensors into per-device bytes read per generated token."""
+    """Sum `(name, nbytes, device)` tensors into per-device bytes read per generated token; `kv` is
+    each device's caches as (K+V bytes a position, positions held)."""
     tensors = list(tensors)
     tied = not any(name == OUTPUT for name, _, _ in tensors)
     weights: dict[str, float] = {}
     for name, nbytes, device in tensors:
         share = weight_read_fraction(name, tied, n_expert_used, n_expert)
         weights[device] = weights.get(device, 0.0) + nbytes * share
-    return TokenBytes(weights, dict(kv_per_position))
+    return TokenBytes(weights, dict(kv))
 
 
 def placed_tensors(plan: Plan, tensors: Iterable[tuple[str, int]]) -> list[tuple[str, int, str]]:
@@ -82,12 +88,13 @@ def placed_tensors(plan: Plan, tensors: Iterable[tuple[str, int]]) -> list[tuple
     return out
 
 
-def kv_per_position(plan: Plan) -> dict[str, float]:
-    """device -> K+V bytes per cached token, from the plan's per-layer KV sizes for its context."""
-    out: dict[str, float] = {}
+def kv_layers(plan: Plan) -> dict[str, tuple[tuple[float, int], ...]]:
+    """device -> its layers' caches as (K+V bytes a position, positions held), from the plan."""
+    out: dict[str, tuple[tuple[float, int], ...]] = {}
     for row in plan.layers:
-        if row.kv_bytes:
-            out[row.kv_device] = out.get(row.kv_device, 0.0) + row.kv_bytes / plan.ctx
+        if row.kv_bytes and isinstance(row.layer, int):
+            rows = plan.kv_rows[row.layer]
+            out[row.kv_device] = (*out.get(row.kv_device, ()), (row.kv_bytes / rows, rows))
     return out
 
 
@@ -95,7 +102,7 @@ def plan_token_bytes(
     plan: Plan, tensors: Iterable[tuple[str, int]], n_expert_used: int, n_expert: int
 ) -> TokenBytes:
     """Bytes per generated token, per device, of a model with `tensors` placed by `plan`."""
-    return token_bytes(placed_tensors(plan, tensors), kv_per_position(plan), n_expert_used, n_expert)
+    return token_bytes(placed_tensors(plan, tensors), kv_layers(plan), n_expert_used, n_expert)
 
 
 def floor_seconds(bytes_per_device: Mapping[str, float], bandwidth_gbs: Mapping[str, float]) -> float | None:

@@ -10,6 +10,8 @@ bench` measures the peak on each GPU beside it, and tests/test_memory_gpu.py che
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from llmx.plan.model import ModelSpec
 from llmx.plan.options import Options
 from llmx.quant import qtype
@@ -40,6 +42,13 @@ def kv_rows(model: ModelSpec, opts: Options, layer: int) -> int:
     keys have been written)."""
     ctx, window = context_length(model, opts), model.window(layer)
     return ctx if window is None else min(ctx, window + opts.n_ubatch)
+
+
+def kv_read_bytes(layers: Iterable[tuple[float, int]], n_kv: float) -> float:
+    """K+V bytes a token reads over `n_kv` cached positions from caches given as (bytes a position,
+    positions held) each: a sliding-window layer's ring holds fewer positions than the context, and
+    a token reads at most those."""
+    return sum(per_position * min(n_kv, rows) for per_position, rows in layers)
 
 
 def kv_layer_bytes(model: ModelSpec, opts: Options, layer: int) -> int:

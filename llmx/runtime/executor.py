@@ -34,6 +34,7 @@ import torch
 from llmx.errors import first_line
 from llmx.models.common import Model, Step
 from llmx.ops import RowSplit, current_device
+from llmx.plan.memory import kv_read_bytes
 from llmx.quant.weight import QWeight
 from llmx.runtime.cache import KVCache
 from llmx.runtime.offload import WeightStreamer, offload_threshold
@@ -130,7 +131,8 @@ class Executor:
     _streamer: WeightStreamer | None = field(default=None, init=False)
     _offload_from: int | None = field(default=None, init=False)
     last: StepCounters = field(default_factory=StepCounters, init=False)
-    _cpu_reads: list[tuple[int, int]] = field(init=False)  # per segment: (weight bytes, KV bytes/token)
+    # per segment: (weight bytes, its CPU caches as (K+V bytes a position, positions held))
+    _cpu_reads: list[tuple[int, tuple[tuple[float, int], ...]]] = field(init=False)
 
     def __post_init__(self) -> None:
         self._segments = segments(self.layer_devices, self.head_device)
@@ -161,16 +163,15 @@ class Executor:
         peers = {d for v in values if isinstance(v, RowSplit) for d in _devices(v)}
         return sorted(peers - {seg.device}, key=str)
 
-    def _host_reads(self, seg: Segment) -> tuple[int, int]:
-        """(weight bytes, KV bytes per cached token) a one-token step of a CPU segment reads from RAM."""
+    def _host_reads(self, seg: Segment) -> tuple[int, tuple[tuple[float, int], ...]]:
+        """What a one-token step of a CPU segment reads from RAM: its weight bytes, and its caches as
+        (K+V bytes a position, positions held) for `kv_read_bytes`."""
         if seg.device.type != "cpu":
-            return 0, 0
+            return 0, ()
         weights = sum(_nbytes(v) for i in seg.layers for _, v in self.model.layers[i].items())
-        kv = sum(
-            (self.cache.k[i].nbytes + self.cache.v[i].nbytes) // self.cache.n_ctx
-            for i in seg.layers
-            if self.cache.k[i].device.type == "cpu"
-        )
+        caches = [(self.cache.k[i], self.cache.v[i]) for i in seg.layers]
+        on_cpu = [(k, v) for k, v in caches if k.device.type == "cpu"]
+        kv = tuple(((k.nbytes + v.nbytes) / k.shape[0], k.shape[0]) for k, v in on_cpu)
         if seg.with_head:  # the final norm and the output matrix (the embedding table when tied)
             top = self.model.top
             output = top.optional("output")
@@ -230,8 +231,8 @@ class Executor:
                 if seg.device.type == "cpu":
                     counters.waited += started - arriving
                     counters.cpu_seconds += time.perf_counter() - started
-                    weights, kv_per_token = self._cpu_reads[k]
-                    counters.cpu_bytes += weights + kv_per_token * (n_past + t)
+                    weights, kv = self._cpu_reads[k]
+                    counters.cpu_bytes += weights + round(kv_read_bytes(kv, n_past + t))
         counters.issued_at = time.perf_counter()
         return x.float().cpu()
 
