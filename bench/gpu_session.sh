@@ -5,7 +5,7 @@
 #   bash bench/gpu_session.sh check     # GPU tests (+ two-GPU tests on a 2-GPU machine), ~4 min
 #   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
 #   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), profiles, load time, ~6 min
-#   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0 (-r 3: prompt graphs replay), ~6 min
+#   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
 #   bash bench/gpu_session.sh multi     # two GPUs: one GPU, layer split and row split, ~4 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
 #
@@ -62,6 +62,14 @@ hybrid)
         timeout "${HYBRID_LIMIT:-160}" $PY -m llmx.cli bench -m "$q4" -ngl "$ngl" -p 512 -n 128 -r 3 \
             -t "${THREADS:-$(nproc)}" -o json > "$OUT/hybrid-$ngl.json"
         $PY bench/e2e.py table "$OUT/hybrid-$ngl.json" | tee "$OUT/hybrid-$ngl.md"
+    done
+    # llama.cpp's own placement for its -ngl 24 and 16 rows (its -ngl counts the output layer as the
+    # last one; llmx's, like the seed's, keeps the output on the CPU until -ngl exceeds the blocks):
+    # one block fewer on the GPU, and the output matrix there
+    for ngl in ${NGL_LLAMA_CPP:-23 15}; do
+        timeout "${HYBRID_LIMIT:-160}" $PY -m llmx.cli bench -m "$q4" -ngl "$ngl" -ot 'output\.weight=CUDA0' \
+            -p 512 -n 128 -r 3 -t "${THREADS:-$(nproc)}" -o json > "$OUT/hybrid-$ngl-output-gpu.json"
+        $PY bench/e2e.py table "$OUT/hybrid-$ngl-output-gpu.json" | tee "$OUT/hybrid-$ngl-output-gpu.md"
     done
     ;;
 multi)
