@@ -148,9 +148,14 @@ static void decode_q5_k(const uint8_t *b, float *out) { decode_k_nibbles(b, out,
  * products and our GPU's quantize x, round each value by up to 1/254 of its group's largest; that
  * moves SmolLM2's greedy text away from float32's. Sixteen bits round by 1/65024.) s16 and s32 are
  * dx times the codes' sums per 16 and per 32, so that a group's offset (Q4_K's and Q5_K's minimums,
- * Q4_0's -8, Q4_1's m, Q6_K's -32) costs one multiply; f = dx * c, the same values in float32, for
- * the portable loops. */
+ * Q4_0's -8, Q4_1's m, Q6_K's -32) costs one multiply; f = dx * c, the same values in float32, only
+ * for the portable loops (X_FLOATS: the AVX2 dot products never read them). */
 #define X_CODES 32512 /* 255 * 127 + 127: both halves in -127..127 (byte sign flips stay exact) */
+#ifdef LLMX_AVX2
+#define X_FLOATS 0
+#else
+#define X_FLOATS 1
+#endif
 typedef struct {
     const int8_t *hi, *lo;
     const float *d, *s16, *s32, *f;
@@ -166,7 +171,7 @@ static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, flo
         const int c = (int)roundf(v), low = ((c + 127) % 255 + 255) % 255 - 127;
         hi[l] = (int8_t)((c - low) / 255);
         lo[l] = (int8_t)low;
-        f[l] = dx * (float)c;
+        if (X_FLOATS) f[l] = dx * (float)c;
         sums[l / 16] += c;
     }
     *d = dx;
@@ -406,20 +411,21 @@ int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const 
         start[j + 1] = start[j] + ns[j];
     }
     const int64_t total = start[count], groups = k / 32;
-    /* x's code halves, then per group dx, s32, two s16, and f (k floats a row) */
-    int8_t *hi = malloc((size_t)(2 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + k))), *lo = hi + m * k;
+    /* x's code halves, then per group dx, s32, two s16, and (X_FLOATS) f, k floats a row */
+    int8_t *hi = malloc((size_t)(2 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k))),
+           *lo = hi + m * k;
     if (hi == NULL) return -1;
     float *dx = (float *)(lo + m * k), *s32 = dx + m * groups, *s16 = s32 + m * groups, *f = s16 + 2 * m * groups;
     /* Rows go out in chunks, about CHUNKS_A_THREAD a thread, to whichever thread is free: a VM's
      * threads start late and run at uneven speeds, and with fixed shares the slowest decides. On the
      * 16-core H200 host a Llama-3-8B decode's matmuls streamed 57.4 GB/s at 1 chunk a thread, 66.2
      * at 4, 67.9 at 8, 71.3 at 16 (4 alternating rounds each); 2 threads here: no difference. */
-    const int64_t chunk = total / (CHUNKS_A_THREAD * threads) > 16 ? total / (CHUNKS_A_THREAD * threads) : 16;
+    const int64_t share = total / (CHUNKS_A_THREAD * threads), chunk = share > 16 ? share : 16;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < m * groups; g++)
-            quantize_group(x + 32 * g, hi + 32 * g, lo + 32 * g, dx + g, s16 + 2 * g, s32 + g, f + 32 * g);
+            quantize_group(x + 32 * g, hi + 32 * g, lo + 32 * g, dx + g, s16 + 2 * g, s32 + g, f + X_FLOATS * 32 * g);
 #pragma omp for schedule(dynamic, chunk)
         for (int64_t r = 0; r < total; r++) {
             int j = 0;
@@ -427,7 +433,7 @@ int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const 
             const uint8_t *row = ws[j] + (r - start[j]) * row_bytes[j];
             for (int64_t i = 0; i < m; i++) {
                 const qx_t xi = {hi + i * k, lo + i * k, dx + i * groups,
-                                 s16 + 2 * i * groups, s32 + i * groups, f + i * k};
+                                 s16 + 2 * i * groups, s32 + i * groups, f + X_FLOATS * i * k};
                 y[i * total + r] = dot[j](row, blocks[j], &xi);
             }
         }
