@@ -65,9 +65,10 @@ hybrid)
     done
     # llama.cpp's own placement for its -ngl 24 and 16 rows (its -ngl counts the output layer as the
     # last one; llmx's, like the seed's, keeps the output on the CPU until -ngl exceeds the blocks):
-    # one block fewer on the GPU, and the output matrix there
+    # one block fewer on the GPU, and the output layer (its norm and matrix: `^`, since -ot regexes
+    # are searched anywhere in a name and `output\.weight` also matches every blk.N.attn_output) there
     for ngl in ${NGL_LLAMA_CPP:-23 15}; do
-        timeout "${HYBRID_LIMIT:-160}" $PY -m llmx.cli bench -m "$q4" -ngl "$ngl" -ot 'output\.weight=CUDA0' \
+        timeout "${HYBRID_LIMIT:-160}" $PY -m llmx.cli bench -m "$q4" -ngl "$ngl" -ot '^output=CUDA0' \
             -p 512 -n 128 -r 3 -t "${THREADS:-$(nproc)}" -o json > "$OUT/hybrid-$ngl-output-gpu.json"
         $PY bench/e2e.py table "$OUT/hybrid-$ngl-output-gpu.json" | tee "$OUT/hybrid-$ngl-output-gpu.md"
     done

@@ -13,6 +13,7 @@ import llmx
 from llmx.errors import LlmxError
 from llmx.models_on_disk import default_model_path
 from llmx.runtime.executor import Segment, segments
+from llmx.runtime.offload import NEVER, offload_threshold
 
 PROMPT = "The three primary colours are"
 N = 32
@@ -76,8 +77,9 @@ def test_segments_group_consecutive_devices():
         {"n_gpu_layers": 15},
         {"n_gpu_layers": "all", "override_tensor": ["ffn=CPU"]},
         {"n_gpu_layers": "all", "no_kv_offload": True},
+        {"n_gpu_layers": 15, "override_tensor": [r"attn_output\.weight=CUDA0"]},
     ],
-    ids=["all-gpu", "ngl-15", "ffn-on-cpu", "no-kv-offload"],
+    ids=["all-gpu", "ngl-15", "ffn-on-cpu", "no-kv-offload", "cpu-layers-attn-output-on-gpu"],
 )
 def test_gpu_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options):
     model = llmx.load(model_path, ctx_size=512, **options)
@@ -86,6 +88,19 @@ def test_gpu_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options):
     err = ((logits - cpu_logits).norm() / cpu_logits.norm()).item()
     print(f"{options}: logits relative error {err:.2e}")
     assert err < LOGITS_TOL
+
+
+@pytest.mark.gpu
+def test_offload_threshold_measures_cpu_resident_matrices_only(model_path, tmp_path, monkeypatch):
+    """CPU layers whose matrices an -ot rule put on the GPU: the op-offload threshold is measured on
+    the first layer that still holds CPU matrices, and on them only (a GPU matrix there was once
+    multiplied with the CPU's x); with none left, nothing streams."""
+    monkeypatch.setenv("LLMX_CACHE_DIR", str(tmp_path))  # measured, not read from this machine's cache
+    rules = [r"blk\.0\.=CUDA0", r"blk\.1\.attn_output=CUDA0"]
+    model = llmx.load(model_path, ctx_size=512, n_gpu_layers=15, override_tensor=rules)
+    layers, gpu = model.engine.executor.model.layers, torch.device("cuda:0")
+    assert offload_threshold([layers[0]], gpu) == NEVER
+    assert 2 <= offload_threshold([layers[0], layers[1]], gpu) < NEVER
 
 
 @pytest.mark.gpu

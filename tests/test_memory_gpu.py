@@ -44,7 +44,7 @@ def stream_every_prompt(monkeypatch):
     """Op offload streams CPU layers from 2 prompt tokens on (the measured threshold varies by machine)."""
     from llmx.runtime import executor
 
-    monkeypatch.setattr(executor, "offload_threshold", lambda layer, device: 2)
+    monkeypatch.setattr(executor, "offload_threshold", lambda layers, device: 2)
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:

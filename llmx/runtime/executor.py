@@ -190,7 +190,10 @@ class Executor:
         if self._streamer is None or seg.device.type != "cpu" or not seg.layers or t < 2:
             return False
         if self._offload_from is None:
-            self._offload_from = offload_threshold(self.model.layers[seg.layers[0]], self._streamer.device)
+            cpu_layers = (
+                self.model.layers[i] for s in self._segments if s.device.type == "cpu" for i in s.layers
+            )
+            self._offload_from = offload_threshold(cpu_layers, self._streamer.device)
         return t >= self._offload_from
 
     def _run_segment(

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ from llmx.models.common import TensorGroup
 from llmx.quant.weight import QWeight, linear
 
 MEASURE_TOKENS = 64
+NEVER = sys.maxsize  # the threshold where no CPU layer holds a CPU-resident matrix
 
 
 @dataclass
@@ -66,18 +69,25 @@ class WeightStreamer:
         return TensorGroup(f"blk.{layer}.", moved), done
 
 
-def offload_threshold(layer: TensorGroup, device: torch.device) -> int:
-    """Prompt tokens from which streaming a CPU layer to `device` beats computing it on the CPU.
+def offload_threshold(layers: Iterable[TensorGroup], device: torch.device) -> int:
+    """Prompt tokens from which streaming CPU layers to `device` beats computing them on the CPU.
 
-    Measured once per (CPU, GPU, thread count): the CPU's time per token for the layer's matrices at
-    MEASURE_TOKENS rows, against the time to copy the layer's bytes from pinned memory.
+    Measured once per (CPU, GPU, thread count) on the first of `layers` that holds CPU-resident
+    matrices (an `-ot` rule may have put some or all of a layer's on a GPU: those are neither
+    computed on the CPU nor streamed): the CPU's time per token for them at MEASURE_TOKENS rows,
+    against the time to copy their bytes from pinned memory. Without any, nothing streams.
     """
+    resident = (
+        [w for _, w in g.items() if isinstance(w, QWeight) and w.raw.device.type == "cpu"] for g in layers
+    )
+    mats = next((m for m in resident if m), None)
+    if mats is None:
+        return NEVER
     key = f"offload|{torch.cuda.get_device_name(device)}|{torch.get_num_threads()} threads"
     path = cache_dir() / "offload.json"
     cached = json.loads(path.read_text()) if path.exists() else {}
     if key in cached:
         return int(cached[key])
-    mats = [w for _, w in layer.items() if isinstance(w, QWeight)]
     x = {w.shape[1]: torch.randn(MEASURE_TOKENS, w.shape[1]) for w in mats}
     t0 = time.perf_counter()
     for w in mats:
