@@ -160,7 +160,8 @@ def sweep(types: list[str]) -> list[dict]:
                 "gbs": w.raw.numel() / t / 1e6,
             }
             rows.append(row | cfg.__dict__)
-            print(f"sweep {name} {n}x{k} {cfg.bn}/{cfg.bk}/{cfg.num_warps}: {row['gbs']:.0f} GB/s", flush=True)
+            shape = f"{cfg.bn}/{cfg.bk}/{cfg.num_warps}"
+            print(f"sweep {name} {n}x{k} {shape}: {row['gbs']:.0f} GB/s", flush=True)
     return rows
 
 
