@@ -191,6 +191,14 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The 8 lanes' sums of a[0..7] as one vector: lane r holds a[r]'s. */
+static inline __m256 hsum8(const __m256 a[8]) {
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    /* s0: a[0..3]'s sums over lanes 0-3, then over lanes 4-7; s1 the same for a[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
 /* acc + 8 int32 lanes, each the sum of 4 adjacent products of unsigned bytes u and signed bytes s
  * (exact: no pair of products here reaches maddubs' int16 saturation, |u| <= 128, |s| <= 127). */
 static inline __m256i add_u8s8(__m256i acc, __m256i u, __m256i s) {
@@ -581,7 +589,63 @@ static inline float exp_shifted(float *s, int64_t n, float top) {
 }
 
 #define MAX_HEAD_DIM 512
-#define PREFETCH_ROWS 8 /* cache rows ahead (prefetching past the end is harmless: it cannot fault) */
+#define KEY_TILE 8 /* cache rows converted at once: their dot products share each load of q, and their
+                      weighted values each load and store of the output */
+
+/* Rows j..j+t-1 (t <= KEY_TILE) of one KV head's keys or values, row_bytes apart, as floats in rows
+ * (the rest of the tile zeroed); every line of the next tile's rows is asked for meanwhile (the rows
+ * are strided, which the hardware prefetcher does not follow; past the end is harmless: a prefetch
+ * cannot fault). */
+static inline void tile_rows(const char *base, int64_t row_bytes, int type, int64_t d, int64_t j, int64_t t,
+                             float rows[][MAX_HEAD_DIM]) {
+    const int64_t bytes = d * (type == KV_F32 ? 4 : 2);
+    for (int64_t r = 0; r < KEY_TILE; r++)
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + (j + KEY_TILE + r) * row_bytes + o);
+    for (int64_t r = 0; r < KEY_TILE; r++) {
+        if (r < t) kv_row(base + (j + r) * row_bytes, type, d, rows[r]);
+        else memset(rows[r], 0, sizeof(float) * (size_t)d);
+    }
+}
+
+/* s[g * n + r] = q_g . rows[r] for the group's query heads g (q_g = qh + g * d) and the tile's t rows. */
+static inline void tile_scores(const float *qh, int64_t group, int64_t d, float rows[][MAX_HEAD_DIM], int64_t t,
+                               float *s, int64_t n) {
+    for (int64_t g = 0; g < group; g++) {
+#ifdef LLMX_AVX2
+        __m256 acc[KEY_TILE];
+        for (int r = 0; r < KEY_TILE; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(qh + g * d + i);
+            for (int r = 0; r < KEY_TILE; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[r] + i), acc[r]);
+        }
+        float sums[KEY_TILE];
+        _mm256_storeu_ps(sums, hsum8(acc));
+        for (int64_t r = 0; r < t; r++) s[g * n + r] = sums[r];
+#else
+        for (int64_t r = 0; r < t; r++) s[g * n + r] = dot_f32(qh + g * d, rows[r], d);
+#endif
+    }
+}
+
+/* For each query head g of the group, its partial output (og + g * og_stride) += sum over the tile's
+ * t rows of weight s[g * n + r] times rows[r]. */
+static inline void tile_values(float *og, int64_t og_stride, int64_t group, int64_t d, float rows[][MAX_HEAD_DIM],
+                               int64_t t, const float *s, int64_t n) {
+    for (int64_t g = 0; g < group; g++) {
+        float *o = og + g * og_stride;
+        const float *p = s + g * n;
+#ifdef LLMX_AVX2
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 acc = _mm256_loadu_ps(o + i);
+            for (int64_t r = 0; r < t; r++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[r]), _mm256_loadu_ps(rows[r] + i), acc);
+            _mm256_storeu_ps(o + i, acc);
+        }
+#else
+        for (int64_t r = 0; r < t; r++)
+            for (int64_t i = 0; i < d; i++) o[i] += p[r] * rows[r][i];
+#endif
+    }
+}
 
 /* q [H, D] float32 (scaled), k and v [n, Hk, D] of `type`, every key visible -> out [H, D] float32.
  * The keys are cut into chunks, so that there are a few (KV head, chunk) items a thread; each item
@@ -606,14 +670,16 @@ int llmx_decode_attention(const float *q, const void *k, const void *v, int type
             const int64_t j0 = c * len, j1 = j0 + len < n ? j0 + len : n;
             const char *kh = (const char *)k + h * d * elem, *vh = (const char *)v + h * d * elem;
             const float *qh = q + h * group * d;
-            float *s = scratch + h * group * n, row[MAX_HEAD_DIM];
-            for (int64_t j = j0; j < j1; j++) {
-                __builtin_prefetch(kh + (j + PREFETCH_ROWS) * row_bytes);  /* rows are strided: help */
-                kv_row(kh + j * row_bytes, type, d, row);
-                for (int64_t g = 0; g < group; g++) s[g * n + j] = dot_f32(qh + g * d, row, d);
+            float *s = scratch + h * group * n, rows[KEY_TILE][MAX_HEAD_DIM];
+            for (int64_t j = j0; j < j1; j += KEY_TILE) {
+                const int64_t t = j1 - j < KEY_TILE ? j1 - j : KEY_TILE;
+                tile_rows(kh, row_bytes, type, d, j, t, rows);
+                tile_scores(qh, group, d, rows, t, s + j, n);
             }
+            float *og = part + (h * group * chunks + c) * (d + 2);
+            const int64_t og_stride = chunks * (d + 2);  /* from one query head's partial output to the next's */
             for (int64_t g = 0; g < group; g++) {
-                float *pg = part + ((h * group + g) * chunks + c) * (d + 2);
+                float *pg = og + g * og_stride;
                 if (j1 <= j0) {  /* an empty last chunk: weight 0 in the combination */
                     pg[d] = -INFINITY;
                     pg[d + 1] = 0.0f;
@@ -623,20 +689,10 @@ int llmx_decode_attention(const float *q, const void *k, const void *v, int type
                 pg[d + 1] = exp_shifted(s + g * n + j0, j1 - j0, pg[d]);
                 for (int64_t i = 0; i < d; i++) pg[i] = 0.0f;
             }
-            for (int64_t j = j0; j < j1; j++) {
-                __builtin_prefetch(vh + (j + PREFETCH_ROWS) * row_bytes);
-                kv_row(vh + j * row_bytes, type, d, row);
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = s[g * n + j];
-                    float *og = part + ((h * group + g) * chunks + c) * (d + 2);
-#ifdef LLMX_AVX2
-                    const __m256 pv = _mm256_set1_ps(p);
-                    for (int64_t i = 0; i < d; i += 8)
-                        _mm256_storeu_ps(og + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + i), _mm256_loadu_ps(og + i)));
-#else
-                    for (int64_t i = 0; i < d; i++) og[i] += p * row[i];
-#endif
-                }
+            for (int64_t j = j0; j < j1; j += KEY_TILE) {
+                const int64_t t = j1 - j < KEY_TILE ? j1 - j : KEY_TILE;
+                tile_rows(vh, row_bytes, type, d, j, t, rows);
+                tile_values(og, og_stride, group, d, rows, t, s + j, n);
             }
         }
     }
