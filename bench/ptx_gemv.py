@@ -1,0 +1,75 @@
+"""What the integer-dot GEMV's main loop compiles to on Hopper, without a GPU.
+
+Triton compiles `dot8.gemv8_kernel` for sm_90 here (PTX needs no device); for each launch shape this
+counts, inside the loop over K, the global loads a thread issues and the barriers (`bar.sync`: a
+layout conversion through shared memory). Device time is scarce; this shows before a run whether a
+change removed loads or added shuffles (bench/RESULTS.md, session 6).
+
+    python bench/ptx_gemv.py [--types Q4_K,Q6_K,Q8_0] [--bn 2,4,8,16] [--bk 1024,2048,4096] [--warps 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from llmx.quant import triton_ops as tops
+from llmx.quant.triton import dot8
+
+POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
+WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
+CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM")
+
+
+def ptx(name: str, bn: int, bk: int, warps: int) -> str:
+    """The PTX of one launch shape: one weight a launch, every pointer and integer a multiple of 16
+    (as Triton specializes them for Llama-shaped matrices)."""
+    unit = tops.DOT8_UNIT[name]
+    signature = dict(POINTERS)
+    for j in range(tops.DOT8_MAX_WEIGHTS):
+        signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
+    signature |= {"K": "i32", "swn_words": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
+    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True)
+    aligned = [i for i, v in enumerate(signature.values()) if v != "constexpr"]
+    src = ASTSource(
+        fn=dot8.gemv8_kernel,
+        signature=signature,
+        constexprs=dict(zip(CONSTANTS, values, strict=True)),
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+
+
+def loop_body(code: str) -> list[str]:
+    """The lines of the innermost loop (LLVM marks its header), up to its backward branch."""
+    lines = code.splitlines()
+    head = next(i for i, line in enumerate(lines) if "Inner Loop Header" in line)
+    labels = (re.match(r"(\$L__BB\d+_\d+):", line) for line in lines[head - 1 : head + 1])
+    label = next(m.group(1) for m in labels if m)
+    end = max(i for i, line in enumerate(lines) if re.search(rf"bra\s+{re.escape(label)};", line))
+    return lines[head - 1 : end + 1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default=",".join(tops.DOT8_BY_DEFAULT))
+    ap.add_argument("--bn", default="2,4,8,16")
+    ap.add_argument("--bk", default="1024,2048,4096")
+    ap.add_argument("--warps", default="1,2,4")
+    args = ap.parse_args()
+    ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps)]
+    print("| type | BN/BK/warps | global loads a step | barriers a step |\n| --- | --- | ---: | ---: |")
+    for name, bn, bk, warps in itertools.product(args.types.split(","), *ints):
+        body = loop_body(ptx(name, bn, bk, warps))
+        loads = sum("ld.global" in line for line in body)
+        barriers = sum("bar.sync" in line for line in body)
+        print(f"| {name} | {bn}/{bk}/{warps} | {loads} | {barriers} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
