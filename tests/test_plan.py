@@ -155,6 +155,19 @@ def test_override_rules_first_match_wins_over_layers():
     assert p.device_of("token_embd.weight") == "cuda:0"
 
 
+def test_each_override_rule_notes_what_it_took():
+    """A regex searched anywhere in a name can take more than meant: `output\\.weight` also takes every
+    blk.N.attn_output.weight, and the plan says so; `^output` takes the output layer alone."""
+    m, inv = model("llama3-8b"), parse_devices("cuda0=24GiB,cpu=64GiB")
+    loose = place(m, inv, Options(n_gpu_layers=23, override_tensor=[r"output\.weight=CUDA0"]))
+    note = next(n for n in loose.notes if n.startswith("-ot output"))
+    assert note.startswith(r"-ot output\.weight=CUDA0 put 33 tensors on cuda:0: blk.0.attn_output.weight, ")
+    assert loose.device_of("blk.0.attn_output.weight") == "cuda:0"
+    anchored = place(m, inv, Options(n_gpu_layers=23, override_tensor=["^output=CUDA0"]))
+    assert "-ot ^output=CUDA0 put 2 tensors on cuda:0: output_norm.weight, output.weight" in anchored.notes
+    assert anchored.device_of("blk.0.attn_output.weight") == "cpu"
+
+
 def test_override_errors_and_unmatched_warning():
     m, inv = model("llama3-8b"), parse_devices("cuda0=24GiB,cpu=64GiB")
     with pytest.raises(LlmxError, match=r"unknown buffer type 'CUDA3' in -ot; available: CPU, CUDA0"):

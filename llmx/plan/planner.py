@@ -22,7 +22,7 @@ from llmx.plan.memory import compute_bytes, context_length, kv_layer_bytes, kv_r
 from llmx.plan.model import ROLES, ModelSpec, TensorSpec
 from llmx.plan.options import ALL_LAYERS, Options
 from llmx.plan.placement import DeviceUse, LayerRow, Plan
-from llmx.plan.rules import compile_rules
+from llmx.plan.rules import Rule, compile_rules
 
 OUTPUT_TENSORS = ("output_norm.weight", "output.weight")
 ROW_ROUNDING = 64  # row-split boundaries fall on multiples of 64 rows, as ggml-cuda rounds them
@@ -49,14 +49,14 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
     gpus = gpus_in_use(inv, opts)
     layer_dev, output_dev, n_offloaded = assign_layers(model, opts, gpus, inv)
     rules = compile_rules(opts, inv)
-    hits = [0] * len(rules)
+    hits: list[list[str]] = [[] for _ in rules]
     tensor_device: dict[str, str] = {}
     pinned: set[str] = set()
     for t in model.tensors:
         for i, rule in enumerate(rules):
             if rule.matches(t.name):
                 tensor_device[t.name] = rule.device
-                hits[i] += 1
+                hits[i].append(t.name)
                 pinned.add(t.name)
                 break
         else:
@@ -80,8 +80,12 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
     usage = _usage(model, inv, opts, where)
     main_gpu = inv.gpus[opts.main_gpu].name if gpus else None
     usage, op_offload, offload_notes = _reserve_streaming(model, opts, layer_dev, output_dev, main_gpu, usage)
-    notes = (*notes, *offload_notes)
-    warnings = [f"{r.source} matched no tensor" for r, n in zip(rules, hits, strict=True) if n == 0]
+    notes = (
+        *notes,
+        *(rule_note(r, names) for r, names in zip(rules, hits, strict=True) if names),
+        *offload_notes,
+    )
+    warnings = [f"{r.source} matched no tensor" for r, names in zip(rules, hits, strict=True) if not names]
     warnings += _empty_gpu_warnings(opts, gpus, usage, n_offloaded)
     if not inv.gpus and opts.n_gpu_layers:
         warnings.append(f"no GPU: -ngl {opts.n_gpu_layers} has no effect, everything runs on the CPU")
@@ -104,6 +108,14 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         notes=notes,
         op_offload=op_offload,
     )
+
+
+def rule_note(rule: Rule, names: list[str]) -> str:
+    """What an override rule took, so that a regex that caught more than meant shows (-ot regexes are
+    searched anywhere in a name: `output\\.weight` also takes every blk.N.attn_output.weight)."""
+    shown = names if len(names) <= 3 else [*names[:2], "...", names[-1]]
+    count = f"{len(names)} tensor{'s' if len(names) > 1 else ''}"
+    return f"{rule.source} put {count} on {rule.device}: {', '.join(shown)}"
 
 
 def _reserve_streaming(
