@@ -161,6 +161,68 @@ typedef struct {
     const float *d, *s16, *s32, *f;
 } qx_t;
 
+#ifdef LLMX_AVX2
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* quantize_group's codes for 32 values, with the same roundings: the scale and each product in float32,
+ * half away from zero as trunc(v) plus the sign where |v - trunc(v)| >= 1/2 (exact: v + 1/2 can round
+ * up across a power of two), and hi = round(c / 255) to nearest (no ties: 255 is odd; float32's error
+ * stays far below the 1/510 that separates c / 255 from a half), lo = c - 255 hi in -127..127 as the
+ * scalar loop's modulo gives. The scalar loop's roundf and fmaxf were calls into libm: ~3 us of fixed
+ * cost for a 576-wide x, more than a small matrix's products. */
+static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, float *s16, float *s32, float *f) {
+    (void)f;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 xs[4], top = _mm256_setzero_ps();
+    for (int q = 0; q < 4; q++) {
+        xs[q] = _mm256_loadu_ps(x + 8 * q);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, xs[q]));
+    }
+    const float amax = hmax(top);
+    const float inv = amax > 0.0f ? (float)X_CODES / amax : 0.0f, dx = amax / (float)X_CODES;
+    const __m256 vinv = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256i c[4];
+    for (int q = 0; q < 4; q++) {
+        const __m256 v = _mm256_mul_ps(xs[q], vinv);
+        const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
+        const __m256 away = _mm256_or_ps(_mm256_and_ps(v, sign), one);  /* +-1 with v's sign */
+        c[q] = _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, away)));  /* exact integers */
+    }
+    for (int q = 0; q < 4; q += 2) {  /* 16 codes at a time: to 16-bit, then bytes */
+        __m256i h[2], l[2];
+        for (int r = 0; r < 2; r++) {
+            const __m256 cf = _mm256_cvtepi32_ps(c[q + r]);
+            const __m256 hf = _mm256_round_ps(_mm256_mul_ps(cf, _mm256_set1_ps(1.0f / 255.0f)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            h[r] = _mm256_cvtps_epi32(hf);
+            l[r] = _mm256_sub_epi32(c[q + r], _mm256_mullo_epi32(h[r], _mm256_set1_epi32(255)));
+        }
+        /* packs work within 128-bit lanes: reorder the 64-bit quarters back to element order */
+        const __m256i h16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(h[0], h[1]), 0xD8);
+        const __m256i l16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(l[0], l[1]), 0xD8);
+        const __m128i h8 = _mm_packs_epi16(_mm256_castsi256_si128(h16), _mm256_extracti128_si256(h16, 1));
+        const __m128i l8 = _mm_packs_epi16(_mm256_castsi256_si128(l16), _mm256_extracti128_si256(l16, 1));
+        _mm_storeu_si128((__m128i *)(hi + 8 * q), h8);
+        _mm_storeu_si128((__m128i *)(lo + 8 * q), l8);
+    }
+    const int sum0 = hsum_epi32(_mm256_add_epi32(c[0], c[1])), sum1 = hsum_epi32(_mm256_add_epi32(c[2], c[3]));
+    *d = dx;
+    s16[0] = dx * (float)sum0;
+    s16[1] = dx * (float)sum1;
+    *s32 = dx * (float)(sum0 + sum1);
+}
+#else
 static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, float *s16, float *s32, float *f) {
     float amax = 0.0f;
     for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(x[l]));
@@ -179,6 +241,7 @@ static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, flo
     s16[1] = dx * (float)sums[1];
     *s32 = dx * (float)(sums[0] + sums[1]);
 }
+#endif
 
 /* One row of W (`blocks` blocks) times x. */
 typedef float (*dot_fn)(const uint8_t *row, int64_t blocks, const qx_t *x);
