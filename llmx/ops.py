@@ -157,7 +157,8 @@ def _fused_rows(x: torch.Tensor) -> bool:
 def linear_many(x: torch.Tensor, ws: list[QWeight | RowSplit]) -> list[torch.Tensor]:
     """[linear(x, w) for w in ws] for weights sharing an input (q/k/v, gate/up): one joined kernel
     call where they live together on x's device, separate calls otherwise."""
-    if all(isinstance(w, QWeight) and w.raw.device == x.device for w in ws):
+    device = x.device
+    if all(isinstance(w, QWeight) and w.raw.device == device for w in ws):
         return qw.linear_many(x, ws)
     if all(isinstance(w, RowSplit) for w in ws) and len({w.devices for w in ws}) == 1:
         return [y.to(x.device) for y in RowSplit.linear_many(x, ws)]

@@ -164,8 +164,9 @@ class Gemv:
     arguments are built here once rather than at every call (~15 us each)."""
 
     def __init__(self, weights: Sequence[tuple[torch.Tensor, QType]]) -> None:
-        count = len(weights)
-        assert 0 < count <= MAX_WEIGHTS and all(raw.is_contiguous() for raw, _ in weights)
+        count, lib = len(weights), _library()
+        assert lib is not None and 0 < count <= MAX_WEIGHTS and all(raw.is_contiguous() for raw, _ in weights)
+        self._lib = lib
         self.raws = tuple(raw for raw, _ in weights)  # kept alive with the pointers below
         self.sizes = [raw.shape[0] for raw in self.raws]
         self.n = sum(self.sizes)
@@ -178,12 +179,11 @@ class Gemv:
         )
 
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
-        lib = _library()
-        assert lib is not None and x2.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
+        assert x2.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
         x2 = x2.contiguous()
         m, k = x2.shape
         y = torch.empty((m, self.n), dtype=torch.float32)
-        err = lib.llmx_gemv_many(*self._weights, k, x2.data_ptr(), m, y.data_ptr(), _threads(lib))
+        err = self._lib.llmx_gemv_many(*self._weights, k, x2.data_ptr(), m, y.data_ptr(), _threads(self._lib))
         assert err == 0, (self.sizes, m)
         return y
 

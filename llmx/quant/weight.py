@@ -94,12 +94,18 @@ def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tens
     if x.shape[-1] != k:
         raise LlmxError(f"{w.name or 'weight'} {w.shape} cannot multiply x of shape {tuple(x.shape)}")
     choice = kernel or KERNEL
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    flat = x.dim() == 2  # a decode step's x: no reshapes (each costs about a microsecond)
+    x2 = x if flat else x.reshape(-1, k)
     if choice == "emulated":
         y = x2 @ dequantize(w).t()
-    elif w.raw.device.type == "cuda":
+    elif w.raw.is_cuda:
         y = _cuda(x, w)
+    elif (
+        choice in ("auto", "packed")
+        and x2.shape[0] <= N.MAX_ROWS
+        and (call := _native_call((w,))) is not None
+    ):
+        y = call(x2)
     elif _native(w) and choice in ("auto", "packed"):
         y = _native_matmul(x2, w)
     elif isinstance(w.packed, P.PackedCodes) and choice in ("auto", "packed"):
@@ -108,7 +114,7 @@ def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tens
         raise LlmxError(f"{w.name or 'weight'} ({w.qtype.name}) has no packed CPU form; see prepare_cpu")
     else:
         y = _dequant_matmul(x2, w)
-    return y.reshape(*lead, n)
+    return y if flat else y.reshape(*x.shape[:-1], n)
 
 
 def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = None) -> list[torch.Tensor]:
@@ -119,13 +125,13 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
     results are then views of one [..., sum(out)] tensor. On a GPU, x is quantized once for all the
     integer-dot GEMVs among them.
     """
-    if (kernel or KERNEL) == "auto" and all(w.raw.device.type == "cuda" for w in ws):
+    if (kernel or KERNEL) == "auto" and all(w.raw.is_cuda for w in ws):
         return _cuda_many(x, ws)
     k = ws[0].shape[1]
     rows = x.numel() // max(x.shape[-1], 1)
     call = _native_call(ws) if (kernel or KERNEL) in ("auto", "packed") and rows <= N.MAX_ROWS else None
     if call is not None and x.shape[-1] == k:
-        outs = call(x.reshape(-1, k)).split_with_sizes(call.sizes, dim=1)
+        outs = call(x if x.dim() == 2 else x.reshape(-1, k)).split_with_sizes(call.sizes, dim=1)
         return list(outs) if x.dim() == 2 else [y.reshape(*x.shape[:-1], -1) for y in outs]
     joined = ws[0].joined
     if (
@@ -225,12 +231,7 @@ def _native_call(ws: Sequence[QWeight]) -> N.Gemv | None:
     and again if a weight's `raw` was replaced (op offload pins it); None where they do not all
     take it."""
     cached = ws[0].native
-    if (
-        cached is not None
-        and len(cached[0]) == len(ws)
-        and all(map(operator.is_, cached[0], ws))
-        and all(map(operator.is_, cached[1].raws, (w.raw for w in ws)))
-    ):
+    if cached is not None and _still_prepared(cached, ws):
         return cached[1]
     k = ws[0].shape[1]
     if len(ws) > N.MAX_WEIGHTS or not all(_native(w) and w.shape[1] == k for w in ws):
@@ -240,11 +241,23 @@ def _native_call(ws: Sequence[QWeight]) -> N.Gemv | None:
     return call
 
 
+def _still_prepared(cached: tuple[tuple[QWeight, ...], N.Gemv], ws: Sequence[QWeight]) -> bool:
+    """Whether a prepared call is for exactly these weights and their current raws (a decode step asks
+    some hundred times: one weight, the common case, is checked without building iterators)."""
+    members, call = cached
+    if len(ws) == 1:
+        return len(members) == 1 and members[0] is ws[0] and call.raws[0] is ws[0].raw
+    return (
+        len(members) == len(ws)
+        and all(map(operator.is_, members, ws))
+        and all(map(operator.is_, call.raws, (w.raw for w in ws)))
+    )
+
+
 def _native_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """x2 [M, K] @ W^T on the GGUF blocks: one pass over W for few rows, else dense chunks."""
+    """x2 [M, K] @ W^T on the GGUF blocks for more rows than a GEMV call takes: W dequantized in chunks
+    of rows for `torch.mm` (fewer rows take `_native_call`)."""
     n, k = w.shape
-    if x2.shape[0] <= N.MAX_ROWS:
-        return _native_call([w])(x2)
     buf = _scratch(min(n, _chunk_rows(k)) * k)
     return _chunked_matmul(
         x2, n, lambda r0, r1: N.dequantize_rows(w.raw, w.qtype, r0, r1, k, buf[: (r1 - r0) * k].view(-1, k))
