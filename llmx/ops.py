@@ -134,9 +134,9 @@ def _native_cpu_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     float32 tokens, contiguous, their weight on the CPU in float32 (not with FUSED_NORM "off")."""
     return (
         FUSED_NORM == "auto"
-        and x.device.type == "cpu"
+        and x.is_cpu
+        and weight.is_cpu
         and x.dtype == weight.dtype == torch.float32
-        and weight.device.type == "cpu"
         and x.dim() > 1
         and x.shape[0] <= FUSED_NORM_MAX_TOKENS
         and x.is_contiguous()
