@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) /* F16C: every AVX2 CPU has it */
 #define LLMX_AVX2 1
 #endif
 #if defined(LLMX_AVX2) || defined(__F16C__)
@@ -344,21 +344,50 @@ static float dot_q4_k(const uint8_t *row, int64_t blocks, const qx_t *x) { retur
 static float dot_q5_k(const uint8_t *row, int64_t blocks, const qx_t *x) { return dot_k_nibbles(row, blocks, x, 1); }
 
 /* Q4_0 and Q4_1 (with_m: the f16 m after d; else the -8 every code carries). */
+static inline __m256i legacy_codes(const uint8_t *nibbles) { /* 16 bytes: 32 codes, low nibbles first */
+    const __m128i v = _mm_loadu_si128((const __m128i *)nibbles), low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+
+static inline __m256i hsum8i(const __m256i a[8]) { /* hsum8 for int32 lanes (exact) */
+    const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+
+/* Q4_0 and Q4_1 (with_m: the f16 m after d; else the -8 every code carries). A block is only 32 weights,
+ * so its scalar work (two f16 scales, a product, a broadcast, a conversion) weighed as much as its
+ * products: eight blocks go at once, their integer sums reduced into one vector (lane i: block i) and
+ * their scales converted together, so that each of those steps runs once for eight blocks. A row's
+ * last blocks (fewer than eight) go one by one: a partial group with zeroed lanes cost more. */
 static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int with_m) {
-    const __m128i low = _mm_set1_epi8(15);
-    const int bytes = with_m ? 20 : 18;
-    __m256 acc = _mm256_setzero_ps();
-    float offsets = 0.0f;
-    for (int64_t blk = 0; blk < blocks; blk++) {
+    const int bytes = with_m ? 20 : 18, at = with_m ? 4 : 2;
+    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+    int64_t blk = 0;
+    for (; blk + 8 <= blocks; blk += 8) {
         const uint8_t *b = row + bytes * blk;
-        prefetch_block(b, bytes);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(b + (with_m ? 4 : 2)));
-        const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-        const float d = half_to_float(b);
-        acc = add_scaled(sum_x(codes, x, 32 * blk), _mm256_set1_ps(d * x->d[blk]), acc);
-        offsets += (with_m ? half_to_float(b + 2) : -8.0f * d) * x->s32[blk];
+        prefetch_block(b, 8 * bytes);
+        __m256i sums[8];
+        uint16_t d_bits[8], m_bits[8];
+        for (int i = 0; i < 8; i++) {
+            sums[i] = sum_x(legacy_codes(b + bytes * i + at), x, 32 * (blk + i));
+            memcpy(d_bits + i, b + bytes * i, 2);
+            memcpy(m_bits + i, b + bytes * i + 2, 2); /* Q4_0: two of its code bytes, unused */
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d_bits));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i(sums)), _mm256_mul_ps(d, _mm256_loadu_ps(x->d + blk)), acc);
+        const __m256 m = with_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m_bits))
+                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        offsets = _mm256_fmadd_ps(m, _mm256_loadu_ps(x->s32 + blk), offsets);
     }
-    return hsum(acc) + offsets;
+    float total = hsum(acc) + hsum(offsets);
+    for (; blk < blocks; blk++) {
+        const uint8_t *b = row + bytes * blk;
+        const float d = half_to_float(b);
+        total += hsum(_mm256_cvtepi32_ps(sum_x(legacy_codes(b + at), x, 32 * blk))) * (d * x->d[blk]);
+        total += (with_m ? half_to_float(b + 2) : -8.0f * d) * x->s32[blk];
+    }
+    return total;
 }
 
 static float dot_q4_0(const uint8_t *row, int64_t blocks, const qx_t *x) {
