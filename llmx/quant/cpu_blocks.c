@@ -343,7 +343,6 @@ static float dot_q4_k(const uint8_t *row, int64_t blocks, const qx_t *x) { retur
 
 static float dot_q5_k(const uint8_t *row, int64_t blocks, const qx_t *x) { return dot_k_nibbles(row, blocks, x, 1); }
 
-/* Q4_0 and Q4_1 (with_m: the f16 m after d; else the -8 every code carries). */
 static inline __m256i legacy_codes(const uint8_t *nibbles) { /* 16 bytes: 32 codes, low nibbles first */
     const __m128i v = _mm_loadu_si128((const __m128i *)nibbles), low = _mm_set1_epi8(15);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
@@ -384,7 +383,7 @@ static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const
     for (; blk < blocks; blk++) {
         const uint8_t *b = row + bytes * blk;
         const float d = half_to_float(b);
-        total += hsum(_mm256_cvtepi32_ps(sum_x(legacy_codes(b + at), x, 32 * blk))) * (d * x->d[blk]);
+        total += (float)hsum_epi32(sum_x(legacy_codes(b + at), x, 32 * blk)) * (d * x->d[blk]);
         total += (with_m ? half_to_float(b + 2) : -8.0f * d) * x->s32[blk];
     }
     return total;
