@@ -354,11 +354,26 @@ static inline __m256i hsum8i(const __m256i a[8]) { /* hsum8 for int32 lanes (exa
     return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
 }
 
-/* Q4_0 and Q4_1 (with_m: the f16 m after d; else the -8 every code carries). A block is only 32 weights,
- * so its scalar work (two f16 scales, a product, a broadcast, a conversion) weighed as much as its
- * products: eight blocks go at once, their integer sums reduced into one vector (lane i: block i) and
- * their scales converted together, so that each of those steps runs once for eight blocks. A row's
- * last blocks (fewer than eight) go one by one: a partial group with zeroed lanes cost more. */
+/* The f16 at byte `at` of eight blocks `bytes` apart, as floats. */
+static inline __m256 eight_halves(const uint8_t *b, int bytes, int at) {
+    uint16_t bits[8];
+    for (int i = 0; i < 8; i++) memcpy(bits + i, b + bytes * i + at, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)bits));
+}
+
+/* Types of 32-weight blocks with an f16 d first (Q4_0, Q4_1, Q8_0): a block's products are few, so its
+ * scalar work (d converted, times dx, broadcast, the sum converted) weighed as much as they did. Eight
+ * blocks go at once: their integer sums reduced into one vector (lane i: block i), their d's converted
+ * together, acc += sums * d * dx; returns the d's. A row's last blocks (fewer than eight) go one by one:
+ * a partial group with zeroed lanes cost more. */
+static inline __m256 add_eight_blocks(const __m256i sums[8], const uint8_t *b, int bytes, const float *dx, __m256 *acc) {
+    const __m256 d = eight_halves(b, bytes, 0);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i(sums)), _mm256_mul_ps(d, _mm256_loadu_ps(dx)), *acc);
+    return d;
+}
+
+/* Q4_0 and Q4_1 (with_m: the f16 m after d; else the -8 every code carries), eight blocks at a time
+ * (add_eight_blocks); the minimums come off as m * s32, eight at a time too. */
 static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int with_m) {
     const int bytes = with_m ? 20 : 18, at = with_m ? 4 : 2;
     __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
@@ -367,16 +382,9 @@ static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const
         const uint8_t *b = row + bytes * blk;
         prefetch_block(b, 8 * bytes);
         __m256i sums[8];
-        uint16_t d_bits[8], m_bits[8];
-        for (int i = 0; i < 8; i++) {
-            sums[i] = sum_x(legacy_codes(b + bytes * i + at), x, 32 * (blk + i));
-            memcpy(d_bits + i, b + bytes * i, 2);
-            memcpy(m_bits + i, b + bytes * i + 2, 2); /* Q4_0: two of its code bytes, unused */
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d_bits));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i(sums)), _mm256_mul_ps(d, _mm256_loadu_ps(x->d + blk)), acc);
-        const __m256 m = with_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m_bits))
-                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        for (int i = 0; i < 8; i++) sums[i] = sum_x(legacy_codes(b + bytes * i + at), x, 32 * (blk + i));
+        const __m256 d = add_eight_blocks(sums, b, bytes, x->d + blk, &acc);
+        const __m256 m = with_m ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         offsets = _mm256_fmadd_ps(m, _mm256_loadu_ps(x->s32 + blk), offsets);
     }
     float total = hsum(acc) + hsum(offsets);
@@ -444,18 +452,28 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
     return hsum(acc) - 32.0f * hsum(offsets);
 }
 
-static float dot_q8_0(const uint8_t *row, int64_t blocks, const qx_t *x) {
+static inline __m256i q8_0_sum(const uint8_t *b, const qx_t *x, int64_t at) { /* one block's lane sums */
+    const __m256i w = load32(b + 2);
+    /* |w| times x with w's sign: unsigned times signed, as the instruction wants */
+    return sum_u8s16(_mm256_abs_epi8(w), _mm256_sign_epi8(load32(x->hi + at), w), _mm256_sign_epi8(load32(x->lo + at), w));
+}
+
+static float dot_q8_0(const uint8_t *row, int64_t blocks, const qx_t *x) { /* eight blocks at a time */
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t blk = 0; blk < blocks; blk++) {
+    int64_t blk = 0;
+    for (; blk + 8 <= blocks; blk += 8) {
         const uint8_t *b = row + 34 * blk;
-        prefetch_block(b, 34);
-        const __m256i w = load32(b + 2);
-        /* |w| times x with w's sign: unsigned times signed, as the instruction wants */
-        const __m256i sums = sum_u8s16(_mm256_abs_epi8(w), _mm256_sign_epi8(load32(x->hi + 32 * blk), w),
-                                       _mm256_sign_epi8(load32(x->lo + 32 * blk), w));
-        acc = add_scaled(sums, _mm256_set1_ps(half_to_float(b) * x->d[blk]), acc);
+        prefetch_block(b, 8 * 34);
+        __m256i sums[8];
+        for (int i = 0; i < 8; i++) sums[i] = q8_0_sum(b + 34 * i, x, 32 * (blk + i));
+        add_eight_blocks(sums, b, 34, x->d + blk, &acc);
     }
-    return hsum(acc);
+    float total = hsum(acc);
+    for (; blk < blocks; blk++) {
+        const uint8_t *b = row + 34 * blk;
+        total += (float)hsum_epi32(q8_0_sum(b, x, 32 * blk)) * (half_to_float(b) * x->d[blk]);
+    }
+    return total;
 }
 #else
 #define DOT_BY_DECODING(name, QK, BYTES)                                                               \
