@@ -745,7 +745,7 @@ static inline void tile_values(float *og, int64_t og_stride, int64_t group, int6
         const float *p = s + g * n;
 #ifdef LLMX_AVX2
         __m256 pv[KEY_TILE];
-        for (int r = 0; r < KEY_TILE; r++) pv[r] = _mm256_set1_ps(r < t ? p[r] : 0.0f);  /* zero rows past t */
+        for (int r = 0; r < KEY_TILE; r++) pv[r] = _mm256_set1_ps(r < t ? p[r] : 0.0f);  /* no score read past the tile */
         for (int64_t i = 0; i < d; i += 8) {
             __m256 acc = _mm256_loadu_ps(o + i);
             for (int r = 0; r < KEY_TILE; r++) acc = _mm256_fmadd_ps(pv[r], _mm256_loadu_ps(rows[r] + i), acc);

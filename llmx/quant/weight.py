@@ -106,7 +106,7 @@ def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tens
         and (call := _native_call((w,))) is not None
     ):
         y = call(x2)
-    elif _native(w) and choice in ("auto", "packed"):
+    elif choice in ("auto", "packed") and x2.shape[0] > N.MAX_ROWS and _native(w):  # fewer: above
         y = _native_matmul(x2, w)
     elif isinstance(w.packed, P.PackedCodes) and choice in ("auto", "packed"):
         y = _packed_matmul(x2.contiguous(), w.packed)
