@@ -139,8 +139,7 @@ def sweep(types: list[str]) -> list[dict]:
         w = tops.prepare(make_weight(name, n, k))
         kernel = tops.kernel_for(w, 1, "dot8")
         if kernel == "dot8":
-            # Rows beyond the threads' reach stay in each thread, sharing its x loads: many rows
-            # a program and few warps are where the best shapes are.
+            # One warp and few rows a program were among the best shapes on an H200 (bench/RESULTS.md).
             steps = (512, 1024, 2048) if name == "Q8_0" else (1024, 2048, 4096)
             shapes = list(itertools.product((2, 4, 8, 16), steps, (1, 2, 4)))
         else:
