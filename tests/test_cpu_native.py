@@ -195,3 +195,32 @@ def test_a_prepared_gemv_follows_a_replaced_raw():
     w.raw = raw.clone()
     assert torch.equal(linear(x, w), before)
     assert w.native[1] is not first and w.native[1].raws[0] is w.raw
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_swiglu_is_one_call_matching_a_float64_ffn(m, native_kernels):
+    """A decode step's gated FFN in one native call (`ops.swiglu` takes it for CPU GGUF blocks):
+    down(silu(gate(x)) * up(x)) within float32 error of the float64 FFN, x and the activation read
+    as the kernels quantize them."""
+    from llmx.ops import swiglu
+
+    k, f, e = 256, 512, 96
+    (gate_raw, gate), (up_raw, up), (down_raw, down) = (
+        random_weight(name, n, width, seed)
+        for name, n, width, seed in (("Q4_K", f, k, 11), ("Q4_K", f, k, 12), ("Q6_K", e, f, 13))
+    )
+    ws = [
+        prepare_cpu(QWeight(raw, qtype(name), (raw.shape[0], width), name))
+        for raw, name, width in ((gate_raw, "Q4_K", k), (up_raw, "Q4_K", k), (down_raw, "Q6_K", f))
+    ]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = swiglu(x, *ws)
+    xq = quantized(x.numpy()).astype(np.float64)
+    g, u = xq @ gate.astype(np.float64).T, xq @ up.astype(np.float64).T
+    act = g * 0.5 * (1 + np.tanh(g / 2)) * u  # silu, without exp overflowing for large -g
+    want = quantized(act.astype(np.float32)).astype(np.float64) @ down.astype(np.float64).T
+    scale = np.abs(quantized(act.astype(np.float32))) @ np.abs(down.astype(np.float64)).T
+    assert y.shape == (m, e)
+    assert np.all(np.abs(y.numpy() - want) <= 1e-4 * scale)
+    gate_up = cpu_native.Gemv([(gate_raw, qtype("Q4_K")), (up_raw, qtype("Q4_K"))])
+    assert torch.equal(y, cpu_native.swiglu(x, gate_up, cpu_native.Gemv([(down_raw, qtype("Q6_K"))])))

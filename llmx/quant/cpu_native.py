@@ -65,6 +65,7 @@ def bind(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
+    lib.llmx_swiglu.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i32]
     lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, ptr, ptr, i32]
     lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i64, i64]
@@ -74,6 +75,7 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_rms_norm.restype = None
     lib.llmx_pin_threads.argtypes = [ptr, i32]
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
+    lib.llmx_swiglu.restype = i32
     lib.llmx_pin_threads.restype = i32
     return lib
 
@@ -186,6 +188,19 @@ class Gemv:
         err = self._lib.llmx_gemv_many(*self._weights, k, x2.data_ptr(), m, y.data_ptr(), _threads(self._lib))
         assert err == 0, (self.sizes, m)
         return y
+
+
+def swiglu(x2: torch.Tensor, gate_up: Gemv, down: Gemv) -> torch.Tensor:
+    """down(silu(gate(x2)) * up(x2)) for x2 [M, K] float32 (M <= MAX_ROWS) in one native call, with
+    `gate_up` the joined gate and up matrices (equal heights F) and `down` one matrix of F columns."""
+    assert x2.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
+    x2 = x2.contiguous()
+    m, k = x2.shape
+    y = torch.empty((m, down.n), dtype=torch.float32)
+    lib = gate_up._lib
+    err = lib.llmx_swiglu(*gate_up._weights, k, x2.data_ptr(), m, *down._weights, y.data_ptr(), _threads(lib))
+    assert err == 0, (gate_up.sizes, down.sizes, m)
+    return y
 
 
 def gemv(x2: torch.Tensor, weights: Sequence[tuple[torch.Tensor, QType]]) -> torch.Tensor:
