@@ -112,7 +112,9 @@ def test_one_call_step_matches_rope_then_write_then_attention(
     cos, sin = rope.tables(positions, pos + 1)
     fused_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
     torch_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
+    q_before, k_before = q.clone(), k.clone()
     out = cpu_attention.rope_decode_attention(q, k, v, rope, (cos, sin), fused_cache, 0.1)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # rotated into copies, not in place
     want = unfused_step(q, k, v, rope, cos, sin, torch_cache, 0.1)
     assert out is not None and out.shape == (1, n_head * dim)
     assert relative_error(out, want) < 1e-5

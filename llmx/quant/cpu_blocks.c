@@ -903,26 +903,33 @@ static inline void rope_in_place(float *x, const float *cos, const float *sin, i
     }
 }
 
-/* One token's attention step on the CPU, whole: q [H, D] and k [Hk, D] (float32, this step's; both
- * overwritten) rotated by RoPE, q scaled, k and v [Hk, D] stored as cache row `slot` of kc and vc
- * (`type`), then llmx_decode_attention over the cache's first n rows (every key visible).
- * The step costs one call instead of some twenty torch ops. Returns as llmx_decode_attention. */
-int llmx_rope_store_attend(float *q, float *k, const float *v, const float *cos, const float *sin, int64_t n_dims,
-                           int neox, void *kc, void *vc, int type, int64_t slot, int64_t n, int64_t n_head,
-                           int64_t n_kv, int64_t d, float scale, float *scratch, float *out, int threads) {
-    if (n_dims > d || n_dims % 2 != 0 || slot < 0 || slot >= n) return -1;
+/* One token's attention step on the CPU, whole: q [H, D] and k [Hk, D] (float32, this step's) rotated
+ * by RoPE, q scaled, k and v [Hk, D] stored as cache row `slot` of kc and vc (`type`), then
+ * llmx_decode_attention over the cache's first n rows (every key visible). q and k stay as they are:
+ * the rotated q goes to scratch's last H * D floats (scratch holds H * (n + D)), each rotated key head
+ * to the stack on its way into the cache. The step costs one call instead of some twenty torch ops.
+ * Returns as llmx_decode_attention. */
+int llmx_rope_store_attend(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                           int64_t n_dims, int neox, void *kc, void *vc, int type, int64_t slot, int64_t n,
+                           int64_t n_head, int64_t n_kv, int64_t d, float scale, float *scratch, float *out,
+                           int threads) {
+    if (n_dims > d || n_dims % 2 != 0 || slot < 0 || slot >= n || d > MAX_HEAD_DIM) return -1;
+    float *qs = scratch + n_head * n, kh[MAX_HEAD_DIM];
     for (int64_t h = 0; h < n_head; h++) {
-        rope_in_place(q + h * d, cos, sin, n_dims, neox);
-        for (int64_t i = 0; i < d; i++) q[h * d + i] *= scale;
+        float *qh = qs + h * d;
+        memcpy(qh, q + h * d, sizeof(float) * (size_t)d);
+        rope_in_place(qh, cos, sin, n_dims, neox);
+        for (int64_t i = 0; i < d; i++) qh[i] *= scale;
     }
     const int64_t elem = type == KV_F32 ? 4 : 2;
     char *krow = (char *)kc + slot * n_kv * d * elem, *vrow = (char *)vc + slot * n_kv * d * elem;
-    for (int64_t h = 0; h < n_kv; h++) rope_in_place(k + h * d, cos, sin, n_dims, neox);
-    for (int64_t i = 0; i < n_kv * d; i++) {
-        store_kv(k[i], type, krow + i * elem);
-        store_kv(v[i], type, vrow + i * elem);
+    for (int64_t h = 0; h < n_kv; h++) {
+        memcpy(kh, k + h * d, sizeof(float) * (size_t)d);
+        rope_in_place(kh, cos, sin, n_dims, neox);
+        for (int64_t i = 0; i < d; i++) store_kv(kh[i], type, krow + (h * d + i) * elem);
     }
-    return llmx_decode_attention(q, kc, vc, type, n, n_head, n_kv, d, scratch, out, threads);
+    for (int64_t i = 0; i < n_kv * d; i++) store_kv(v[i], type, vrow + i * elem);
+    return llmx_decode_attention(qs, kc, vc, type, n, n_head, n_kv, d, scratch, out, threads);
 }
 
 /* --- threads ------------------------------------------------------------------------------------ */

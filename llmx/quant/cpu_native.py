@@ -275,10 +275,10 @@ def rope_store_attend(
     n_kv = k.shape[1]
     assert lib is not None and k_cache.dtype == v_cache.dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    qs, ks, vs = q.contiguous().clone(), k.contiguous().clone(), v.contiguous()  # rotated in place: copies
+    qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(1, n_head * d, dtype=torch.float32)
-    scratch = torch.empty(n_head * n, dtype=torch.float32)
+    scratch = torch.empty(n_head * (n + d), dtype=torch.float32)  # scores, then the rotated q
     err = lib.llmx_rope_store_attend(
         qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
         int(neox), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype], slot, n,
