@@ -223,4 +223,4 @@ def test_swiglu_is_one_call_matching_a_float64_ffn(m, native_kernels):
     assert y.shape == (m, e)
     assert np.all(np.abs(y.numpy() - want) <= 1e-4 * scale)
     gate_up = cpu_native.Gemv([(gate_raw, qtype("Q4_K")), (up_raw, qtype("Q4_K"))])
-    assert torch.equal(y, cpu_native.swiglu(x, gate_up, cpu_native.Gemv([(down_raw, qtype("Q6_K"))])))
+    assert torch.equal(y, gate_up.swiglu(x, cpu_native.Gemv([(down_raw, qtype("Q6_K"))])))

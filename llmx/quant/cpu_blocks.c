@@ -563,8 +563,8 @@ int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const 
  * pair, as llmx_gemv_many takes them: count 2, equal heights F) into [m, 2F], silu(g) * u into [m, F]
  * on every thread, then the down matrix (count 1, F weights a row) into y [m, nd]. A decode step's
  * FFN thus costs one call where it took five torch ops and two GEMV calls (~70 us a layer of Python
- * and dispatch on the H200 host). Returns 0, or -1 as llmx_gemv_many does, or for unequal heights
- * or a down matrix that does not take F weights a row. */
+ * and dispatch on the H200 host). The down matrix must take F weights a row (the caller checks: its
+ * rows' bytes do not say). Returns 0, or -1 as llmx_gemv_many does, or for unequal heights. */
 int llmx_swiglu(int count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *row_bytes,
                 int64_t k, const float *x, int64_t m, int down_count, const int *down_type,
                 const uint8_t *const *down, const int64_t *nd, const int64_t *down_row_bytes, float *y, int threads) {
@@ -574,10 +574,12 @@ int llmx_swiglu(int count, const int *types, const uint8_t *const *ws, const int
     if (gu == NULL) return -1;
     int err = llmx_gemv_many(2, types, ws, ns, row_bytes, k, x, m, gu, threads);
     if (err == 0) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t i = 0; i < m * f; i++) {
-            const float g = gu[(i / f) * 2 * f + i % f], u = gu[(i / f) * 2 * f + f + i % f];
-            act[i] = g / (1.0f + expf(-g)) * u;
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            for (int64_t j = 0; j < f; j++) {
+                const float g = gu[r * 2 * f + j], u = gu[r * 2 * f + f + j];
+                act[r * f + j] = g / (1.0f + expf(-g)) * u;
+            }
         }
         err = llmx_gemv_many(1, down_type, down, nd, down_row_bytes, f, act, m, y, threads);
     }

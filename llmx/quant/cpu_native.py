@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -181,26 +181,24 @@ class Gemv:
         )
 
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        return self._run(x2, self.n, self._lib.llmx_gemv_many)
+
+    def swiglu(self, x2: torch.Tensor, down: Gemv) -> torch.Tensor:
+        """down(silu(gate(x2)) * up(x2)) in one native call, this call being the joined gate and up
+        matrices (equal heights F) and `down` one matrix of F columns: [M, down.n]."""
+        return self._run(x2, down.n, self._lib.llmx_swiglu, *down._weights)
+
+    def _run(
+        self, x2: torch.Tensor, n: int, entry: Callable[..., int], *weights_after_x: object
+    ) -> torch.Tensor:
+        """`entry`(this call's weights, K, x2, M, `weights_after_x`, y, threads) into y [M, n]."""
         assert x2.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
         x2 = x2.contiguous()
         m, k = x2.shape
-        y = torch.empty((m, self.n), dtype=torch.float32)
-        err = self._lib.llmx_gemv_many(*self._weights, k, x2.data_ptr(), m, y.data_ptr(), _threads(self._lib))
+        y = torch.empty((m, n), dtype=torch.float32)
+        err = entry(*self._weights, k, x2.data_ptr(), m, *weights_after_x, y.data_ptr(), _threads(self._lib))
         assert err == 0, (self.sizes, m)
         return y
-
-
-def swiglu(x2: torch.Tensor, gate_up: Gemv, down: Gemv) -> torch.Tensor:
-    """down(silu(gate(x2)) * up(x2)) for x2 [M, K] float32 (M <= MAX_ROWS) in one native call, with
-    `gate_up` the joined gate and up matrices (equal heights F) and `down` one matrix of F columns."""
-    assert x2.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
-    x2 = x2.contiguous()
-    m, k = x2.shape
-    y = torch.empty((m, down.n), dtype=torch.float32)
-    lib = gate_up._lib
-    err = lib.llmx_swiglu(*gate_up._weights, k, x2.data_ptr(), m, *down._weights, y.data_ptr(), _threads(lib))
-    assert err == 0, (gate_up.sizes, down.sizes, m)
-    return y
 
 
 def gemv(x2: torch.Tensor, weights: Sequence[tuple[torch.Tensor, QType]]) -> torch.Tensor:

@@ -151,13 +151,13 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
 
 def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor | None:
     """down(silu(gate(x)) * up(x)) in one native call for a decode step's x [M, K] (M <= MAX_ROWS)
-    when all three matrices take the native kernels (`cpu_native.swiglu`); None otherwise."""
+    when all three matrices take the native kernels (`cpu_native.Gemv.swiglu`); None otherwise."""
     if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > N.MAX_ROWS or not x.is_cpu:
         return None
     gate_up, down_call = _native_call((gate, up)), _native_call((down,))
     if gate_up is None or down_call is None or gate.shape[0] != up.shape[0] or down.shape[1] != gate.shape[0]:
         return None
-    return N.swiglu(x, gate_up, down_call)
+    return gate_up.swiglu(x, down_call)
 
 
 def _join(ws: Sequence[QWeight]) -> Joined | None:
