@@ -155,9 +155,12 @@ def test_llmx_chat_on_gemma3_uses_its_chat_template(gemma, gemma3_path):
 # --- tiny random models against transformers, live ------------------------------------------------
 
 # Max |ours - transformers| over all logits of every position; measured <= 1e-5 for F32, <= 6e-5 for
-# Q8_0 and <= 5e-4 for Q4_K_M (whose random blocks make a few logits large), the last two where a
-# prompt's final ubatch of a few tokens takes the GEMV on x's 16-bit codes.
-TINY_MAX_ABS_DIFF = 1e-3
+# Q8_0 and <= 5e-4 for Q4_K_M (whose random blocks make a few logits large) on an AVX2 CPU, the last
+# two where a prompt's final ubatch of a few tokens takes the GEMV on x's 16-bit codes; 1.2e-3 for
+# Gemma 3's Q4_K_M with the native kernels built for an AVX-512 CPU (under 1e-3 there with
+# LLMX_CPU_GEMV=eager: the kernels' summation order, not a wrong weight).
+TINY_MAX_ABS_DIFF = 2e-3
+ARGMAX_MARGIN = 1e-2  # the top two logits of nearly every position differ by more than this
 PROMPT_LENGTHS = (64, 72, 80, 96)  # all longer than the tiny Gemma 3's window of 8
 N_GREEDY = 32
 
@@ -229,7 +232,7 @@ def test_tiny_logits_are_not_degenerate(tiny):
     logits = tiny.ref.logits[0]
     top2 = logits.topk(2, dim=-1).values
     assert logits.std() > 0.5
-    assert ((top2[:, 0] - top2[:, 1]) > 10 * TINY_MAX_ABS_DIFF).float().mean() > 0.9
+    assert ((top2[:, 0] - top2[:, 1]) > ARGMAX_MARGIN).float().mean() > 0.9
     assert len(set(logits.argmax(-1).tolist())) >= 5
 
 
