@@ -21,7 +21,7 @@ import torch
 from llmx.engine import Engine
 from llmx.gguf import ModelFile, open_gguf
 from llmx.models import model_class
-from llmx.models.common import Config
+from llmx.models.common import Config, Model
 from llmx.models_on_disk import default_model_path
 from llmx.plan.fit import plan as make_plan
 from llmx.plan.model import ModelSpec
@@ -30,6 +30,7 @@ from llmx.plan.placement import Plan
 from llmx.runtime.cache import KVCache, LayerShape
 from llmx.runtime.devices import probe
 from llmx.runtime.executor import Executor
+from llmx.runtime.tensor_parallel import TensorParallel, deal, exchange_reducers
 from llmx.runtime.weights import LoadReport, load_weights
 from llmx.text.chat import chat_ids
 from llmx.text.sampler import Sampler, SamplingParams
@@ -83,6 +84,22 @@ class LoadedModel:
         return chat_ids(self.tokenizer, messages, add_generation_prompt=True)
 
 
+def kv_shapes(cls: type[Model], config: Config, plan: Plan, shard: int) -> list[LayerShape]:
+    """What each layer caches on GPU `shard` of a `-sm row` split (0: the main GPU, which also holds
+    every layer outside the split; another GPU holds nothing for those)."""
+    out = []
+    for i in range(config.n_layer):
+        n_kv, dk, dv = cls.kv_shape(config, i)
+        device, rows = plan.kv_device(i), plan.kv_rows[i]
+        if i in plan.split_layers:
+            h0, h1 = plan.split[shard].kv_heads
+            n_kv, device = h1 - h0, device if device == "cpu" else plan.split[shard].device
+        elif shard:
+            n_kv, device = 0, "cpu"
+        out.append(LayerShape(n_kv, dk, dv, device, rows))
+    return out
+
+
 def load(path: str | os.PathLike | None = None, **options: Any) -> LoadedModel:
     """Open a GGUF (default: the embedded SmolLM2), place and load its weights, build the engine."""
     opts = options.pop("options", None) or options_from_kwargs(**options)
@@ -100,13 +117,19 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     plan = make_plan(ModelSpec.from_gguf(mf), probe(), opts)
     plan.check(suggestion="lower -ngl or -c, or use --fit")
     top, layers, report = load_weights(mf, plan, progress=progress)
-    model = cls(config, top, layers)
-    layer_devices = [torch.device(d) for d in plan.layer_device]
-    shapes = [
-        LayerShape(*cls.kv_shape(config, i), plan.kv_device(i), plan.kv_rows[i])
-        for i in range(config.n_layer)
+    split_devices = [s.device for s in plan.split]
+    reducers = exchange_reducers(split_devices, opts.n_ubatch * config.n_embd) if split_devices else []
+    models = deal(cls, config, top, layers, reducers)
+    caches = [
+        KVCache(plan.ctx, kv_shapes(cls, config, plan, j), opts.cache_type_k, opts.cache_type_v)
+        for j in range(len(models))
     ]
-    cache = KVCache(plan.ctx, shapes, opts.cache_type_k, opts.cache_type_v)
+    model, cache = models[0], caches[0]
+    split = None
+    if split_devices:
+        devices = [torch.device(d) for d in split_devices]
+        split = TensorParallel(devices, models, caches, frozenset(plan.split_layers))
+    layer_devices = [torch.device(d) for d in plan.layer_device]
     executor = Executor(
         model,
         cache,
@@ -114,6 +137,7 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
         torch.device(plan.device_of("token_embd.weight")),
         torch.device(plan.device_of("output_norm.weight")),
         op_offload=torch.device(plan.op_offload) if plan.op_offload else None,
+        split=split,
     )
     engine = Engine(executor, ubatch=opts.n_ubatch)
     return LoadedModel(mf, config, engine, tokenizer, opts, plan, report, time.perf_counter() - t0)

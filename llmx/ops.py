@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Protocol
@@ -25,6 +26,7 @@ from llmx.quant.weight import QWeight, embedding
 
 __all__ = [
     "LayerKV",
+    "PartialSum",
     "Rope",
     "RowSplit",
     "add_rms_norm",
@@ -93,8 +95,19 @@ class RowSplit:
         return [torch.cat([p[i] for p in pieces], dim=-1) for i in range(len(ws))]
 
 
-def linear(x: torch.Tensor, w: QWeight | RowSplit) -> torch.Tensor:
+@dataclass
+class PartialSum:
+    """One GPU's columns of a matrix whose product is summed over GPUs (`-sm row`: the attention
+    output and FFN down matrices): `reduce` adds this GPU's partial product to the others'."""
+
+    weight: QWeight
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+def linear(x: torch.Tensor, w: QWeight | RowSplit | PartialSum) -> torch.Tensor:
     """x [..., in] @ W^T -> [..., out], computed where W lives (only the activation moves)."""
+    if isinstance(w, PartialSum):
+        return w.reduce(qw.linear(x, w.weight))
     if isinstance(w, RowSplit):
         return RowSplit.linear_many(x, [w])[0].to(x.device)
     if x.device == w.raw.device:

@@ -188,11 +188,11 @@ def test_allocated_bytes_match_the_plan(model_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_row_split_decode_replays_one_graph_across_both_gpus(model_path, cpu_tokens):
-    """A row-split model's decode step is one CUDA graph holding both GPUs' kernels and copies (the
+    """A row-split model's decode step is one CUDA graph holding both GPUs' kernels and exchanges (the
     executor falls back to eager steps with a warning where that fails: here it must not)."""
     model = llmx.load(model_path, ctx_size=512, n_gpu_layers="all", split_mode="row", tensor_split="1,1")
     executor = model.engine.executor
-    assert any(executor._peers)
+    assert any(executor._peers) and executor.split is not None
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*could not be captured")
         assert greedy_ids(model) == cpu_tokens
@@ -207,8 +207,9 @@ def test_row_split_decode_replays_one_graph_across_both_gpus(model_path, cpu_tok
         {"n_gpu_layers": "all", "split_mode": "layer", "tensor_split": "1,1"},
         {"n_gpu_layers": "all", "split_mode": "row", "tensor_split": "1,1"},
         {"n_gpu_layers": 20, "split_mode": "layer", "tensor_split": "3,1"},
+        {"n_gpu_layers": 20, "split_mode": "row", "tensor_split": "3,1"},
     ],
-    ids=["layer-split", "row-split", "layer-split-hybrid"],
+    ids=["layer-split", "row-split", "layer-split-hybrid", "row-split-hybrid"],
 )
 def test_two_gpus_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options):
     model = llmx.load(model_path, ctx_size=512, **options)
@@ -217,3 +218,63 @@ def test_two_gpus_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options
     assert greedy_ids(model) == cpu_tokens
     logits = forced_logits(model, cpu_tokens)
     assert ((logits - cpu_logits).norm() / cpu_logits.norm()).item() < LOGITS_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_exchange_adds_partials_to_the_same_bits_on_both_gpus():
+    """`kernels.exchange`: meetings of every size (a decode token, a prompt batch, an odd length), many
+    in a row (the inboxes alternate), eagerly and replayed from one graph holding both GPUs' kernels,
+    give torch's sum in GPU order, identical on both GPUs."""
+    from llmx.kernels.exchange import Exchange
+
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    exchange = Exchange(devices, 512 * 4096)
+    for n in (4096, 1000, 512 * 4096, 1, 4096, 4096):
+        partials = [torch.randn(n, device=d) for d in devices]
+        sums = [exchange.all_reduce(p, rank) for rank, p in enumerate(partials)]
+        want = partials[0] + partials[1].to(devices[0])
+        assert torch.equal(sums[0], want) and torch.equal(sums[1].to(devices[0]), want)
+    x = [torch.randn(4096, device=d) for d in devices]
+    y = [torch.empty_like(t) for t in x]
+    streams = [torch.cuda.Stream(d) for d in devices]
+    graph = torch.cuda.CUDAGraph()
+    streams[0].wait_stream(torch.cuda.current_stream(devices[0]))
+    with torch.cuda.graph(graph, stream=streams[0]):
+        streams[1].wait_stream(streams[0])
+        with torch.cuda.stream(streams[1]), torch.cuda.device(devices[0]):
+            for rank, d in enumerate(devices):
+                with torch.cuda.device(d):
+                    for _ in range(8):  # eight meetings a replay, each adding to the last total
+                        y[rank].copy_(exchange.all_reduce(x[rank], rank))
+                        x[rank].copy_(y[rank] * 0.5)
+        streams[0].wait_stream(streams[1])
+    for _ in range(3):
+        start = [t.clone() for t in x]
+        graph.replay()
+        for d in devices:
+            torch.cuda.synchronize(d)
+        total = start[0] + start[1].to(devices[0])
+        for _ in range(7):
+            total = (total * 0.5) + (total * 0.5)
+        assert torch.equal(y[0], total) and torch.equal(y[1].to(devices[0]), total)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_row_split_allocates_what_the_plan_says_on_each_gpu(model_path):
+    """Each GPU of a split holds its parts of the weights, its KV heads and the exchange's inboxes:
+    within 5% of the plan."""
+    from llmx.plan.memory import exchange_bytes
+    from llmx.plan.model import ModelSpec
+
+    torch.cuda.empty_cache()
+    before = [torch.cuda.memory_allocated(i) for i in range(2)]
+    model = llmx.load(model_path, ctx_size=2048, n_gpu_layers="all", split_mode="row", tensor_split="1,1")
+    assert len(model.plan.split) == 2
+    inboxes = exchange_bytes(ModelSpec.from_gguf(model.file), model.plan.options, 2)
+    for i in range(2):
+        measured = torch.cuda.memory_allocated(i) - before[i]
+        use = model.plan.device_use(f"cuda:{i}")
+        planned = use.weights + use.kv + inboxes
+        assert abs(measured - planned) <= 0.05 * planned, (i, measured, planned)

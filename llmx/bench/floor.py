@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmx.plan.memory import kv_read_bytes
+from llmx.plan.tensor_parallel import kv_parts
 
 if TYPE_CHECKING:
     from llmx.plan.placement import Plan
@@ -73,10 +74,11 @@ def token_bytes(
 
 
 def placed_tensors(plan: Plan, tensors: Iterable[tuple[str, int]]) -> list[tuple[str, int, str]]:
-    """`(name, nbytes)` -> `(name, nbytes, device)` as `plan` places them; row splits per GPU share."""
+    """`(name, nbytes)` -> `(name, nbytes, device)` as `plan` places them; split matrices per GPU share
+    (a `-sm row` layer's vectors, copied to every GPU of the split, count once: a few KB)."""
     out = []
     for name, nbytes in tensors:
-        split = plan.row_split(name)
+        split = plan.row_split(name) or plan.column_split(name)
         if split:
             rows = sum(end - first for _, first, end in split)
             out += [(name, nbytes * (end - first) // rows, dev) for dev, first, end in split]
@@ -94,7 +96,9 @@ def kv_layers(plan: Plan) -> dict[str, tuple[tuple[float, int], ...]]:
     for row in plan.layers:
         if row.kv_bytes and isinstance(row.layer, int):
             rows = plan.kv_rows[row.layer]
-            out[row.kv_device] = (*out.get(row.kv_device, ()), (row.kv_bytes / rows, rows))
+            split = plan.split if row.layer in plan.split_layers else ()
+            for device, share in kv_parts(split, plan.kv_device(row.layer)):
+                out[device] = (*out.get(device, ()), (row.kv_bytes * share / rows, rows))
     return out
 
 

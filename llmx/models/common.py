@@ -167,14 +167,16 @@ class Model:
     # --- shared pieces -------------------------------------------------------------------------
 
     def qkv(self, w: TensorGroup, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projections with optional biases, as [T, heads, D]."""
+        """Projections with optional biases, as [T, heads, D]; the heads are counted from the weights
+        (a GPU of a `-sm row` split holds some of them)."""
         c, t = self.config, h.shape[0]
         names = ("attn_q", "attn_k", "attn_v")
         q, k, v = (
             y if (b := w.optional(f"{n}_bias")) is None else y + b.to(y.device)
             for n, y in zip(names, linear_many(h, [getattr(w, n) for n in names]), strict=True)
         )
-        return q.view(t, c.n_head, c.head_dim), k.view(t, c.n_head_kv, c.head_dim), v.view(t, c.n_head_kv, -1)
+        n_kv = k.shape[-1] // c.head_dim
+        return q.view(t, -1, c.head_dim), k.view(t, n_kv, c.head_dim), v.view(t, n_kv, -1)
 
     def self_attention(
         self,

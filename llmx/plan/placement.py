@@ -1,7 +1,8 @@
 """The result of planning: where every tensor and every layer's KV cache lives, and what it costs.
 
 A `Plan` is plain data the runtime executes: `device_of(tensor)`, `kv_device(layer)`,
-`row_split(tensor)` for `-sm row`, and `extra_copies` for tensors needed on a second device. The
+`row_split(tensor)` / `column_split(tensor)` / `replicas` and `split` for `-sm row`
+(`tensor_parallel`), and `extra_copies` for tensors needed on a second device. The
 per-device usage and per-layer table are what `llmx plan` prints.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from llmx.errors import LlmxError
 from llmx.plan.devices import GiB, fmt_bytes
 from llmx.plan.options import Options
+from llmx.plan.tensor_parallel import Shard
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,10 @@ class Plan:
     layers: tuple[LayerRow, ...]
     n_offloaded: int
     row_splits: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    column_splits: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    replicas: dict[str, tuple[str, ...]] = field(default_factory=dict)  # copies on the other split GPUs
+    split: tuple[Shard, ...] = ()  # -sm row: each GPU's heads and FFN width, the main GPU first
+    split_layers: tuple[int, ...] = ()  # the layers divided that way
     extra_copies: dict[str, str] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # how the options came about (e.g. what --fit chose)
@@ -90,6 +96,11 @@ class Plan:
     def row_split(self, tensor: str) -> tuple[tuple[str, int, int], ...] | None:
         """For `-sm row`: ((device, first_row, end_row), ...) covering the tensor's rows; else None."""
         return self.row_splits.get(tensor)
+
+    def column_split(self, tensor: str) -> tuple[tuple[str, int, int], ...] | None:
+        """For `-sm row`: ((device, first_column, end_column), ...) of a matrix whose products are
+        partial sums, added across the GPUs; else None."""
+        return self.column_splits.get(tensor)
 
     @property
     def offloaded_line(self) -> str:
@@ -137,6 +148,9 @@ class Plan:
             "tensors": self.tensor_device,
             "kv": list(self.kv_devices),
             "row_splits": {k: [list(p) for p in v] for k, v in self.row_splits.items()},
+            "column_splits": {k: [list(p) for p in v] for k, v in self.column_splits.items()},
+            "replicas": {k: list(v) for k, v in self.replicas.items()},
+            "split": [asdict(s) for s in self.split],
             "extra_copies": self.extra_copies,
             "warnings": list(self.warnings),
             "notes": list(self.notes),

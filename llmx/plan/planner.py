@@ -7,8 +7,10 @@ How a tensor's device is decided, in order:
    with N > n_layer the output layer too (llama_model::load_tensors, `i_gpu_start`);
 4. `-sm layer` spreads the GPU layers over the GPUs in proportion to `-ts` (default: free memory),
    GPU 0 taking the first of them; `-sm none` uses the `-mg` GPU only; `-sm row` keeps the layers on
-   the `-mg` GPU but splits each 2-D weight's rows across the GPUs in proportion to `-ts`.
-A layer's KV cache lives with the layer, or on the CPU with `--no-kv-offload`.
+   the `-mg` GPU but divides each GPU layer's heads and FFN width between the GPUs in proportion to
+   `-ts` (`tensor_parallel`), and the output matrix's rows.
+A layer's KV cache lives with the layer (a split layer's: by KV heads), or on the CPU with
+`--no-kv-offload`.
 """
 
 from __future__ import annotations
@@ -18,11 +20,19 @@ from dataclasses import dataclass, replace
 
 from llmx.errors import LlmxError
 from llmx.plan.devices import Device, GiB, Inventory, MiB
-from llmx.plan.memory import compute_bytes, context_length, kv_layer_bytes, kv_rows, stream_bytes
+from llmx.plan.memory import (
+    compute_bytes,
+    context_length,
+    exchange_bytes,
+    kv_layer_bytes,
+    kv_rows,
+    stream_bytes,
+)
 from llmx.plan.model import ROLES, ModelSpec, TensorSpec
 from llmx.plan.options import ALL_LAYERS, Options
 from llmx.plan.placement import DeviceUse, LayerRow, Plan
 from llmx.plan.rules import Rule, compile_rules
+from llmx.plan.tensor_parallel import Shard, kv_parts, piece, shards
 
 OUTPUT_TENSORS = ("output_norm.weight", "output.weight")
 ROW_ROUNDING = 64  # row-split boundaries fall on multiples of 64 rows, as ggml-cuda rounds them
@@ -34,14 +44,25 @@ class _Where:
 
     tensor_device: dict[str, str]
     row_splits: dict[str, tuple[tuple[str, int, int], ...]]
+    column_splits: dict[str, tuple[tuple[str, int, int], ...]]
+    replicas: dict[str, tuple[str, ...]]
     extra_copies: dict[str, str]
     layer_dev: list[str]
     output_dev: str
     kv_devices: tuple[str, ...]
+    split: tuple[Shard, ...]
+    split_layers: frozenset[int]
 
-    def parts(self, t: TensorSpec) -> tuple[tuple[str, int, int], ...]:
-        """(device, first_row, end_row) pieces of `t`: one piece unless it is row-split."""
-        return self.row_splits.get(t.name) or ((self.tensor_device[t.name], 0, t.shape[0]),)
+    def parts(self, t: TensorSpec) -> tuple[tuple[str, int], ...]:
+        """(device, bytes) pieces of `t`: one unless it is split or copied to several GPUs."""
+        for splits, axis in ((self.row_splits, 0), (self.column_splits, 1)):
+            if t.name in splits:
+                return tuple((dev, t.nbytes * (hi - lo) // t.shape[axis]) for dev, lo, hi in splits[t.name])
+        return tuple((dev, t.nbytes) for dev in (self.tensor_device[t.name], *self.replicas.get(t.name, ())))
+
+    def kv_parts(self, layer: int) -> tuple[tuple[str, float], ...]:
+        """(device, share) of layer `layer`'s KV cache: one device, or a split layer's GPUs by heads."""
+        return kv_parts(self.split if layer in self.split_layers else (), self.kv_devices[layer])
 
 
 def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...] = ()) -> Plan:
@@ -62,13 +83,26 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         else:
             tensor_device[t.name] = _home(t, layer_dev, output_dev)
 
-    row_splits = {}
+    row_splits, column_splits, replicas = {}, {}, {}
+    split: tuple[Shard, ...] = ()
+    split_layers: frozenset[int] = frozenset()
+    split_warnings = []
     if opts.split_mode == "row" and len(gpus) > 1:
         shares = _shares(opts, gpus, inv)
+        split, why = _tensor_parallel(model, opts, gpus, shares, inv)
+        if why:
+            split_warnings.append(f"-sm row: {why}; the layers run whole on {inv.gpus[opts.main_gpu].name}")
+        held = {t.layer for t in model.tensors if t.name in pinned}  # -ot keeps such a layer whole
+        split_layers = frozenset(i for i, d in enumerate(layer_dev) if split and d != "cpu" and i not in held)
         for t in model.tensors:
-            on_gpu = tensor_device[t.name] != "cpu" and t.name != "token_embd.weight"
-            if t.is_matrix and on_gpu and t.name not in pinned:
-                row_splits[t.name] = _row_ranges(t.shape[0], gpus, shares)
+            if t.layer in split_layers:
+                p = piece(t, model, split)
+                if p.axis is None:
+                    replicas[t.name] = tuple(d for d, _, _ in p.parts if d != tensor_device[t.name])
+                else:
+                    (row_splits if p.axis == 0 else column_splits)[t.name] = p.parts
+            elif t.name == "output.weight" and tensor_device[t.name] != "cpu" and t.name not in pinned:
+                row_splits[t.name] = _row_ranges(t.shape[0], gpus, shares)  # its rows' products gathered
 
     extra_copies = {}
     tied = not any(t.name == "output.weight" for t in model.tensors)
@@ -76,7 +110,18 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         extra_copies["token_embd.weight"] = output_dev  # the output matrix is the embedding table
 
     kv_devices = tuple("cpu" if opts.no_kv_offload else d for d in layer_dev)
-    where = _Where(tensor_device, row_splits, extra_copies, layer_dev, output_dev, kv_devices)
+    where = _Where(
+        tensor_device,
+        row_splits,
+        column_splits,
+        replicas,
+        extra_copies,
+        layer_dev,
+        output_dev,
+        kv_devices,
+        split,
+        split_layers,
+    )
     usage = _usage(model, inv, opts, where)
     main_gpu = inv.gpus[opts.main_gpu].name if gpus else None
     usage, op_offload, offload_notes = _reserve_streaming(model, opts, layer_dev, output_dev, main_gpu, usage)
@@ -84,8 +129,10 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         *notes,
         *(rule_note(r, names) for r, names in zip(rules, hits, strict=True) if names),
         *offload_notes,
+        *((split_note(split, len(split_layers)),) if split_layers else ()),
     )
     warnings = [f"{r.source} matched no tensor" for r, names in zip(rules, hits, strict=True) if not names]
+    warnings += split_warnings
     warnings += _empty_gpu_warnings(opts, gpus, usage, n_offloaded)
     if not inv.gpus and opts.n_gpu_layers:
         warnings.append(f"no GPU: -ngl {opts.n_gpu_layers} has no effect, everything runs on the CPU")
@@ -103,6 +150,10 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         layers=_layer_rows(model, opts, where),
         n_offloaded=n_offloaded,
         row_splits=row_splits,
+        column_splits=column_splits,
+        replicas=replicas,
+        split=split,
+        split_layers=tuple(sorted(split_layers)),
         extra_copies=extra_copies,
         warnings=tuple(warnings),
         notes=notes,
@@ -214,6 +265,30 @@ def _split_points(shares: list[float]) -> list[float]:
     return points
 
 
+def split_note(split: tuple[Shard, ...], n_layers: int) -> str:
+    """Which heads and FFN columns each GPU of a `-sm row` split holds."""
+    parts = "; ".join(
+        f"{s.device} KV heads {s.kv_heads[0]}-{s.kv_heads[1] - 1}, FFN columns {s.ff[0]}-{s.ff[1] - 1}"
+        for s in split
+    )
+    return f"-sm row divides {n_layers} layers: {parts}; partial sums are added across the GPUs twice a layer"
+
+
+def _tensor_parallel(
+    model: ModelSpec, opts: Options, gpus: list[Device], shares: list[float], inv: Inventory
+) -> tuple[tuple[Shard, ...], str]:
+    """The GPUs' parts of every split layer, the main GPU first (its copy of the residual stream goes
+    on to the output layer), or () and why the layers cannot be split."""
+    main = inv.gpus[opts.main_gpu].name
+    order = sorted(
+        ((g.name, s) for g, s in zip(gpus, shares, strict=True) if s > 0), key=lambda p: p[0] != main
+    )
+    if len(order) < 2 or order[0][0] != main:
+        return (), "it needs the main GPU (-mg) and another one with a -ts share"
+    result = shards(model, [d for d, _ in order], [s for _, s in order])
+    return ((), result) if isinstance(result, str) else (result, "")
+
+
 def _row_ranges(rows: int, gpus: list[Device], shares: list[float]) -> tuple[tuple[str, int, int], ...]:
     points = _split_points(shares)
     bounds = [0] + [int(rows * p) // ROW_ROUNDING * ROW_ROUNDING for p in points[:-1]] + [rows]
@@ -233,17 +308,20 @@ def _usage(model: ModelSpec, inv: Inventory, opts: Options, where: _Where) -> tu
     weights = {d.name: 0 for d in inv.devices}
     runs: dict[str, set[str]] = {d.name: set() for d in inv.devices}  # the roles of ops each device runs
     for t in model.tensors:
-        for dev, lo, hi in where.parts(t):
-            weights[dev] += t.nbytes * (hi - lo) // t.shape[0]
+        for dev, nbytes in where.parts(t):
+            weights[dev] += nbytes
             runs[dev].add(t.role)
     for t in model.tensors:
         if t.name in where.extra_copies:
             weights[where.extra_copies[t.name]] += t.nbytes
     kv = {d.name: 0 for d in inv.devices}
-    for layer, dev in enumerate(where.kv_devices):
-        kv[dev] += kv_layer_bytes(model, opts, layer)
+    for layer in range(model.n_layer):
+        for dev, share in where.kv_parts(layer):
+            kv[dev] += round(kv_layer_bytes(model, opts, layer) * share)
     for dev in where.layer_dev:
         runs[dev].add("attn")  # a layer's attention runs where the layer lives
+    for s in where.split:
+        runs[s.device] |= {"attn", "ffn"}
     usage = []
     for d in inv.devices:
         compute = 0
@@ -257,6 +335,8 @@ def _usage(model: ModelSpec, inv: Inventory, opts: Options, where: _Where) -> tu
                 inp=d.name == where.tensor_device.get("token_embd.weight"),
                 gpu=d.is_gpu,
             )
+        if any(s.device == d.name for s in where.split):
+            compute += exchange_bytes(model, opts, len(where.split))
         margin = opts.margin_mib(d.index) * MiB
         usage.append(
             DeviceUse(
@@ -281,9 +361,12 @@ def _layer_rows(model: ModelSpec, opts: Options, where: _Where) -> tuple[LayerRo
         devices: dict[str, set[str]] = {r: set() for r in ROLES}
         for t in tensors:
             nbytes[t.role] += t.nbytes
-            devices[t.role] |= {dev for dev, _, _ in where.parts(t)}
+            devices[t.role] |= {dev for dev, _ in where.parts(t)}
         joined = {r: "+".join(sorted(devices[r], key=_device_order)) for r in ROLES}
-        kv = (kv_layer_bytes(model, opts, key), where.kv_devices[key]) if isinstance(key, int) else (0, "")
+        kv: tuple[int, str] = (0, "")
+        if isinstance(key, int):
+            kv_on = "+".join(sorted((d for d, _ in where.kv_parts(key)), key=_device_order))
+            kv = (kv_layer_bytes(model, opts, key), kv_on)
         rows.append(LayerRow(key, nbytes, joined, *kv))
     return tuple(rows)
 

@@ -12,9 +12,11 @@ full `-ub` chunk of a long prompt, a benchmark's repetitions, a server's prompts
 start. Prompt graphs of one device share one memory pool (they never run at the same time, and
 each one's output is consumed before the next replays), so they reuse one another's blocks; that pool
 is memory the plan does not count, and a capture that runs out of it turns prompt graphs off. A
-decode step whose row-split matrices span GPUs is one graph too, holding every GPU's kernels and the
-copies between them (see `_capture`); where this torch or driver cannot capture or replay it
-exactly, a warning says so and those steps run eagerly.
+decode step whose row-split matrices or split layers (`-sm row`) span GPUs is one graph too, holding
+every GPU's kernels and the exchanges between them (see `_capture`); where this torch or driver
+cannot capture or replay it exactly, a warning says so and those steps run eagerly. Prompts across
+GPUs run eagerly (capturing them beside the decode graphs crashed a later decode replay on
+torch 2.11; not understood yet).
 
 Each call also leaves `StepCounters` behind (perf_counter readings only, no added device sync):
 when the step was fully issued, how long it waited for a GPU at a GPU -> CPU boundary, and the time
@@ -24,6 +26,7 @@ and bytes of its CPU segments. The engine turns them into the host-time and CPU-
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import warnings
 from collections.abc import Sequence
@@ -33,11 +36,12 @@ import torch
 
 from llmx.errors import first_line
 from llmx.models.common import Model, Step
-from llmx.ops import RowSplit, current_device
+from llmx.ops import PartialSum, RowSplit, current_device
 from llmx.plan.memory import kv_read_bytes
 from llmx.quant.weight import QWeight
 from llmx.runtime.cache import KVCache
 from llmx.runtime.offload import WeightStreamer, offload_threshold
+from llmx.runtime.tensor_parallel import TensorParallel
 
 GRAPH_BUCKET = 256  # tokens: a decode graph attends over the cache rounded up to this
 # Prompt graphs kept per executor, the least recently used going first: enough for every -ub chunk
@@ -69,10 +73,12 @@ def segments(layer_devices: list[torch.device], head_device: torch.device) -> li
     return out
 
 
-def _devices(value: QWeight | RowSplit | torch.Tensor) -> set[torch.device]:
+def _devices(value: QWeight | RowSplit | PartialSum | torch.Tensor) -> set[torch.device]:
     """Every device a layer's tensor lives on (a row-split matrix spans several GPUs)."""
     if isinstance(value, RowSplit):
         return {p.raw.device for p in value.parts}
+    if isinstance(value, PartialSum):
+        value = value.weight
     return {value.raw.device if isinstance(value, QWeight) else value.device}
 
 
@@ -119,6 +125,7 @@ class Executor:
     head_device: torch.device
     use_graphs: bool = True
     op_offload: torch.device | None = None  # the GPU that runs CPU layers' prompt batches
+    split: TensorParallel | None = None  # -sm row: the layers every GPU of the split runs a part of
     _segments: list[Segment] = field(init=False)
     _graphable: list[bool] = field(init=False)
     _peers: list[list[torch.device]] = field(init=False)  # per segment: other GPUs of row-split matrices
@@ -156,11 +163,14 @@ class Executor:
         return True
 
     def _peer_gpus(self, seg: Segment) -> list[torch.device]:
-        """The other GPUs a segment's row-split matrices (its layers', and the head's) reach into."""
+        """The other GPUs a segment's row-split matrices (its layers', and the head's) and split layers
+        reach into."""
         values = [v for i in seg.layers for _, v in self.model.layers[i].items()]
         if seg.with_head:
             values += [v for _, v in self.model.top.items()]
         peers = {d for v in values if isinstance(v, RowSplit) for d in _devices(v)}
+        if self.split and any(i in self.split.layers for i in seg.layers):
+            peers |= set(self.split.devices)
         return sorted(peers - {seg.device}, key=str)
 
     def _host_reads(self, seg: Segment) -> tuple[int, tuple[tuple[float, int], ...]]:
@@ -199,8 +209,13 @@ class Executor:
     def _run_segment(
         self, seg: Segment, x: torch.Tensor, step: Step, all_logits: bool = False
     ) -> torch.Tensor:
-        for i in seg.layers:
-            x = self.model.block(i, x, step, self.cache.writer(i, step.positions, step.n_read))
+        split = self.split.layers if self.split else frozenset()
+        for is_split, run in itertools.groupby(seg.layers, key=lambda i: i in split):
+            if is_split:
+                x = self.split.run(list(run), x, step)
+                continue
+            for i in run:
+                x = self.model.block(i, x, step, self.cache.writer(i, step.positions, step.n_read))
         if not seg.with_head:
             return x
         return self.model.head(x if all_logits else x[-1:])
@@ -359,10 +374,11 @@ class Executor:
         pool: tuple[int, int] | None = None,
         peers: Sequence[torch.device] = (),
     ) -> _Graph:
-        """Capture a step of `seg`. With `peers` (the other GPUs of row-split matrices) their work
-        runs on side streams forked from and joined to the capture stream, so one graph records
-        every GPU's kernels and copies; their allocations go to memory pools the graph keeps. Such a
-        graph is replayed once and must give the warm-up's output bit for bit, else RuntimeError."""
+        """Capture a step of `seg`. With `peers` (the other GPUs of row-split matrices and split
+        layers) their work runs on side streams forked from and joined to the capture stream, so one
+        graph records every GPU's kernels and copies; their allocations go to memory pools the graph
+        keeps. Such a graph is replayed once and must give the warm-up's output bit for bit, else
+        RuntimeError."""
         x_in = x.clone()
         stream = self._side_stream(seg.device)
         stream.wait_stream(torch.cuda.current_stream(seg.device))

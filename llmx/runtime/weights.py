@@ -82,38 +82,64 @@ def _prepare_cuda(w: QWeight) -> QWeight:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """The bytes of one tensor, or of a row range of it (`-sm row`), bound for one device."""
+class Sharded:
+    """A tensor of a `-sm row` layer: one part a GPU, in the order of `Plan.split` (the rows or columns
+    of each GPU, or the same copy on each). A `partial` matrix's products are partial sums."""
 
-    key: str  # unique per piece: the tensor name, with "@device" for row parts and extra copies
+    parts: tuple[QWeight | torch.Tensor, ...]
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The bytes of one tensor, or of a row or column range of it (`-sm row`), bound for one device."""
+
+    key: str  # unique per piece: the tensor name, with "@device" for split parts and copies
     info: TensorInfo
     device: str
     rows: tuple[int, int] | None = None
+    columns: tuple[int, int] | None = None  # whole blocks of every row (the planner cuts there)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.info.shape if self.rows is None else (self.rows[1] - self.rows[0], *self.info.shape[1:])
+        rows, cols = self.info.shape[0], self.info.shape[1:]
+        if self.rows is not None:
+            rows = self.rows[1] - self.rows[0]
+        if self.columns is not None:
+            cols = (self.columns[1] - self.columns[0],)
+        return (rows, *cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.qtype.nbytes(self.shape)
 
     @property
     def data(self) -> np.ndarray:
-        if self.rows is None:
-            return self.info.data
         row_bytes = self.info.nbytes // self.info.shape[0]
-        return self.info.data[self.rows[0] * row_bytes : self.rows[1] * row_bytes]
+        if self.rows is not None:
+            return self.info.data[self.rows[0] * row_bytes : self.rows[1] * row_bytes]
+        if self.columns is not None:  # a strided cut of the file: copied once into its own bytes
+            qt, (c0, c1) = self.info.qtype, self.columns
+            start, end = qt.row_bytes(c0), qt.row_bytes(c1)
+            grid = self.info.data.reshape(self.info.shape[0], row_bytes)
+            return np.ascontiguousarray(grid[:, start:end]).reshape(-1)
+        return self.info.data
 
 
 def pieces(mf: ModelFile, plan: Plan) -> list[Piece]:
     """Every byte range to place, in file order (so uploads read the file sequentially)."""
     out = []
     for info in sorted(mf.tensors.values(), key=lambda t: t.offset):
-        split = plan.row_split(info.name)
-        if split:
-            out += [Piece(f"{info.name}@{dev}", info, dev, (r0, r1)) for dev, r0, r1 in split]
+        if split := plan.row_split(info.name):
+            out += [Piece(f"{info.name}@{dev}", info, dev, rows=(r0, r1)) for dev, r0, r1 in split]
+        elif split := plan.column_split(info.name):
+            out += [Piece(f"{info.name}@{dev}", info, dev, columns=(c0, c1)) for dev, c0, c1 in split]
         else:
             out.append(Piece(info.name, info, plan.device_of(info.name)))
-        if info.name in plan.extra_copies:
-            dev = plan.extra_copies[info.name]
-            out.append(Piece(f"{info.name}@{dev}", info, dev))
+        copies = [plan.extra_copies[info.name]] if info.name in plan.extra_copies else []
+        out += [
+            Piece(f"{info.name}@{dev}", info, dev) for dev in [*copies, *plan.replicas.get(info.name, ())]
+        ]
     return out
 
 
@@ -124,7 +150,7 @@ def upload_arena(
     offsets, total = {}, 0
     for piece in parts:
         offsets[piece.key] = total
-        total += -(-piece.data.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        total += -(-piece.nbytes // ARENA_ALIGN) * ARENA_ALIGN
     try:
         arena = torch.empty(total, dtype=torch.uint8, device=device)
     except torch.OutOfMemoryError:
@@ -152,9 +178,25 @@ def upload_arena(
                 progress(n)
     stream.synchronize()
     return {
-        p.key: shape_raw(arena[offsets[p.key] : offsets[p.key] + p.data.nbytes], p.info.qtype, p.shape)
+        p.key: shape_raw(arena[offsets[p.key] : offsets[p.key] + p.nbytes], p.info.qtype, p.shape)
         for p in parts
     }
+
+
+def sharded(
+    info: TensorInfo,
+    plan: Plan,
+    shapes: dict[str, tuple[int, ...]],
+    raws: dict[str, torch.Tensor],
+    repack: bool,
+) -> Sharded:
+    """A `-sm row` layer's tensor from its pieces (`shapes` and `raws` by piece key): each GPU's rows
+    or columns, or its copy (the main GPU's under the plain name)."""
+    home = plan.device_of(info.name)
+    cut = plan.row_split(info.name) or plan.column_split(info.name)
+    keys = [info.name if s.device == home and not cut else f"{info.name}@{s.device}" for s in plan.split]
+    parts = tuple(_finish(info.name, info.qtype, shapes[k], raws[k], repack) for k in keys)
+    return Sharded(parts, partial=plan.column_split(info.name) is not None)
 
 
 def load_weights(
@@ -165,19 +207,22 @@ def load_weights(
 ) -> tuple[TensorGroup, list[TensorGroup], LoadReport]:
     """Place every tensor of `mf` where `plan` says.
 
-    Returns the top-level tensors, one group per layer (named as in the GGUF) and a report. A
-    row-split matrix becomes a `RowSplit` of per-GPU parts; a tied embedding copied to the output
-    device (`plan.extra_copies`) serves as the model's `output`.
+    Returns the top-level tensors, one group per layer (named as in the GGUF) and a report. Every
+    tensor of a `-sm row` layer becomes `Sharded` (`runtime.tensor_parallel` deals the parts out); the
+    row-split output matrix becomes a `RowSplit` of per-GPU parts; a tied embedding copied to the
+    output device (`plan.extra_copies`) serves as the model's `output`.
     """
     t0 = time.perf_counter()
     report = LoadReport()
     by_device: dict[str, list[Piece]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for piece in pieces(mf, plan):
         by_device.setdefault(piece.device, []).append(piece)
+        shapes[piece.key] = piece.shape
 
     raws: dict[str, torch.Tensor] = {}
     for device, parts in by_device.items():
-        report.bytes_per_device[device] = sum(p.data.nbytes for p in parts)
+        report.bytes_per_device[device] = sum(p.nbytes for p in parts)
         td = time.perf_counter()
         if device == "cpu":
             raws |= {p.key: host_view(p.info) for p in parts}
@@ -187,7 +232,11 @@ def load_weights(
         report.upload_seconds[device] = time.perf_counter() - td
 
     placed: dict[str, object] = {}
+    split_layers = set(plan.split_layers)
     for info in mf.tensors.values():
+        if group_key(info.name)[0] in split_layers:
+            placed[info.name] = sharded(info, plan, shapes, raws, repack)
+            continue
         split = plan.row_split(info.name)
         if split:
             parts = [
