@@ -30,7 +30,7 @@ from llmx.plan.placement import Plan
 from llmx.runtime.cache import KVCache, LayerShape
 from llmx.runtime.devices import probe
 from llmx.runtime.executor import Executor
-from llmx.runtime.tensor_parallel import TensorParallel, deal, exchange_reducers
+from llmx.runtime.tensor_parallel import Rendezvous, TensorParallel, deal, exchange_reducers
 from llmx.runtime.weights import LoadReport, load_weights
 from llmx.text.chat import chat_ids
 from llmx.text.sampler import Sampler, SamplingParams
@@ -117,8 +117,9 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     plan = make_plan(ModelSpec.from_gguf(mf), probe(), opts)
     plan.check(suggestion="lower -ngl or -c, or use --fit")
     top, layers, report = load_weights(mf, plan, progress=progress)
-    split_devices = [s.device for s in plan.split]
-    reducers = exchange_reducers(split_devices, opts.n_ubatch * config.n_embd) if split_devices else []
+    devices = [torch.device(s.device) for s in plan.split]
+    rendezvous = Rendezvous(len(devices))
+    reducers = exchange_reducers(devices, opts.n_ubatch * config.n_embd, rendezvous) if devices else []
     models = deal(cls, config, top, layers, reducers)
     caches = [
         KVCache(plan.ctx, kv_shapes(cls, config, plan, j), opts.cache_type_k, opts.cache_type_v)
@@ -126,9 +127,8 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     ]
     model, cache = models[0], caches[0]
     split = None
-    if split_devices:
-        devices = [torch.device(d) for d in split_devices]
-        split = TensorParallel(devices, models, caches, frozenset(plan.split_layers))
+    if devices:
+        split = TensorParallel(devices, models, caches, frozenset(plan.split_layers), rendezvous)
     layer_devices = [torch.device(d) for d in plan.layer_device]
     executor = Executor(
         model,

@@ -4,7 +4,6 @@ arithmetic, all on the CPU (two-GPU runs: tests/test_gpu.py)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import numpy as np
 import pytest
@@ -14,13 +13,13 @@ from gguf.quants import dequantize
 
 from llmx.gguf import open_gguf
 from llmx.models import model_class
-from llmx.models.common import Step, TensorGroup
+from llmx.models.common import Model, Step, TensorGroup
 from llmx.models.naming import group_key
 from llmx.plan import ModelSpec, Options, get_shape, parse_devices, place
 from llmx.plan.memory import kv_layer_bytes
 from llmx.plan.tensor_parallel import Shard, shards
 from llmx.runtime.cache import KVCache, LayerShape
-from llmx.runtime.tensor_parallel import deal
+from llmx.runtime.tensor_parallel import Rendezvous, TensorParallel, deal, meeting
 from llmx.runtime.weights import load_weights, pieces, shape_raw, sharded
 
 TWO_GPUS = "cuda0=24GiB,cuda1=24GiB,cpu=64GiB"
@@ -107,70 +106,98 @@ def test_a_column_piece_holds_exactly_its_columns(smollm2_path, name):
         assert c.nbytes == c.data.nbytes
 
 
-def test_split_layers_in_two_threads_give_the_whole_models_hidden_states(smollm2_path):
-    """SmolLM2 cut as for two GPUs (2 and 1 KV heads: unequal parts), each part run in its own thread
-    on the CPU, its partial sums added through a barrier: the hidden states of a prompt and of the
-    next token match the unsplit model's."""
-    mf = open_gguf(smollm2_path)
-    spec = ModelSpec.from_gguf(mf)
-    plan = place(spec, parse_devices(TWO_GPUS), Options(n_gpu_layers=999, split_mode="row"))
-    cpu = place(spec, parse_devices("cpu=64GiB"), Options())
-    cls = model_class(mf.architecture)
-    config = cls.config_from_gguf(mf.metadata)
-    top, whole_layers, _ = load_weights(mf, cpu, repack=False)
-    shapes = {c.key: c.shape for c in pieces(mf, plan)}
-    raws = {
-        c.key: shape_raw(torch.from_numpy(c.data.copy()), c.info.qtype, c.shape) for c in pieces(mf, plan)
-    }
-    dealt: dict[int, dict] = {}
-    for info in mf.tensors.values():
-        layer, key = group_key(info.name)
-        if layer is not None:
-            dealt.setdefault(layer, {})[key] = sharded(info, plan, shapes, raws, False)
-    split_layers = [TensorGroup(f"blk.{i}.", dealt[i]) for i in range(config.n_layer)]
-    n = len(plan.split)
-    parts, barrier = [None] * n, threading.Barrier(n)
+@dataclasses.dataclass
+class CpuSplit:
+    """SmolLM2 cut as for two GPUs (2 and 1 KV heads: unequal parts) with both parts on the CPU, run
+    by `TensorParallel` (a thread a part), its partial sums added through the threads' rendezvous;
+    and the whole model beside it."""
 
-    def reducer(j: int):
-        def reduce(partial: torch.Tensor) -> torch.Tensor:
-            parts[j] = partial
-            barrier.wait()
-            total = parts[0] + parts[1]
-            barrier.wait()
-            return total
+    split: TensorParallel
+    whole: Model
+    whole_cache: KVCache
 
-        return reduce
-
-    models = deal(cls, config, top, split_layers, [reducer(j) for j in range(n)])
-    whole = cls(config, top, whole_layers)
-
-    def cache(n_kv: int) -> KVCache:
-        return KVCache(
-            64, [LayerShape(n_kv, config.head_dim, config.head_dim, "cpu")] * config.n_layer, "f32", "f32"
+    @classmethod
+    def load(cls, path) -> CpuSplit:
+        mf = open_gguf(path)
+        spec = ModelSpec.from_gguf(mf)
+        plan = place(spec, parse_devices(TWO_GPUS), Options(n_gpu_layers=999, split_mode="row"))
+        arch = model_class(mf.architecture)
+        config = arch.config_from_gguf(mf.metadata)
+        top, whole_layers, _ = load_weights(
+            mf, place(spec, parse_devices("cpu=64GiB"), Options()), repack=False
         )
+        cut = pieces(mf, plan)
+        shapes = {c.key: c.shape for c in cut}
+        raws = {c.key: shape_raw(torch.from_numpy(c.data.copy()), c.info.qtype, c.shape) for c in cut}
+        dealt: dict[int, dict] = {}
+        for info in mf.tensors.values():
+            layer, key = group_key(info.name)
+            if layer is not None:
+                dealt.setdefault(layer, {})[key] = sharded(info, plan, shapes, raws, False)
+        n = len(plan.split)
+        rendezvous, parts = Rendezvous(n), [torch.empty(0)] * n
 
-    caches = [cache(s.kv_heads[1] - s.kv_heads[0]) for s in plan.split]
-    whole_cache = cache(config.n_head_kv)
+        def add(j: int):  # what kernels.exchange does on GPUs, with the threads' rendezvous
+            def reduce(partial: torch.Tensor) -> torch.Tensor:
+                parts[j] = partial
+                rendezvous.met()
+                total = parts[0] + parts[1]
+                rendezvous.met()
+                return total
 
-    def run(model, kv: KVCache, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        step = Step(positions, masked=True, n_read=int(positions[-1]) + 1)
-        for i in range(config.n_layer):
-            x = model.block(i, x, step, kv.writer(i, positions, step.n_read))
+            return reduce
+
+        layers = [TensorGroup(f"blk.{i}.", dealt[i]) for i in range(config.n_layer)]
+        models = deal(arch, config, top, layers, [meeting(add(j), rendezvous) for j in range(n)])
+
+        def cache(n_kv: int) -> KVCache:
+            shape = LayerShape(n_kv, config.head_dim, config.head_dim, "cpu")
+            return KVCache(64, [shape] * config.n_layer, "f32", "f32")
+
+        caches = [cache(s.kv_heads[1] - s.kv_heads[0]) for s in plan.split]
+        split = TensorParallel(
+            [torch.device("cpu")] * n, models, caches, frozenset(plan.split_layers), rendezvous
+        )
+        return cls(split, arch(config, top, whole_layers), cache(config.n_head_kv))
+
+    def run_whole(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        for i in range(self.whole.config.n_layer):
+            x = self.whole.block(i, x, step, self.whole_cache.writer(i, step.positions, step.n_read))
         return x
 
+
+def test_split_layers_in_two_threads_give_the_whole_models_hidden_states(smollm2_path):
+    """The hidden states of a prompt and of the next token, each part of the split run in its own
+    thread, match the unsplit model's, and both parts keep the same residual stream."""
+    cpu = CpuSplit.load(smollm2_path)
+    layers = list(range(cpu.whole.config.n_layer))
     for positions in (torch.arange(6), torch.tensor([6])):
-        x = whole.embed(torch.tensor([1, 504, 3303, 28, 253, 1234, 42])[positions])
-        out: list[torch.Tensor | None] = [None] * n
-
-        def shard(j: int, x=x, positions=positions, out=out) -> None:
-            out[j] = run(models[j], caches[j], x.clone(), positions)
-
-        threads = [threading.Thread(target=shard, args=(j,)) for j in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        want = run(whole, whole_cache, x, positions)
+        x = cpu.whole.embed(torch.tensor([1, 504, 3303, 28, 253, 1234, 42])[positions])
+        step = Step(positions, masked=True, n_read=int(positions[-1]) + 1)
+        got = cpu.split.run(layers, x.clone(), step)
+        want = cpu.run_whole(x, Step(positions, masked=True, n_read=step.n_read))
         # float32 sums in another order, over 30 layers of a stream reaching ~4e3: 3.5e-5 measured
-        assert ((out[0] - want).norm() / want.norm()).item() < 2e-4
-        assert torch.equal(out[0], out[1])  # every GPU keeps the same residual stream
+        assert ((got - want).norm() / want.norm()).item() < 2e-4
+
+
+def test_a_part_that_fails_frees_the_others_and_raises_its_error(smollm2_path):
+    """One part raising in layer 5 must not leave the other thread waiting at its next exchange for
+    ever: the run raises that error (not the partner's broken rendezvous), and runs again after."""
+    cpu = CpuSplit.load(smollm2_path)
+    second = cpu.split.models[1]
+    block = second.block
+
+    def failing(i, *args):
+        if i == 5:
+            raise RuntimeError("out of memory on the second part")
+        return block(i, *args)
+
+    second.block = failing
+    x = cpu.whole.embed(torch.tensor([1, 504, 3303]))
+    layers = list(range(cpu.whole.config.n_layer))
+    with pytest.raises(RuntimeError, match="out of memory on the second part"):
+        cpu.split.run(layers, x, Step(torch.arange(3), masked=True, n_read=3))
+    second.block = block
+    got = cpu.split.run(layers, x, Step(torch.arange(3), masked=True, n_read=3))
+    want = cpu.run_whole(x, Step(torch.arange(3), masked=True, n_read=3))
+    assert ((got - want).norm() / want.norm()).item() < 2e-4

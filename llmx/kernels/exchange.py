@@ -15,8 +15,10 @@ of it, raised only once that GPU has finished meeting n - 1), so the slot it wri
 still being read.
 
 Every GPU must run the same sequence of meetings with the same sizes: a GPU whose partner never
-arrives waits for ever, which is why the executor issues every GPU's part of a split segment from
-its own thread outside a capture (a host sync on one GPU then cannot hold back another's work).
+arrives waits for ever, which is why, outside a capture, the executor issues every GPU's part of a
+split segment from its own thread and lets no thread past a meeting before every GPU's kernel for it
+is issued (`runtime.tensor_parallel`). A part that fails after its partners entered a meeting leaves
+them waiting (the error is raised; the process cannot use those GPUs again).
 """
 
 from __future__ import annotations
