@@ -36,7 +36,7 @@ BLOCK = 1024  # floats a program moves at a time
 @triton.jit
 def _all_reduce_kernel(
     partial,  # this GPU's partial sum, n elements
-    out,  # the total, n elements (may be `partial`)
+    out,  # the total, n elements
     inbox,  # this GPU's inbox: [2 slots, G sources, capacity] float32
     inboxes,  # int64 [G]: every GPU's inbox address
     flags,  # this GPU's flags: [2 slots, G sources, PROGRAMS] int32

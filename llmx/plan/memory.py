@@ -27,7 +27,7 @@ CPU_DEQUANT_CHUNK_BYTES = 4 * MiB  # the CPU's float32 chunk of weight rows for 
 # cuBLAS takes a workspace per stream it runs on: 32 MiB each on Hopper. Two: the compute stream
 # and the one stream a GPU's CUDA graphs are captured on (`Executor._side_stream`).
 CUBLAS_WORKSPACES = 2 * 32 * MiB
-EXCHANGE_FLAGS = 64  # programs of an exchange kernel, each with its own flags (llmx.runtime.exchange)
+EXCHANGE_FLAGS = 64  # programs of an exchange kernel, each with its own flags (llmx.kernels.exchange)
 STREAMED_LAYERS = 3
 
 
@@ -87,7 +87,7 @@ def compute_bytes(
 
 def exchange_bytes(model: ModelSpec, opts: Options, n_gpus: int) -> int:
     """What each GPU of a `-sm row` split holds to add partial sums across the GPUs: a receive slot
-    of one batch's hidden states from every GPU, twice (`llmx.runtime.exchange`), and its flags."""
+    of one batch's hidden states from every GPU, twice (`llmx.kernels.exchange`), and its flags."""
     return 2 * n_gpus * opts.n_ubatch * model.n_embd * F32 + EXCHANGE_FLAGS * (2 * n_gpus + 1) * 4
 
 
