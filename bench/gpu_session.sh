@@ -6,7 +6,7 @@
 #   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
 #   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), profiles, load time, ~6 min
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
-#   bash bench/gpu_session.sh multi     # two GPUs: one GPU, layer split and row split, ~4 min
+#   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
 #
 # Each part writes its output under $OUT (default /tmp/llmx-out) as it goes, and every command has
@@ -75,9 +75,14 @@ hybrid)
     ;;
 multi)
     q4=$(synth llama3-8b Q4_K_M)
+    # row split first in a process of its own: its first steps load every kernel while GPUs may wait
+    # in exchanges (kernels.exchange), which a process that ran other placements first would not show
+    timeout 120 $PY -m llmx.cli bench -m "$q4" -ngl 99 -sm row -p 512 -n 128 -r 3 -o json > "$OUT/multi-row.json"
+    $PY bench/e2e.py table "$OUT/multi-row.json" | tee "$OUT/multi-row.md"
     timeout 240 $PY -m llmx.cli bench -m "$q4" -ngl 99 -sm none,layer,row -p 512 -n 128 -r 2 -o json \
         > "$OUT/multi.json"
     $PY bench/e2e.py table "$OUT/multi.json" | tee "$OUT/multi.md"
+    timeout 60 $PY bench/exchange.py | tee "$OUT/exchange.txt"  # one exchange inside a graph, us
     ;;
 ncu)
     command -v ncu >/dev/null || { echo "ncu is not installed here" >&2; exit 1; }
