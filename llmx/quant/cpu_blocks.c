@@ -11,7 +11,8 @@
  * the exact integer sum: about a third of the instructions of float32 products, which left one core
  * at ~6 GB/s, short of its share of RAM's bandwidth. Up to 8 rows of x reuse each weight row while
  * it sits in L1. Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
- * are written out (VNNI's dpbusd where the CPU has it, else maddubs + madd: the same exact sums);
+ * are written out (VNNI's dpbusd where the CPU has it, else maddubs + madd: the same exact sums; with
+ * AVX-512 VNNI the K-quants' in 512-bit registers);
  * elsewhere a portable loop decodes a block and multiplies it with x's rounded values in float32.
  * The library is linked to the OpenMP runtime torch itself loaded (cpu_native.compile_to), so
  * torch.set_num_threads governs both and one thread pool serves them.
@@ -26,6 +27,9 @@
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) /* F16C: every AVX2 CPU has it */
 #define LLMX_AVX2 1
+#endif
+#if defined(LLMX_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LLMX_AVX512 1 /* 512-bit integer dot products where the K-quant loops can use them */
 #endif
 #if defined(LLMX_AVX2) || defined(__F16C__)
 #include <immintrin.h>
@@ -293,6 +297,17 @@ static inline __m256i sum_x(__m256i u, const qx_t *x, int64_t at) { /* u times x
     return sum_u8s16(u, load32(x->hi + at), load32(x->lo + at));
 }
 
+#ifdef LLMX_AVX512
+/* sum_x over 64 codes from `at` (two groups) in 512-bit registers: half the instructions of two
+ * sum_x. Where a core computes rather than waits for RAM it pays: this project's 2-core Zen 4 runs a
+ * Llama-3-8B decode's matmuls at 42 GB/s instead of 38.5; the H200 host's Xeon cores, ~5 GB/s each,
+ * wait for memory and run as fast as before (bench/RESULTS.md). */
+static inline __m512i sum_x64(__m512i u, const qx_t *x, int64_t at) {
+    const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(x->hi + at));
+    return _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), u, _mm512_loadu_si512(x->lo + at));
+}
+#endif
+
 /* A thread's rows (a chunk at a time) lie one after another: ask for the lines PREFETCH_AHEAD bytes past a block
  * while multiplying it, so that the stream from RAM keeps that many bytes in flight (one core's
  * hardware prefetchers alone stop at each 4 KiB page). Past the end it is harmless: no fault. */
@@ -312,15 +327,25 @@ static inline __m256 eight_floats(const uint8_t *bytes) { /* 8 unsigned bytes as
 static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int five) {
     const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const int bytes = five ? 176 : 144, nibbles = five ? 48 : 16;
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+    __m256 mins = _mm256_setzero_ps();
+#ifdef LLMX_AVX512
+    __m512 wide[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    /* lanes 0-7 take group 2c's scale, lanes 8-15 group 2c + 1's */
+    const __m512i upper = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+#else
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+#endif
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + bytes * blk;
         prefetch_block(b, bytes);
         uint8_t sc[8], mn[8];
         k_scales(b + 4, sc, mn);
+        const __m256 scales =
+            _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(b)), eight_floats(sc)), _mm256_loadu_ps(x->d + 8 * blk));
+#ifndef LLMX_AVX512
         float scale[8];
-        _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(b)), eight_floats(sc)),
-                                              _mm256_loadu_ps(x->d + 8 * blk)));
+        _mm256_storeu_ps(scale, scales);
+#endif
         mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)), eight_floats(mn)),
                                _mm256_loadu_ps(x->s32 + 8 * blk), mins);
         const __m256i hb = five ? load32(b + 16) : _mm256_setzero_si256();
@@ -332,11 +357,23 @@ static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
             }
+#ifdef LLMX_AVX512
+            /* groups 2c and 2c + 1 side by side, as x's 64 codes from 64c lie */
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            const __m512 s = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(2 * c), upper),
+                                                   _mm512_castps256_ps512(scales));
+            wide[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_x64(u, x, 256 * blk + 64 * c)), s, wide[c & 1]);
+#else
             even = add_scaled(sum_x(lo, x, 256 * blk + 64 * c), _mm256_broadcast_ss(scale + 2 * c), even);
             odd = add_scaled(sum_x(hi, x, 256 * blk + 64 * c + 32), _mm256_broadcast_ss(scale + 2 * c + 1), odd);
+#endif
         }
     }
+#ifdef LLMX_AVX512
+    return _mm512_reduce_add_ps(_mm512_add_ps(wide[0], wide[1])) - hsum(mins);
+#else
     return hsum(_mm256_add_ps(even, odd)) - hsum(mins);
+#endif
 }
 
 static float dot_q4_k(const uint8_t *row, int64_t blocks, const qx_t *x) { return dot_k_nibbles(row, blocks, x, 0); }
@@ -413,13 +450,24 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
     /* picks 16-bit scale 2j for bytes 0..15 of a quarter, 2j + 1 for bytes 16..31 (plus 4j) */
     const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2,
                                           3, 2, 3, 2, 3, 2, 3);
-    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+    __m256 offsets = _mm256_setzero_ps();
+#ifdef LLMX_AVX512
+    /* two quarters j, j + 1 a register: lanes 0-1 take quarter j's 16-bit scales, lanes 2-3 j + 1's */
+    const __m512i pick2 = _mm512_inserti64x4(_mm512_castsi256_si512(pick), _mm256_add_epi8(pick, _mm256_set1_epi8(4)), 1);
+    const __m512i upper = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 wide = _mm512_setzero_ps();
+#else
+    __m256 acc = _mm256_setzero_ps();
+#endif
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + 210 * blk;
         prefetch_block(b, 210);
         const __m256 d = _mm256_set1_ps(half_to_float(b + 208));
+        const __m256 scales8 = _mm256_mul_ps(d, _mm256_loadu_ps(x->d + 8 * blk));
+#ifndef LLMX_AVX512
         float scale[8];
-        _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_loadu_ps(x->d + 8 * blk)));
+        _mm256_storeu_ps(scale, scales8);
+#endif
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
         const __m256 sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)),
                      sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
@@ -430,7 +478,6 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
             const uint8_t *ql = b + 64 * h;
             const __m256i a = load32(ql), c = load32(ql + 32), hb = load32(b + 128 + 32 * h);
             const __m128i half_scales = _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h));
-            const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(half_scales));
             const __m256i q[4] = {
                 _mm256_or_si256(_mm256_and_si256(a, low), _mm256_slli_epi16(_mm256_and_si256(hb, bits01), 4)),
                 _mm256_or_si256(_mm256_and_si256(c, low), _mm256_slli_epi16(_mm256_and_si256(hb, bits23), 2)),
@@ -438,6 +485,24 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low),
                                 _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45)),
             };
+#ifdef LLMX_AVX512
+            const __m512i scales4 = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(half_scales));
+            for (int j = 0; j < 4; j += 2) {
+                const __m512i qq = _mm512_inserti64x4(_mm512_castsi256_si512(q[j]), q[j + 1], 1);
+                const __m512i factors =
+                    _mm512_shuffle_epi8(scales4, _mm512_add_epi8(pick2, _mm512_set1_epi8((char)(4 * j))));
+                const int64_t at = 256 * blk + 128 * h + 32 * j;
+                const __m512i high =
+                    _mm512_madd_epi16(_mm512_maddubs_epi16(qq, _mm512_loadu_si512(x->hi + at)), factors);
+                const __m512i low_ =
+                    _mm512_madd_epi16(_mm512_maddubs_epi16(qq, _mm512_loadu_si512(x->lo + at)), factors);
+                const __m512i sums = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(high, 8), high), low_);
+                const __m512 s = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * h + j), upper),
+                                                       _mm512_castps256_ps512(scales8));
+                wide = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, wide);
+            }
+#else
+            const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(half_scales));
             for (int j = 0; j < 4; j++) {
                 const __m256i factors =
                     _mm256_shuffle_epi8(scales, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(4 * j))));
@@ -447,9 +512,14 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
                 const __m256i sums = _mm256_add_epi32(times255(high), low_);
                 acc = add_scaled(sums, _mm256_broadcast_ss(scale + 4 * h + j), acc);
             }
+#endif
         }
     }
+#ifdef LLMX_AVX512
+    return _mm512_reduce_add_ps(wide) - 32.0f * hsum(offsets);
+#else
     return hsum(acc) - 32.0f * hsum(offsets);
+#endif
 }
 
 static inline __m256i q8_0_sum(const uint8_t *b, const qx_t *x, int64_t at) { /* one block's lane sums */
