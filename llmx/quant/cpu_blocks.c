@@ -306,6 +306,11 @@ static inline __m512i sum_x64(__m512i u, const qx_t *x, int64_t at) {
     const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(x->hi + at));
     return _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), u, _mm512_loadu_si512(x->lo + at));
 }
+
+static inline void split_lanes(__m512i v, __m256i halves[2]) { /* lanes 0-7, then 8-15 */
+    halves[0] = _mm512_castsi512_si256(v);
+    halves[1] = _mm512_extracti64x4_epi64(v, 1);
+}
 #endif
 
 /* A thread's rows (a chunk at a time) lie one after another: ask for the lines PREFETCH_AHEAD bytes past a block
@@ -419,7 +424,15 @@ static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const
         const uint8_t *b = row + bytes * blk;
         prefetch_block(b, 8 * bytes);
         __m256i sums[8];
+#ifdef LLMX_AVX512
+        for (int i = 0; i < 8; i += 2) { /* two blocks a register: their x codes lie side by side */
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(legacy_codes(b + bytes * i + at)),
+                                                 legacy_codes(b + bytes * (i + 1) + at), 1);
+            split_lanes(sum_x64(u, x, 32 * (blk + i)), sums + i);
+        }
+#else
         for (int i = 0; i < 8; i++) sums[i] = sum_x(legacy_codes(b + bytes * i + at), x, 32 * (blk + i));
+#endif
         const __m256 d = add_eight_blocks(sums, b, bytes, x->d + blk, &acc);
         const __m256 m = with_m ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         offsets = _mm256_fmadd_ps(m, _mm256_loadu_ps(x->s32 + blk), offsets);
@@ -528,6 +541,21 @@ static inline __m256i q8_0_sum(const uint8_t *b, const qx_t *x, int64_t at) { /*
     return sum_u8s16(_mm256_abs_epi8(w), _mm256_sign_epi8(load32(x->hi + at), w), _mm256_sign_epi8(load32(x->lo + at), w));
 }
 
+#ifdef LLMX_AVX512
+/* q8_0_sum of two blocks (34 bytes apart) in one register: |w| times x with w's sign, the sign moved
+ * onto x by a byte mask (512-bit registers have no sign instruction). */
+static inline void q8_0_sum2(const uint8_t *b, const qx_t *x, int64_t at, __m256i sums[2]) {
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load32(b + 2)), load32(b + 34 + 2), 1);
+    const __mmask64 negative = _mm512_movepi8_mask(w);
+    const __m512i zero = _mm512_setzero_si512(), u = _mm512_abs_epi8(w);
+    const __m512i hi = _mm512_loadu_si512(x->hi + at), lo = _mm512_loadu_si512(x->lo + at);
+    const __m512i h = _mm512_dpbusd_epi32(zero, u, _mm512_mask_sub_epi8(hi, negative, zero, hi));
+    split_lanes(_mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), u,
+                                    _mm512_mask_sub_epi8(lo, negative, zero, lo)),
+                sums);
+}
+#endif
+
 static float dot_q8_0(const uint8_t *row, int64_t blocks, const qx_t *x) { /* eight blocks at a time */
     __m256 acc = _mm256_setzero_ps();
     int64_t blk = 0;
@@ -535,7 +563,11 @@ static float dot_q8_0(const uint8_t *row, int64_t blocks, const qx_t *x) { /* ei
         const uint8_t *b = row + 34 * blk;
         prefetch_block(b, 8 * 34);
         __m256i sums[8];
+#ifdef LLMX_AVX512
+        for (int i = 0; i < 8; i += 2) q8_0_sum2(b + 34 * i, x, 32 * (blk + i), sums + i);
+#else
         for (int i = 0; i < 8; i++) sums[i] = q8_0_sum(b + 34 * i, x, 32 * (blk + i));
+#endif
         add_eight_blocks(sums, b, 34, x->d + blk, &acc);
     }
     float total = hsum(acc);
