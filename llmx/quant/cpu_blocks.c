@@ -12,7 +12,7 @@
  * at ~6 GB/s, short of its share of RAM's bandwidth. Up to 8 rows of x reuse each weight row while
  * it sits in L1. Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
  * are written out (VNNI's dpbusd where the CPU has it, else maddubs + madd: the same exact sums; with
- * AVX-512 VNNI the K-quants' in 512-bit registers);
+ * AVX-512 VNNI two groups or blocks a 512-bit register);
  * elsewhere a portable loop decodes a block and multiplies it with x's rounded values in float32.
  * The library is linked to the OpenMP runtime torch itself loaded (cpu_native.compile_to), so
  * torch.set_num_threads governs both and one thread pool serves them.
