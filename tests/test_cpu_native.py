@@ -169,6 +169,27 @@ def test_openmp_workers_are_pinned_and_python_stays_free(monkeypatch):
     assert str(sorted(before)[1]) in {_allowed_cpus(t) for t in tasks}
 
 
+def test_the_prefetch_distance_is_measured_once_a_thread_count_and_can_be_forced(monkeypatch, tmp_path):
+    """The GEMVs' prefetch distance is the one a RAM-streaming GEMV ran fastest under, measured once per
+    machine and thread count (kept in the cache directory), or LLMX_CPU_PREFETCH's."""
+    from llmx.errors import LlmxError
+
+    monkeypatch.setenv("LLMX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LLMX_CPU_PREFETCH", raising=False)
+    lib = cpu_native._library()
+    chosen = cpu_native.prefetch_distance(lib, 2)
+    assert chosen in cpu_native.PREFETCH_CHOICES and (tmp_path / "cpu-prefetch.json").exists()
+    measured = []
+    monkeypatch.setattr(cpu_native, "_fastest_prefetch", lambda lib: measured.append(1) or 1024)
+    assert cpu_native.prefetch_distance(lib, 2) == chosen and not measured  # from the cache
+    assert cpu_native.prefetch_distance(lib, 3) == 1024 and measured  # another thread count: measured
+    monkeypatch.setenv("LLMX_CPU_PREFETCH", "3072")
+    assert cpu_native.prefetch_distance(lib, 2) == 3072
+    monkeypatch.setenv("LLMX_CPU_PREFETCH", "far")
+    with pytest.raises(LlmxError, match="LLMX_CPU_PREFETCH='far' is not a number of bytes"):
+        cpu_native.prefetch_distance(lib, 2)
+
+
 @pytest.mark.parametrize("shape", [(1, 576), (3, 4096), (1, 9, 64)], ids=["smollm2", "3-rows", "q-heads"])
 def test_rms_norm_matches_float64(shape, native_kernels):
     """`rms_norm` (a decode step's norms) against float64: each last-dim row, with and without the

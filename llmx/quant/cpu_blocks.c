@@ -37,6 +37,12 @@
 
 enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_Q4_0 = 3, T_Q4_1 = 4, T_Q5_K = 5 };
 
+/* How far ahead of its rows a GEMV thread asks for weights (prefetch_block). The best distance is the
+ * machine's: 2 KiB on the H200 host's Xeon (4 and 8 KiB 6-8% slower), 4-8 KiB on this project's Zen 4
+ * (15% faster than 2), so cpu_native.py measures it once per machine and thread count and sets it. */
+static int64_t prefetch_ahead = 2048;
+void llmx_set_prefetch(int64_t bytes) { prefetch_ahead = bytes; }
+
 static inline float half_to_float(const uint8_t *p) {
     uint16_t bits;
     memcpy(&bits, p, 2);
@@ -313,14 +319,12 @@ static inline void split_lanes(__m512i v, __m256i halves[2]) { /* lanes 0-7, the
 }
 #endif
 
-/* A thread's rows (a chunk at a time) lie one after another: ask for the lines PREFETCH_AHEAD bytes past a block
- * while multiplying it, so that the stream from RAM keeps that many bytes in flight (one core's
+/* A thread's rows (a chunk at a time) lie one after another: ask for the lines `prefetch_ahead` bytes past a
+ * block while multiplying it, so that the stream from RAM keeps that many bytes in flight (one core's
  * hardware prefetchers alone stop at each 4 KiB page). Past the end it is harmless: no fault. */
-#ifndef PREFETCH_AHEAD /* 1-8 KiB measured: 2 KiB best here and on the H200 host (-DPREFETCH_AHEAD=N) */
-#define PREFETCH_AHEAD 2048
-#endif
 static inline void prefetch_block(const uint8_t *b, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(b + PREFETCH_AHEAD + o), _MM_HINT_T0);
+    const uint8_t *ahead = b + prefetch_ahead;
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(ahead + o), _MM_HINT_T0);
 }
 
 static inline __m256 eight_floats(const uint8_t *bytes) { /* 8 unsigned bytes as floats */

@@ -20,26 +20,31 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from llmx.cache_dir import cache_dir, cpu_features, read_or_empty
-from llmx.errors import first_line
-from llmx.quant import QType
+from llmx.errors import LlmxError, first_line
+from llmx.quant import QType, qtype
 
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
 TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q5_K": 5}  # the C file's type numbers
 MAX_ROWS = 8  # rows of x a `gemv` call takes
 MAX_WEIGHTS = 4  # matrices one `gemv` call takes (cpu_blocks.c's MAX_WEIGHTS)
+PREFETCH_CHOICES = (1024, 2048, 4096, 8192)  # bytes ahead of its rows a GEMV thread asks for weights
+PREFETCH_MATRIX = 128 << 20  # bytes of the matrix timed to choose: past any CPU's last-level cache
 
 
 def supports(qt: QType, shape: tuple[int, ...]) -> bool:
@@ -74,6 +79,8 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.llmx_rms_norm.restype = None
     lib.llmx_pin_threads.argtypes = [ptr, i32]
+    lib.llmx_set_prefetch.argtypes = [i64]
+    lib.llmx_set_prefetch.restype = None
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
     lib.llmx_swiglu.restype = i32
     lib.llmx_pin_threads.restype = i32
@@ -148,7 +155,8 @@ _pinned_team = 0  # the thread count whose workers were last pinned
 def _threads(lib: ctypes.CDLL) -> int:
     """torch's CPU thread count; the first time a count is used, its OpenMP workers are pinned to CPUs
     of their own (`llmx_pin_threads`: the calling thread stays free), unless LLMX_PIN_THREADS=0 or
-    there are more threads than CPUs this process may use."""
+    there are more threads than CPUs this process may use, and the GEMVs' prefetch distance is set
+    for that many threads (`prefetch_distance`)."""
     global _pinned_team
     n = torch.get_num_threads()
     if n != _pinned_team:
@@ -156,7 +164,47 @@ def _threads(lib: ctypes.CDLL) -> int:
         cpus = sorted(os.sched_getaffinity(0))
         if os.environ.get("LLMX_PIN_THREADS") != "0" and 1 < n <= len(cpus):
             lib.llmx_pin_threads((ctypes.c_int * n)(*cpus[:n]), n)
+        lib.llmx_set_prefetch(prefetch_distance(lib, n))
     return n
+
+
+def prefetch_distance(lib: ctypes.CDLL, threads: int) -> int:
+    """How far ahead of its rows a GEMV thread asks for weights: LLMX_CPU_PREFETCH (bytes), else the
+    choice a decode GEMV ran fastest under on this machine with this many threads, measured once
+    (~0.1 s) and kept in the cache directory. The best distance is the machine's (bench/RESULTS.md:
+    2 KiB on the H200 host, 4-8 KiB on a Zen 4)."""
+    forced = os.environ.get("LLMX_CPU_PREFETCH")
+    if forced is not None:
+        if not forced.isdigit():
+            raise LlmxError(f"LLMX_CPU_PREFETCH={forced!r} is not a number of bytes (e.g. 2048)")
+        return int(forced)
+    key = f"{hashlib.sha256(cpu_features().encode()).hexdigest()[:16]}|{threads} threads"
+    path = cache_dir() / "cpu-prefetch.json"
+    cached = json.loads(read_or_empty(str(path)) or "{}")
+    if key not in cached:
+        cached[key] = _fastest_prefetch(lib)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=1))
+    return int(cached[key])
+
+
+def _fastest_prefetch(lib: ctypes.CDLL) -> int:
+    """The PREFETCH_CHOICES distance under which a Q4_K GEMV over PREFETCH_MATRIX bytes (more than the
+    caches hold: it streams from RAM) runs fastest, each timed thrice, round by round."""
+    qt, k = qtype("Q4_K"), 4096
+    block = np.full(qt.block_bytes, 0x11, dtype=np.uint8)  # every code 1 ...
+    block[:4] = np.array([1.0, 1.0], dtype=np.float16).view(np.uint8)  # ... d and dmin 1: no denormals
+    rows = PREFETCH_MATRIX // qt.row_bytes(k)
+    raw = torch.from_numpy(np.tile(block, rows * (k // qt.block_elems))).view(rows, qt.row_bytes(k))
+    matrix, x = Gemv([(raw, qt)]), torch.randn(1, k)
+    best = dict.fromkeys(PREFETCH_CHOICES, float("inf"))
+    for _ in range(3):
+        for choice in PREFETCH_CHOICES:
+            lib.llmx_set_prefetch(choice)
+            t0 = time.perf_counter()
+            matrix(x)
+            best[choice] = min(best[choice], time.perf_counter() - t0)
+    return min(best, key=lambda c: best[c])
 
 
 class Gemv:
