@@ -183,6 +183,8 @@ def test_the_prefetch_distance_is_measured_once_a_thread_count_and_can_be_forced
     monkeypatch.setattr(cpu_native, "_fastest_prefetch", lambda lib: measured.append(1) or 1024)
     assert cpu_native.prefetch_distance(lib, 2) == chosen and not measured  # from the cache
     assert cpu_native.prefetch_distance(lib, 3) == 1024 and measured  # another thread count: measured
+    (tmp_path / "cpu-prefetch.json").write_text("{ torn")  # a damaged cache is measured again
+    assert cpu_native.prefetch_distance(lib, 2) == 1024 and len(measured) == 2
     monkeypatch.setenv("LLMX_CPU_PREFETCH", "3072")
     assert cpu_native.prefetch_distance(lib, 2) == 3072
     monkeypatch.setenv("LLMX_CPU_PREFETCH", "far")

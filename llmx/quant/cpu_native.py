@@ -180,11 +180,16 @@ def prefetch_distance(lib: ctypes.CDLL, threads: int) -> int:
         return int(forced)
     key = f"{hashlib.sha256(cpu_features().encode()).hexdigest()[:16]}|{threads} threads"
     path = cache_dir() / "cpu-prefetch.json"
-    cached = json.loads(read_or_empty(str(path)) or "{}")
+    try:
+        cached = json.loads(read_or_empty(str(path)) or "{}")
+    except json.JSONDecodeError:  # a damaged file only costs measuring again
+        cached = {}
     if key not in cached:
         cached[key] = _fastest_prefetch(lib)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cached, indent=1))
+        written = path.with_name(f"{path.name}.{os.getpid()}")  # whole or not at all, for other processes
+        written.write_text(json.dumps(cached, indent=1))
+        written.replace(path)
     return int(cached[key])
 
 
