@@ -308,9 +308,20 @@ static inline __m256i sum_x(__m256i u, const qx_t *x, int64_t at) { /* u times x
  * sum_x. Where a core computes rather than waits for RAM it pays: this project's 2-core Zen 4 runs a
  * Llama-3-8B decode's matmuls at 42 GB/s instead of 38.5; the H200 host's Xeon cores, ~5 GB/s each,
  * wait for memory and run as fast as before (bench/RESULTS.md). */
+static inline __m512i times255_512(__m512i v) { return _mm512_sub_epi32(_mm512_slli_epi32(v, 8), v); }
+
+static inline __m512i sum_u8s16_512(__m512i u, __m512i hi, __m512i lo) { /* sum_u8s16, 512 bits */
+    return _mm512_dpbusd_epi32(times255_512(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, hi)), u, lo);
+}
+
 static inline __m512i sum_x64(__m512i u, const qx_t *x, int64_t at) {
-    const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(x->hi + at));
-    return _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), u, _mm512_loadu_si512(x->lo + at));
+    return sum_u8s16_512(u, _mm512_loadu_si512(x->hi + at), _mm512_loadu_si512(x->lo + at));
+}
+
+/* scales[i] in lanes 0-7 and scales[i + 1] in lanes 8-15: the factors of two groups side by side */
+static inline __m512 pair_scales(__m256 scales, int i) {
+    const __m512i upper = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(i), upper), _mm512_castps256_ps512(scales));
 }
 
 static inline void split_lanes(__m512i v, __m256i halves[2]) { /* lanes 0-7, then 8-15 */
@@ -339,8 +350,6 @@ static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t
     __m256 mins = _mm256_setzero_ps();
 #ifdef LLMX_AVX512
     __m512 wide[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    /* lanes 0-7 take group 2c's scale, lanes 8-15 group 2c + 1's */
-    const __m512i upper = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
 #else
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
 #endif
@@ -369,9 +378,8 @@ static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t
 #ifdef LLMX_AVX512
             /* groups 2c and 2c + 1 side by side, as x's 64 codes from 64c lie */
             const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            const __m512 s = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(2 * c), upper),
-                                                   _mm512_castps256_ps512(scales));
-            wide[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_x64(u, x, 256 * blk + 64 * c)), s, wide[c & 1]);
+            wide[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_x64(u, x, 256 * blk + 64 * c)),
+                                          pair_scales(scales, 2 * c), wide[c & 1]);
 #else
             even = add_scaled(sum_x(lo, x, 256 * blk + 64 * c), _mm256_broadcast_ss(scale + 2 * c), even);
             odd = add_scaled(sum_x(hi, x, 256 * blk + 64 * c + 32), _mm256_broadcast_ss(scale + 2 * c + 1), odd);
@@ -471,7 +479,6 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
 #ifdef LLMX_AVX512
     /* two quarters j, j + 1 a register: lanes 0-1 take quarter j's 16-bit scales, lanes 2-3 j + 1's */
     const __m512i pick2 = _mm512_inserti64x4(_mm512_castsi256_si512(pick), _mm256_add_epi8(pick, _mm256_set1_epi8(4)), 1);
-    const __m512i upper = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512 wide = _mm512_setzero_ps();
 #else
     __m256 acc = _mm256_setzero_ps();
@@ -513,10 +520,8 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
                     _mm512_madd_epi16(_mm512_maddubs_epi16(qq, _mm512_loadu_si512(x->hi + at)), factors);
                 const __m512i low_ =
                     _mm512_madd_epi16(_mm512_maddubs_epi16(qq, _mm512_loadu_si512(x->lo + at)), factors);
-                const __m512i sums = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(high, 8), high), low_);
-                const __m512 s = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * h + j), upper),
-                                                       _mm512_castps256_ps512(scales8));
-                wide = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, wide);
+                const __m512i sums = _mm512_add_epi32(times255_512(high), low_);
+                wide = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), pair_scales(scales8, 4 * h + j), wide);
             }
 #else
             const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(half_scales));
@@ -553,10 +558,8 @@ static inline void q8_0_sum2(const uint8_t *b, const qx_t *x, int64_t at, __m256
     const __mmask64 negative = _mm512_movepi8_mask(w);
     const __m512i zero = _mm512_setzero_si512(), u = _mm512_abs_epi8(w);
     const __m512i hi = _mm512_loadu_si512(x->hi + at), lo = _mm512_loadu_si512(x->lo + at);
-    const __m512i h = _mm512_dpbusd_epi32(zero, u, _mm512_mask_sub_epi8(hi, negative, zero, hi));
-    split_lanes(_mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), u,
-                                    _mm512_mask_sub_epi8(lo, negative, zero, lo)),
-                sums);
+    const __m512i signed_hi = _mm512_mask_sub_epi8(hi, negative, zero, hi);
+    split_lanes(sum_u8s16_512(u, signed_hi, _mm512_mask_sub_epi8(lo, negative, zero, lo)), sums);
 }
 #endif
 

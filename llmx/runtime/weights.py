@@ -239,10 +239,8 @@ def load_weights(
             continue
         split = plan.row_split(info.name)
         if split:
-            parts = [
-                _finish(info.name, info.qtype, (r1 - r0, *info.shape[1:]), raws[f"{info.name}@{dev}"], repack)
-                for dev, r0, r1 in split
-            ]
+            keys = [f"{info.name}@{dev}" for dev, _, _ in split]
+            parts = [_finish(info.name, info.qtype, shapes[k], raws[k], repack) for k in keys]
             placed[info.name] = RowSplit(parts, torch.device(plan.device_of(info.name)))
             continue
         # A token-embedding table that is not also the output matrix here is only read a few rows at
