@@ -41,9 +41,14 @@ class TensorSpec:
         return int(m.group(1)) if m else None
 
     @property
+    def short(self) -> str:
+        """A layer tensor's name within its layer, `blk.3.attn_q.weight` -> `attn_q`; "" outside layers."""
+        return self.name.split(".")[2] if self.layer is not None else ""
+
+    @property
     def role(self) -> str:
         """attn / ffn (dense) / experts / shared / other (norms, router, embeddings, output)."""
-        short = self.name.split(".")[2] if self.layer is not None else ""
+        short = self.short
         if short.endswith("_exps"):
             return "experts"
         if short.endswith("_shexp"):

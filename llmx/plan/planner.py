@@ -32,7 +32,7 @@ from llmx.plan.model import ROLES, ModelSpec, TensorSpec
 from llmx.plan.options import ALL_LAYERS, Options
 from llmx.plan.placement import DeviceUse, LayerRow, Plan
 from llmx.plan.rules import Rule, compile_rules
-from llmx.plan.tensor_parallel import Shard, kv_parts, piece, shards
+from llmx.plan.tensor_parallel import Shard, cut, kv_parts, shards
 
 OUTPUT_TENSORS = ("output_norm.weight", "output.weight")
 ROW_ROUNDING = 64  # row-split boundaries fall on multiples of 64 rows, as ggml-cuda rounds them
@@ -96,7 +96,7 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
         split_layers = frozenset(i for i, d in enumerate(layer_dev) if split and d != "cpu" and i not in held)
         for t in model.tensors:
             if t.layer in split_layers:
-                p = piece(t, model, split)
+                p = cut(t, model, split)
                 if p.axis is None:
                     replicas[t.name] = tuple(d for d, _, _ in p.parts if d != tensor_device[t.name])
                 else:

@@ -38,7 +38,7 @@ class Shard:
 
 
 @dataclass(frozen=True)
-class Piece:
+class Cut:
     """Where a split layer's tensor goes: `axis` 0 (rows) or 1 (columns) cut into (device, lo, hi)
     ranges, or `axis` None: a whole copy on each device."""
 
@@ -51,47 +51,45 @@ def shards(model: ModelSpec, devices: list[str], shares: list[float]) -> tuple[S
     if model.n_head_kv < 2 or not model.n_ff or model.n_head % model.n_head_kv:
         return f"{model.n_head_kv} KV head(s) and an FFN of {model.n_ff} cannot be divided between GPUs"
     layer_tensors = [t for t in model.tensors if t.layer is not None and len(t.shape) > 1]
-    other = sorted({_short(t) for t in layer_tensors} - set(SPLIT))
+    other = sorted({t.short for t in layer_tensors} - set(SPLIT))
     if other:
         return f"its layers hold matrices only one GPU can multiply ({', '.join(other)})"
-    headed = sorted({t.qtype for t in layer_tensors if _short(t) in SPLIT and qtype(t.qtype).row_meta_bytes})
+    headed = sorted({t.qtype for t in layer_tensors if t.short in SPLIT and qtype(t.qtype).row_meta_bytes})
     if headed:
         return f"{', '.join(headed)} rows start with a scale of their own and cannot be cut into columns"
-    heads = _apportion(model.n_head_kv, shares, 1)
-    unit = max(_columns_unit(t) for t in layer_tensors if _short(t) in FFN_COLUMNS)
-    ff = _apportion(model.n_ff // unit, shares, 1) if model.n_ff % unit == 0 else None
+    heads = _apportion(model.n_head_kv, shares)
+    unit = max(_columns_unit(t) for t in layer_tensors if t.short in FFN_COLUMNS)
+    ff = _apportion(model.n_ff // unit, shares) if model.n_ff % unit == 0 else None
     if ff is None or min(b - a for a, b in heads) == 0 or min(b - a for a, b in ff) == 0:
         return f"{len(devices)} GPUs cannot each take a whole KV head and {unit} FFN columns"
     group = model.n_head // model.n_head_kv
     for t in layer_tensors:  # the attention output's column cuts must fall between its blocks
-        if _short(t) in HEAD_COLUMNS and any(
-            a * group * model.head_dim_v % _columns_unit(t) for a, _ in heads
-        ):
+        if t.short in HEAD_COLUMNS and any(a * group * model.head_dim_v % _columns_unit(t) for a, _ in heads):
             return f"its attention heads do not end on {t.qtype} block boundaries"
     return tuple(
         Shard(d, h, (f0 * unit, f1 * unit)) for d, h, (f0, f1) in zip(devices, heads, ff, strict=True)
     )
 
 
-def piece(t: TensorSpec, model: ModelSpec, split: tuple[Shard, ...]) -> Piece:
+def cut(t: TensorSpec, model: ModelSpec, split: tuple[Shard, ...]) -> Cut:
     """How tensor `t` of a split layer is divided among `split`'s devices."""
-    short = _short(t)
+    short = t.short
     group, dk, dv = model.n_head // model.n_head_kv, model.head_dim_k, model.head_dim_v
 
     def ranges(scale: int, of: str) -> tuple[tuple[str, int, int], ...]:
         return tuple((s.device, getattr(s, of)[0] * scale, getattr(s, of)[1] * scale) for s in split)
 
     if short in QUERY_ROWS:
-        return Piece(0, ranges(group * dk, "kv_heads"))
+        return Cut(0, ranges(group * dk, "kv_heads"))
     if short in KV_ROWS:
-        return Piece(0, ranges(dk if short == "attn_k" else dv, "kv_heads"))
+        return Cut(0, ranges(dk if short == "attn_k" else dv, "kv_heads"))
     if short in FFN_ROWS:
-        return Piece(0, ranges(1, "ff"))
+        return Cut(0, ranges(1, "ff"))
     if short in HEAD_COLUMNS and t.is_matrix:
-        return Piece(1, ranges(group * dv, "kv_heads"))
+        return Cut(1, ranges(group * dv, "kv_heads"))
     if short in FFN_COLUMNS and t.is_matrix:
-        return Piece(1, ranges(1, "ff"))
-    return Piece(None, tuple((s.device, 0, t.shape[0]) for s in split))
+        return Cut(1, ranges(1, "ff"))
+    return Cut(None, tuple((s.device, 0, t.shape[0]) for s in split))
 
 
 def kv_parts(split: tuple[Shard, ...], device: str) -> tuple[tuple[str, float], ...]:
@@ -103,19 +101,14 @@ def kv_parts(split: tuple[Shard, ...], device: str) -> tuple[tuple[str, float], 
     return tuple((s.device, (s.kv_heads[1] - s.kv_heads[0]) / total) for s in split)
 
 
-def _short(t: TensorSpec) -> str:
-    """`blk.3.attn_q.weight` -> `attn_q`."""
-    return t.name.split(".")[2]
-
-
 def _columns_unit(t: TensorSpec) -> int:
     """The fewest columns a cut of `t` may hold: its quantization blocks stay whole."""
     return qtype(t.qtype).block_elems
 
 
-def _apportion(units: int, shares: list[float], minimum: int) -> list[tuple[int, int]]:
+def _apportion(units: int, shares: list[float]) -> list[tuple[int, int]]:
     """`units` cut into consecutive ranges in proportion to `shares` (largest remainders), each range
-    holding at least `minimum` where there are enough units."""
+    of a positive share holding at least one unit where there are enough."""
     total = sum(shares)
     exact = [units * s / total for s in shares]
     counts = [int(e) for e in exact]
@@ -124,9 +117,9 @@ def _apportion(units: int, shares: list[float], minimum: int) -> list[tuple[int,
     ]:
         counts[i] += 1
     for i in range(len(counts)):  # lend a unit to an empty range from the largest one
-        if counts[i] < minimum and shares[i] > 0:
+        if counts[i] == 0 and shares[i] > 0:
             j = max(range(len(counts)), key=lambda j: counts[j])
-            if counts[j] > minimum:
+            if counts[j] > 1:
                 counts[j] -= 1
                 counts[i] += 1
     bounds = [0]
