@@ -201,3 +201,29 @@ def test_a_part_that_fails_frees_the_others_and_raises_its_error(smollm2_path):
     got = cpu.split.run(layers, x, Step(torch.arange(3), masked=True, n_read=3))
     want = cpu.run_whole(x, Step(torch.arange(3), masked=True, n_read=3))
     assert ((got - want).norm() / want.norm()).item() < 2e-4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiled there: test_gpu.py runs it on two GPUs")
+def test_the_exchange_kernel_adds_partials_in_gpu_order_under_the_interpreter():
+    """`kernels.exchange` under TRITON_INTERPRET=1 with both ranks on the CPU, one after the other
+    (the interpreter runs one kernel at a time): rank 1's part of each meeting is put in rank 0's inbox
+    and flags as rank 1's kernel would, then rank 0's kernel runs (storing its part into rank 1's inbox
+    and raising rank 1's flags), then rank 1's, which finds them. Meetings of several sizes in a row
+    (the inboxes alternate) give partial 0 + partial 1 bit for bit on both ranks; a sum larger than
+    the inboxes is a clear error."""
+    from llmx.errors import LlmxError
+    from llmx.kernels.exchange import Exchange
+
+    cpu = torch.device("cpu")
+    exchange = Exchange([cpu, cpu], 3000)
+    for count, n in enumerate((1000, 2500, 7, 2500, 1000), start=1):
+        partials = [torch.randn(n), torch.randn(n)]
+        slot = count % 2
+        exchange.inbox[0][slot, 1, :n] = partials[1]  # what rank 1 sends rank 0
+        exchange.flags[0][slot, 1] = count
+        sums = [exchange.all_reduce(partials[r], r) for r in range(2)]
+        want = partials[0] + partials[1]
+        assert torch.equal(sums[0], want) and torch.equal(sums[1], want), n
+        assert (exchange.flags[1][slot, 0] == count).all()  # rank 0 raised rank 1's flags
+    with pytest.raises(LlmxError, match="a partial sum of 3001 values exceeds the 3000"):
+        exchange.all_reduce(torch.randn(3001), 0)
