@@ -1,9 +1,12 @@
 """What the integer-dot GEMV's main loop compiles to on Hopper, without a GPU.
 
 Triton compiles `dot8.gemv8_kernel` for sm_90 here (PTX needs no device); for each launch shape this
-counts, inside the loop over K, the global loads a thread issues and the barriers (`bar.sync`: a
-layout conversion through shared memory). Device time is scarce; this shows before a run whether a
-change removed loads or added shuffles (bench/RESULTS.md, session 6).
+counts, inside the loop over K, the global loads a thread issues, the warp shuffles and the barriers
+(`shfl.sync`, `bar.sync`: layout conversions between threads, through the L1's data path like the
+loads). Device time is scarce; this shows before a run whether a change removed loads or added
+shuffles (bench/RESULTS.md, sessions 6 and 9). Triton versions lay the same kernel out differently:
+to see another version's code, put its wheel's package first on PYTHONPATH (e.g. the device's 3.6,
+`pip install --target DIR triton==3.6.0`; no GPU needed).
 
     python bench/ptx_gemv.py [--types Q4_K,Q6_K,Q8_0] [--bn 2,4,8,16] [--bk 1024,2048,4096] [--warps 1,2,4]
 """
@@ -63,12 +66,15 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4")
     args = ap.parse_args()
     ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps)]
-    print("| type | BN/BK/warps | global loads a step | barriers a step |\n| --- | --- | ---: | ---: |")
+    print(f"Triton {triton.__version__}")
+    print("| type | BN/BK/warps | global loads a step | shuffles a step | barriers a step |")
+    print("| --- | --- | ---: | ---: | ---: |")
     for name, bn, bk, warps in itertools.product(args.types.split(","), *ints):
         body = loop_body(ptx(name, bn, bk, warps))
         loads = sum("ld.global" in line for line in body)
+        shuffles = sum("shfl.sync" in line for line in body)
         barriers = sum("bar.sync" in line for line in body)
-        print(f"| {name} | {bn}/{bk}/{warps} | {loads} | {barriers} |", flush=True)
+        print(f"| {name} | {bn}/{bk}/{warps} | {loads} | {shuffles} | {barriers} |", flush=True)
 
 
 if __name__ == "__main__":

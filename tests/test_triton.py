@@ -171,7 +171,18 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
 
 @pytest.mark.parametrize("name", DOT8_TYPES)
 @pytest.mark.parametrize(
-    "shape", [(4, 256, 4), (4, 1024, 4), (2, 1024, 1), (4, 1024, 1), (2, 2048, 1), (2, 2048, 2)], ids=str
+    "shape",
+    [
+        (4, 256, 4),
+        (4, 1024, 4),
+        (2, 1024, 1),
+        (4, 1024, 1),
+        (2, 2048, 1),
+        (4, 2048, 1),
+        (2, 2048, 2),
+        (8, 1024, 4),
+    ],
+    ids=str,
 )
 def test_dot8(name: str, shape: tuple[int, int, int]) -> None:
     # 6 super-blocks (48 blocks for Q8_0) leave a partial step at BK = 1024 and 2048; N = 9 a partial

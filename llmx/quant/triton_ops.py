@@ -402,7 +402,7 @@ def default_dot8(name: str) -> GemvConfig:
     return _DOT8_M1.get(name, GemvConfig(4, 1024, 4))
 
 
-_DOT8_M1 = {"Q8_0": GemvConfig(2, 2048, 1), "Q4_K": GemvConfig(2, 1024, 1), "Q6_K": GemvConfig(4, 1024, 1)}
+_DOT8_M1 = {"Q8_0": GemvConfig(2, 2048, 2), "Q4_K": GemvConfig(2, 2048, 1), "Q6_K": GemvConfig(2, 1024, 2)}
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:

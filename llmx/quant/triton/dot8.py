@@ -24,7 +24,7 @@ Under TRITON_INTERPRET=1 (no PTX) `dp4a` is spelled out with shifts, with the sa
 import triton
 import triton.language as tl
 
-from llmx.quant.triton.bits import code_f32, f16, int_f32
+from llmx.quant.triton.bits import code_f32, int_f32
 from llmx.quant.triton.kquants import k4_scale_min
 
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
@@ -92,69 +92,39 @@ def store_quantized_block(v, g0, row, n, xq_ptr, dx_ptr, xs_ptr):
     store_quantized(tl.reshape(v.to(tl.float32), (NG, 32)), g, g < n // 32, row, n, xq_ptr, dx_ptr, xs_ptr)
 
 
-@triton.jit
-def _quad(base, unit_words, u, QUADS: tl.constexpr, STRIDE: tl.constexpr):
-    """[BN, U, QUADS, 4] word offsets: 4 consecutive words at `base + q * STRIDE` for quad q of
-    each block `u` (`unit_words` words a block) of the rows at `base` [BN]. The last axis is
-    contiguous, so a thread loads its 4 words as one 16-byte vector and sums them in registers."""
-    q = tl.arange(0, QUADS)[None, None, :, None]
-    lane = tl.arange(0, 4)[None, None, None, :]
-    return base[:, None, None, None] + u[None, :, None, None] * unit_words + q * STRIDE + lane
+# --- the GEMV ----------------------------------------------------------------------------------
+# Every tensor of a step is laid out along one axis of W 32-bit words a row: weight tensors are
+# [BN, W], x's [W] (broadcast over the rows), and a thread holds 4 consecutive words (a "quad",
+# one 16-byte load) of every row, so the rows and the x they share sit in one thread. With the
+# word axis wide enough for all of a warp's threads (W >= 128), Triton has one layout to choose,
+# whatever its version: spelled as [BN, blocks, quads, 4], Triton 3.6 spread the rows over threads
+# and moved x and the partial sums between them with ~30 warp shuffles a step, which the L1 serves
+# beside the loads (bench/RESULTS.md, session 9). Word offsets are written straight from the axis
+# index (`w % 8`, not `(w % 32) % 8`): Triton proves 16-byte vectors only from such forms. A load
+# with no contiguous axis (one d a block) is made flat and reshaped (`_block_d`), as Triton lays
+# out one axis the same way in both versions.
 
 
 @triton.jit
-def _x_quad(u, unit_words, QUADS: tl.constexpr, STRIDE: tl.constexpr):
-    """`_quad`'s offsets into x's codes, [1, U, QUADS, 4]: every row meets the same x, and a tensor
-    without the row axis, broadcast over it, lets one thread's loads serve all the rows it holds
-    (spelled per row, each row's copy was loaded again). With the launch shapes that keep rows in
-    threads (`triton_ops.default_dot8`) Q4_K ran 4-6% faster on an H200 (bench/RESULTS.md)."""
-    return _quad(tl.zeros([1], tl.int64), unit_words, u, QUADS, STRIDE)
+def _quads(v):
+    """[BN, W] -> [BN, W/4]: the sum of each quad's 4 words (within a thread: no data moves)."""
+    return tl.sum(tl.reshape(v, [v.shape[0], v.shape[1] // 4, 4]), 2)
+
+
+@triton.jit
+def _lane(v, i):
+    """[BN, W] -> [BN, W/4]: word i of each quad (within a thread); i a constant or a [1, W/4, 1]
+    tensor, one lane a quad."""
+    quads = tl.reshape(v, [v.shape[0], v.shape[1] // 4, 4])
+    return tl.sum(tl.where(tl.arange(0, 4)[None, None, :] == i, quads, 0), 2)
 
 
 @triton.jit
 def _words(ptr, word, ok):
-    """The 32-bit words at word offsets `word` of a weight's rows or of x's codes (any shape, x's
-    broadcast over rows), 0 where not `ok`: the step after the last one is loaded ahead like any
-    other, and its blocks must cost no memory traffic."""
+    """The 32-bit words at word offsets `word` of a weight's rows or of x's codes, 0 where not `ok`:
+    the step after the last one is loaded ahead like any other, and its blocks must cost no memory
+    traffic."""
     return tl.load(ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
-
-
-@triton.jit
-def _q8_0_load(w_ptr, row_w, u, ok, K):
-    """Q8_0 blocks `u` of the rows (prepared: 32-byte bodies, then the fp16 d's): codes
-    [BN, U, 2, 4] words and d [BN, U, 2] (each block's d twice: shaped like the partial sums, so
-    that both land in one register layout without a shared-memory shuffle)."""
-    codes = _words(w_ptr, _quad(row_w, 8, u, 2, 4), ok[None, :, None, None])
-    half = tl.arange(0, 2)[None, None, :]
-    d = f16(w_ptr, row_w[:, None, None] * 4 + (K // 32) * 32 + u[None, :, None] * 2 + 0 * half)
-    return codes, d
-
-
-@triton.jit
-def _q8_0(codes, d, xq_ptr, dx_ptr, u, ok, ASM: tl.constexpr):
-    """[BN, U, 2] partial dots of loaded Q8_0 blocks `u`."""
-    xw = _words(xq_ptr, _x_quad(u, 8, 2, 4), ok[None, :, None, None])
-    dot = tl.sum(dp4a(codes, xw, True, ASM), 3)
-    dx = tl.load(
-        dx_ptr + u[None, :, None] + 0 * tl.arange(0, 2)[None, None, :], mask=ok[None, :, None], other=0.0
-    )
-    return dot.to(tl.float32) * d * dx
-
-
-@triton.jit
-def _q4_k_load(w_ptr, row_w, u, ok):
-    """Q4_K super-blocks `u` (144 bytes: d, dmin, 12 scale bytes, 128 code bytes): the codes and
-    the header, both [BN, U, 8, 4] words. Every quad's thread loads its block's 16-byte header as
-    one vector (one L1 request for all of them, where byte-wise loads made ten), and takes its
-    scales apart in registers."""
-    ok4 = ok[None, :, None, None]
-    return _words(w_ptr, _quad(row_w, 36, u, 8, 4) + 4, ok4), _words(w_ptr, _quad(row_w, 36, u, 8, 0), ok4)
-
-
-@triton.jit
-def _word(v, i: tl.constexpr):
-    """Word i of the 4-word last axis of v (held by one thread: no data moves)."""
-    return tl.sum(tl.where(tl.arange(0, 4)[None, None, None, :] == i, v, 0), 3)
 
 
 @triton.jit
@@ -165,94 +135,141 @@ def _half(word, high: tl.constexpr):
 
 
 @triton.jit
-def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u, ok, ASM: tl.constexpr):
-    """[BN, U, 8] partial dots of loaded Q4_K super-blocks `u`. Code word i holds weights
-    4(i%8)..+3 of sub-block 2(i//8) in its low nibbles and of sub-block 2(i//8)+1 in its high
-    nibbles; quad e is words 4e..4e+3, so it meets sub-blocks j = 2(e//2) and j + 1."""
-    xw = _x_quad(u, 64, 8, 4)  # x words of the same weights if they were all low nibbles
-    e4 = tl.arange(0, 8)[None, None, :, None]
-    x_lo = xw + 8 * (e4 // 2)  # low nibbles of quad e: x words 16(e//2) + 4(e%2) + lane; high: 8 on
-    ok4 = ok[None, :, None, None]
-    s_lo = tl.sum(dp4a(codes & LOW_NIBBLES, _words(xq_ptr, x_lo, ok4), False, ASM), 3)
-    s_hi = tl.sum(dp4a((codes >> 4) & LOW_NIBBLES, _words(xq_ptr, x_lo + 8, ok4), False, ASM), 3)
-    e = tl.arange(0, 8)[None, None, :]
-    pair = e // 2
-    # Sub-blocks j and j + 1 have their scale bytes side by side in each of header words 1-3.
-    shift = 16 * (pair % 2)
-    s_w, m_w, sm_w = _word(hdr, 1) >> shift, _word(hdr, 2) >> shift, _word(hdr, 3) >> shift
-    sc_lo, mn_lo = k4_scale_min(s_w & 255, m_w & 255, sm_w & 255, pair < 2)
-    sc_hi, mn_hi = k4_scale_min((s_w >> 8) & 255, (m_w >> 8) & 255, (sm_w >> 8) & 255, pair < 2)
-    grp = u[None, :, None] * 8 + 2 * pair  # 32-group of the low sub-block in the row
-    ok3 = ok[None, :, None]
-    dx_lo = tl.load(dx_ptr + grp, mask=ok3, other=0.0)
-    dx_hi = tl.load(dx_ptr + grp + 1, mask=ok3, other=0.0)
-    xs_lo = tl.load(xs_ptr + 2 * grp + e % 2, mask=ok3, other=0.0)  # this quad's 16 of each
-    xs_hi = tl.load(xs_ptr + 2 * grp + 2 + e % 2, mask=ok3, other=0.0)
+def _block_d(w_ptr, row_w, first, u0, n_units, WPB: tl.constexpr, W: tl.constexpr):
+    """[BN, W/4]: the fp16 d of each quad's block (WPB words of the axis a block), from the d's that
+    prepared rows store one after another from word `first`, as float32. Loaded as one flat axis
+    and reshaped: a [BN, W/4] load has no contiguous axis (two or four quads share a d), and Triton
+    3.6 then lays its rows across threads and moves every d to the codes' layout with shuffles."""
+    BN: tl.constexpr = row_w.shape[0]
+    Q: tl.constexpr = W // 4
+    blk = u0 + (4 * tl.arange(0, Q)) // WPB
+    byte = row_w[:, None] * 4 + first * 4 + blk[None, :] * 2
+    ok = tl.broadcast_to((blk < n_units)[None, :], [BN, Q])
+    flat = tl.load(
+        (w_ptr + tl.reshape(byte, [BN * Q])).to(tl.pointer_type(tl.float16)),
+        mask=tl.reshape(ok, [BN * Q]),
+        other=0.0,
+    )
+    return tl.reshape(flat, [BN, Q]).to(tl.float32)
+
+
+@triton.jit
+def _q8_0_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr):
+    """Q8_0 blocks u0.. (prepared rows: 32-byte bodies, then the fp16 d's): [BN, 8 BU] code words."""
+    w = tl.arange(0, BU * 8)
+    return _words(w_ptr, row_w[:, None] + u0 * 8 + w[None, :], (u0 * 8 + w < n_units * 8)[None, :])
+
+
+@triton.jit
+def _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM: tl.constexpr):
+    """[BN, Q] partial dots of loaded Q8_0 blocks (2 quads a block)."""
+    Q: tl.constexpr = codes.shape[1] // 4
+    w = tl.arange(0, 4 * Q)
+    xw = _words(xq_ptr, u0 * 8 + w, u0 * 8 + w < n_units * 8)
+    dot = _quads(dp4a(codes, xw[None, :], True, ASM))
+    blk = u0 + tl.arange(0, Q) // 2
+    ok = blk < n_units
+    dx = tl.load(dx_ptr + blk, mask=ok, other=0.0)
+    return int_f32(dot) * _block_d(w_ptr, row_w, K // 4, u0, n_units, 8, 4 * Q) * dx[None, :]
+
+
+@triton.jit
+def _q4_k_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr):
+    """Q4_K super-blocks u0.. (144 bytes: d, dmin, 12 scale bytes, 128 code bytes): [BN, 32 BU] code
+    words, and for each quad its block's 16-byte header, loaded as one vector (one L1 request for
+    all of a block's quads, where byte-wise loads made ten) and taken apart in registers."""
+    w = tl.arange(0, BU * 32)
+    blk = u0 + w // 32
+    ok = (blk < n_units)[None, :]
+    base = row_w[:, None] + blk[None, :] * 36
+    return _words(w_ptr, base + 4 + (w % 32)[None, :], ok), _words(w_ptr, base + (w % 4)[None, :], ok)
+
+
+@triton.jit
+def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM: tl.constexpr):
+    """[BN, Q] partial dots of loaded Q4_K super-blocks (8 quads a block). Code word c of a block
+    holds weights c%8 of sub-block 2(c//8) in its low nibbles and of sub-block 2(c//8) + 1 in its
+    high nibbles, so quad e meets the sub-block pair e//2, whose x words are 16(e//2) + c%8 (low)
+    and 8 words on (high)."""
+    Q: tl.constexpr = codes.shape[1] // 4
+    w = tl.arange(0, 4 * Q)
+    ok_w = u0 + w // 32 < n_units
+    x_lo = (u0 + w // 32) * 64 + 16 * ((w // 8) % 4) + w % 8
+    s_lo = _quads(dp4a(codes & LOW_NIBBLES, _words(xq_ptr, x_lo, ok_w)[None, :], False, ASM))
+    s_hi = _quads(dp4a((codes >> 4) & LOW_NIBBLES, _words(xq_ptr, x_lo + 8, ok_w)[None, :], False, ASM))
+    q = tl.arange(0, Q)
+    blk = u0 + q // 8
+    ok = blk < n_units
+    pair = (q % 8) // 2
+    # Sub-blocks 2 pair and 2 pair + 1 have their scale bytes side by side in each of header words 1-3.
+    shift = (16 * (pair % 2))[None, :]
+    s_w, m_w, sm_w = _lane(hdr, 1) >> shift, _lane(hdr, 2) >> shift, _lane(hdr, 3) >> shift
+    first = (pair < 2)[None, :]
+    sc_lo, mn_lo = k4_scale_min(s_w & 255, m_w & 255, sm_w & 255, first)
+    sc_hi, mn_hi = k4_scale_min((s_w >> 8) & 255, (m_w >> 8) & 255, (sm_w >> 8) & 255, first)
+    grp = blk * 8 + 2 * pair  # 32-group of the low sub-block in the row
+    dx_lo = tl.load(dx_ptr + grp, mask=ok, other=0.0)[None, :]
+    dx_hi = tl.load(dx_ptr + grp + 1, mask=ok, other=0.0)[None, :]
+    xs_lo = tl.load(xs_ptr + 2 * grp + q % 2, mask=ok, other=0.0)[None, :]  # this quad's 16 of each
+    xs_hi = tl.load(xs_ptr + 2 * grp + 2 + q % 2, mask=ok, other=0.0)[None, :]
     scaled = dx_lo * int_f32(sc_lo * s_lo) + dx_hi * int_f32(sc_hi * s_hi)  # |sc * s| <= 63*16*15*127 < 2**22
     mins = code_f32(mn_lo, 0) * xs_lo + code_f32(mn_hi, 0) * xs_hi
-    hdr0 = _word(hdr, 0)
+    hdr0 = _lane(hdr, 0)
     return _half(hdr0, False) * scaled - _half(hdr0, True) * mins
 
 
 @triton.jit
-def _q6_k_load(w_ptr, row_w, u, ok):
-    """Q6_K super-blocks `u` (prepared rows: 208-byte bodies of ql[128], qh[64], scales[16]):
-    ql_a, ql_b, qh [BN, U, 4, 4] words and the two scale words of each quad, [BN, U, 4].
+def _q6_k_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr):
+    """Q6_K super-blocks u0.. (prepared rows: 208-byte bodies of ql[128], qh[64], scales[16]), along
+    the qh words (16 a block): ql_a, ql_b, qh and the scale words, [BN, 16 BU] each.
 
     Per half h of 128 weights: ql word c (c < 8) holds the low nibbles of quarter 0 (and, high
     nibbles, quarter 2) at weights 4c..4c+3, ql word 8 + c those of quarters 1 and 3, and qh word c
-    the 2 high bits of all four quarters at bits 0-1, 2-3, 4-5, 6-7 of each byte. Quad e = (h,
-    c//4) of the qh words meets quads of ql at 16h + 4(e%2) and 8 words on; its scales (one per
-    16 weights, 8h + 2 * quarter + e%2) are in scale words 2h (quarters 0, 1) and 2h + 1.
-    """
-    e4 = tl.arange(0, 4)[None, None, :, None]
-    qh_w = _quad(row_w, 52, u, 4, 4) + 32
-    ql_w = qh_w - 32 + 8 * (e4 // 2)
-    e = tl.arange(0, 4)[None, None, :]
-    sc_w = (row_w[:, None] + u[None, :] * 52)[:, :, None] + 48 + 2 * (e // 2)
-    ok4, ok3 = ok[None, :, None, None], ok[None, :, None]
+    the 2 high bits of all four quarters at bits 0-1, 2-3, 4-5, 6-7 of each byte. qh word c of the
+    block (h = c//8) meets ql words 16h + c%8 and 8 words on; the scales of its quad (one per 16
+    weights, 8h + 2 * quarter + quad%2) are in scale words 2h (quarters 0, 1) and 2h + 1 of the
+    block's four, which every quad loads as one vector."""
+    w = tl.arange(0, BU * 16)
+    blk = u0 + w // 16
+    ok = (blk < n_units)[None, :]
+    base = row_w[:, None] + blk[None, :] * 52
+    ql_a = base + (16 * ((w // 8) % 2) + w % 8)[None, :]
     return (
-        _words(w_ptr, ql_w, ok4),
-        _words(w_ptr, ql_w + 8, ok4),
-        _words(w_ptr, qh_w, ok4),
-        _words(w_ptr, sc_w, ok3),
-        _words(w_ptr, sc_w + 1, ok3),
+        _words(w_ptr, ql_a, ok),
+        _words(w_ptr, ql_a + 8, ok),
+        _words(w_ptr, base + 32 + (w % 16)[None, :], ok),
+        _words(w_ptr, base + 48 + (w % 4)[None, :], ok),
     )
 
 
 @triton.jit
-def _q6_k(ql_a, ql_b, qh, sc01, sc23, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, K, ASM: tl.constexpr):
-    """[BN, U, 4] partial dots of loaded Q6_K super-blocks `u` (see `_q6_k_load`)."""
+def _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_units, K, ASM: tl.constexpr):
+    """[BN, Q] partial dots of loaded Q6_K super-blocks (4 quads a block, see `_q6_k_load`)."""
     quarters = (
         (ql_a & LOW_NIBBLES) | ((qh << 4) & HIGH_PAIRS),
         (ql_b & LOW_NIBBLES) | ((qh << 2) & HIGH_PAIRS),
         ((ql_a >> 4) & LOW_NIBBLES) | (qh & HIGH_PAIRS),
         ((ql_b >> 4) & LOW_NIBBLES) | ((qh >> 2) & HIGH_PAIRS),
     )
-    e4 = tl.arange(0, 4)[None, None, :, None]
-    x0 = _x_quad(u, 64, 4, 4) + 24 * (e4 // 2)  # quarter 0's x: word 32h + 4(e%2) + lane
-    ok4 = ok[None, :, None, None]
-    e = tl.arange(0, 4)[None, None, :]
-    ok3 = ok[None, :, None]
-    acc = tl.zeros(sc01.shape, tl.float32)
+    Q: tl.constexpr = qh.shape[1] // 4
+    w = tl.arange(0, 4 * Q)
+    ok_w = u0 + w // 16 < n_units
+    x0 = (u0 + w // 16) * 64 + 32 * ((w // 8) % 2) + w % 8  # quarter 0's x words; quarter kq's 8 kq on
+    q = tl.arange(0, Q)
+    blk = u0 + q // 4
+    ok = blk < n_units
+    h = ((q % 4) // 2)[None, :, None]
+    words = (_lane(scales, 2 * h), _lane(scales, 2 * h + 1))
+    acc = tl.zeros([qh.shape[0], Q], tl.float32)
     for kq in tl.static_range(4):
-        s = tl.sum(dp4a(quarters[kq], _words(xq_ptr, x0 + 8 * kq, ok4), False, ASM), 3)
-        word = sc01 if kq < 2 else sc23
-        byte = 2 * (kq % 2) + e % 2
-        sc = int_f32((word << (24 - 8 * byte)) >> 24)  # the int8 scale
-        row16 = u[None, :, None] * 16 + 8 * (e // 2) + 2 * kq + e % 2
-        dx = tl.load(dx_ptr + row16 // 2, mask=ok3, other=0.0)
-        xsum = tl.load(xs_ptr + row16, mask=ok3, other=0.0)
+        s = _quads(dp4a(quarters[kq], _words(xq_ptr, x0 + 8 * kq, ok_w)[None, :], False, ASM))
+        byte = (2 * (kq % 2) + q % 2)[None, :]
+        sc = int_f32((words[kq // 2] << (24 - 8 * byte)) >> 24)  # the int8 scale
+        row16 = blk * 16 + 8 * ((q % 4) // 2) + 2 * kq + q % 2
+        dx = tl.load(dx_ptr + row16 // 2, mask=ok, other=0.0)[None, :]
+        xsum = tl.load(xs_ptr + row16, mask=ok, other=0.0)[None, :]
         acc += sc * (dx * int_f32(s) - 32.0 * xsum)
-    d = f16(w_ptr, row_w[:, None, None] * 4 + (K // 256) * 208 + u[None, :, None] * 2)
-    return d * acc
-
-
-@triton.jit
-def _units(u0, BU: tl.constexpr, n_units):
-    """Blocks u0..u0+BU-1, clamped to the last one (for loads), and which of them exist."""
-    u = u0 + tl.arange(0, BU)
-    return tl.minimum(u, n_units - 1), u < n_units
+    return _block_d(w_ptr, row_w, (K // 256) * 52, u0, n_units, 16, 4 * Q) * acc
 
 
 @triton.jit
@@ -269,8 +286,9 @@ def gemv8_kernel(
     small projections share their waves of programs instead of each leaving the GPU part idle.
 
     Each step loads the next step's weights before computing on the current ones (Triton does not
-    pipeline loads that feed no tl.dot), so two steps of codes are in flight. Partial sums stay
-    in registers, [BN, BU, QUADS], and are reduced once after the loop: the loop has no
+    pipeline loads that feed no tl.dot into registers: with `num_stages` it stages them through
+    shared memory, at half the speed on an H200), so two steps of codes are in flight. Partial
+    sums stay in registers, [BN, BU * QUADS], and are reduced once after the loop: the loop has no
     cross-thread traffic. Out-of-range rows are clamped to the last one (and not stored);
     out-of-range blocks are not read (their weights and x load as 0).
     """
@@ -287,28 +305,24 @@ def gemv8_kernel(
     rn = (pid - first) * BN + tl.arange(0, BN)
     row_w = tl.minimum(rn, N - 1).to(tl.int64) * swn_words
     n_units = K // UNIT
-    acc = tl.zeros([BN, BU, QUADS], tl.float32)
-    u, ok = _units(0, BU, n_units)
+    acc = tl.zeros([BN, BU * QUADS], tl.float32)
     if QT == "Q8_0":
-        codes, d = _q8_0_load(w_ptr, row_w, u, ok, K)
+        codes = _q8_0_load(w_ptr, row_w, 0, n_units, BU)
         for u0 in range(0, n_units, BU):
-            u_next, ok_next = _units(u0 + BU, BU, n_units)
-            codes_next, d_next = _q8_0_load(w_ptr, row_w, u_next, ok_next, K)
-            acc += _q8_0(codes, d, xq_ptr, dx_ptr, u, ok, ASM)
-            codes, d, u, ok = codes_next, d_next, u_next, ok_next
+            codes_next = _q8_0_load(w_ptr, row_w, u0 + BU, n_units, BU)
+            acc += _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM)
+            codes = codes_next
     elif QT == "Q4_K":
-        codes, hdr = _q4_k_load(w_ptr, row_w, u, ok)
+        codes, hdr = _q4_k_load(w_ptr, row_w, 0, n_units, BU)
         for u0 in range(0, n_units, BU):
-            u_next, ok_next = _units(u0 + BU, BU, n_units)
-            codes_next, hdr_next = _q4_k_load(w_ptr, row_w, u_next, ok_next)
-            acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u, ok, ASM)
-            codes, hdr, u, ok = codes_next, hdr_next, u_next, ok_next
+            codes_next, hdr_next = _q4_k_load(w_ptr, row_w, u0 + BU, n_units, BU)
+            acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM)
+            codes, hdr = codes_next, hdr_next
     else:
         tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
-        ql_a, ql_b, qh, sc01, sc23 = _q6_k_load(w_ptr, row_w, u, ok)
+        ql_a, ql_b, qh, scales = _q6_k_load(w_ptr, row_w, 0, n_units, BU)
         for u0 in range(0, n_units, BU):
-            u_next, ok_next = _units(u0 + BU, BU, n_units)
-            na, nb, nh, n01, n23 = _q6_k_load(w_ptr, row_w, u_next, ok_next)
-            acc += _q6_k(ql_a, ql_b, qh, sc01, sc23, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u, ok, K, ASM)
-            ql_a, ql_b, qh, sc01, sc23, u, ok = na, nb, nh, n01, n23, u_next, ok_next
-    tl.store(out_ptr + rn, tl.sum(tl.sum(acc, axis=2), axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
+            na, nb, nh, ns = _q6_k_load(w_ptr, row_w, u0 + BU, n_units, BU)
+            acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_units, K, ASM)
+            ql_a, ql_b, qh, scales = na, nb, nh, ns
+    tl.store(out_ptr + rn, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
