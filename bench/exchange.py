@@ -17,12 +17,12 @@ meetings (64 = 2 a layer x 32 layers) against the same graph on one GPU without 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 import torch
 
 from llmx.kernels.exchange import Exchange
+from llmx.runtime.executor import forked
 
 
 def _timed(graph: torch.cuda.CUDAGraph, reps: int, devices: list[torch.device]) -> float:
@@ -56,20 +56,14 @@ def main() -> None:
     streams = [torch.cuda.Stream(d) for d in devs]
 
     def capture(body, devices) -> torch.cuda.CUDAGraph:
+        """`body` captured as the executor captures a step across GPUs: every GPU's current stream
+        a capturing one (a peer copy syncs with both GPUs' streams)."""
         g = torch.cuda.CUDAGraph()
         main = streams[0]
         main.wait_stream(torch.cuda.current_stream(devs[0]))
-        with torch.cuda.graph(g, stream=main):
-            for s in streams[1 : len(devices)]:
-                s.wait_stream(main)
-            # every GPU's current stream is a capturing one (a peer copy syncs with both GPUs' streams)
-            with contextlib.ExitStack() as stack:
-                for s in streams[1 : len(devices)]:
-                    stack.enter_context(torch.cuda.stream(s))
-                stack.enter_context(torch.cuda.device(devs[0]))
-                body()
-            for s in streams[1 : len(devices)]:
-                main.wait_stream(s)
+        sides = {d: streams[i] for i, d in enumerate(devices) if i}
+        with torch.cuda.graph(g, stream=main), forked(main, sides, {}):
+            body()
         return g
 
     def local() -> None:

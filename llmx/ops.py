@@ -181,8 +181,7 @@ def linear_many(x: torch.Tensor, ws: list[QWeight | RowSplit]) -> list[torch.Ten
 def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor:
     """The gated FFN of Llama-family models: down(silu(gate(x)) * up(x))."""
     if (
-        x.is_cpu
-        and all(isinstance(w, QWeight) for w in (gate, up, down))
+        all(isinstance(w, QWeight) for w in (gate, up, down))
         and (y := qw.swiglu(x, gate, up, down)) is not None
     ):
         return y  # a CPU decode step: one native call

@@ -388,12 +388,12 @@ class Executor:
             # Warm up outside the graph (Triton autotuning, lazy allocations, RoPE tables) on the side
             # stream, as capture requires; it computes exactly what the replay will. The capture gets
             # a fresh Step so its per-step gathers are recorded, not reused.
-            with torch.cuda.stream(stream), _forked(stream, sides, {}):
+            with torch.cuda.stream(stream), forked(stream, sides, {}):
                 warm = self._run_segment(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
             torch.cuda.current_stream(seg.device).wait_stream(stream)
         pools = {d: torch.cuda.MemPool() for d in peers}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream), _forked(stream, sides, pools):
+        with torch.cuda.graph(graph, pool=pool, stream=stream), forked(stream, sides, pools):
             x_out = self._run_segment(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
         g = _Graph(graph, x_in, positions, x_out, tuple(pools.values()))
         if peers and warm is not None:
@@ -404,7 +404,7 @@ class Executor:
 
 
 @contextlib.contextmanager
-def _forked(stream: torch.cuda.Stream, sides: dict[torch.device, torch.cuda.Stream], pools: dict):
+def forked(stream: torch.cuda.Stream, sides: dict[torch.device, torch.cuda.Stream], pools: dict):
     """Work on the GPUs of `sides` goes to their streams, forked from `stream` and joined back at the
     end (a capture on `stream` then records it), allocating from `pools` where given; the current
     device stays `stream`'s."""
