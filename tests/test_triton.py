@@ -17,6 +17,8 @@ definition), and to DOT8_FLOAT_TOL against the float x.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from functools import cache
 
 import numpy as np
@@ -324,3 +326,21 @@ def test_gpu_dequantize_large(name: str, layout: str) -> None:
 def test_gpu_linear_large(name: str, m: int, dtype: torch.dtype, layout: str) -> None:
     w, ref = large_weight(name)
     check_linear(laid_out(w, name, layout), ref, m, dtype, seed=m)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_dot8_loop_moves_no_data_between_threads(name: str) -> None:
+    # With [rows, blocks, quads, 4] tensors Triton 3.6 laid the rows out across threads and its loop
+    # moved x and the partial sums between them with ~30 shuffles a step (bench/RESULTS.md, session
+    # 9); along one axis of words, every row and the x it meets stay in one thread. bench/ptx_gemv.py
+    # compiles the default shape for Hopper (no GPU needed; not under the interpreter, hence its own
+    # process). Q6_K's fastest shape spreads its quads over two warps, so it is not held to this.
+    cfg = tops.default_dot8(name)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    shape = ["--types", name, "--bn", str(cfg.bn), "--bk", str(cfg.bk), "--warps", str(cfg.num_warps)]
+    tool = [sys.executable, "bench/ptx_gemv.py", *shape]
+    out = subprocess.run(tool, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith(f"| {name} |"))
+    loads, shuffles, barriers = (int(cell) for cell in row.strip("| ").split(" | ")[2:])
+    assert loads > 0 and shuffles == 0 and barriers == 0, row
