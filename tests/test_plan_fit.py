@@ -156,8 +156,26 @@ def test_fitted_plans_keep_budgets_place_everything_once_and_are_deterministic(d
         assert parts[0][1] == 0 and parts[-1][2] == rows
         assert all(a[2] == b[1] for a, b in zip(parts, parts[1:], strict=False))
     copies = sum(t.nbytes for t in m.tensors if t.name in p.extra_copies)
+    copies += sum(t.nbytes * len(p.replicas.get(t.name, ())) for t in m.tensors)  # -sm row's norms
     assert sum(u.weights for u in p.usage) == m.nbytes + copies
     assert plan(m, inv, opts) == p
+
+
+def test_row_split_counts_the_norms_copied_to_every_gpu() -> None:
+    # The example Hypothesis found when the test above did not count `replicas` yet.
+    shape = ModelShape(
+        name="random", arch="llama", size_label="?", n_layer=1, n_embd=256, n_ff=256, n_head=4, n_head_kv=2,
+        n_vocab=256, ctx_train=4096, rope_base=10000.0, rms_eps=1e-06, tokenizer=("gpt2", "default", 1, 2),
+        head_dim=64, tied_embeddings=False,
+    )  # fmt: skip
+    gpus = tuple(Device(f"cuda:{i}", 130 * MiB, 130 * MiB) for i in range(2))
+    m = ModelSpec.from_shape(shape, "Q4_0")
+    opts = Options(split_mode="row", ctx_size=256, ubatch_size=32, fit=True, fit_margin_mib=0)
+    p = plan(m, Inventory(Device("cpu", 64 * MiB, 64 * MiB), gpus), opts)
+    norms = {"blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"}
+    assert p.replicas == dict.fromkeys(norms, ("cuda:1",))
+    norm_bytes = sum(t.nbytes for t in m.tensors if t.name in norms)
+    assert sum(u.weights for u in p.usage) == m.nbytes + norm_bytes
 
 
 @settings(max_examples=60, deadline=None)
