@@ -3,8 +3,9 @@
 Triton compiles `dot8.gemv8_kernel` for sm_90 here (PTX needs no device); for each launch shape this
 counts, inside the loop over K, the global loads a thread issues, the warp shuffles and the barriers
 (`shfl.sync`, `bar.sync`: layout conversions between threads, through the L1's data path like the
-loads). Device time is scarce; this shows before a run whether a change removed loads or added
-shuffles (bench/RESULTS.md, sessions 6 and 9). Triton versions lay the same kernel out differently:
+loads), and the registers a thread uses (from the cubin: they bound the warps an SM holds, e.g. 80
+allow 24 of 64). Device time is scarce; this shows before a run whether a change removed loads or
+added shuffles (bench/RESULTS.md, sessions 6 and 9). Triton versions lay the same kernel out differently:
 to see another version's code, put its wheel's package first on PYTHONPATH (e.g. the device's 3.6,
 `pip install --target DIR triton==3.6.0`; no GPU needed).
 
@@ -16,6 +17,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -29,9 +33,9 @@ WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
 CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM")
 
 
-def ptx(name: str, bn: int, bk: int, warps: int) -> str:
-    """The PTX of one launch shape: one weight a launch, every pointer and integer a multiple of 16
-    (as Triton specializes them for Llama-shaped matrices)."""
+def compiled(name: str, bn: int, bk: int, warps: int) -> dict[str, str | bytes]:
+    """The PTX and cubin of one launch shape: one weight a launch, every pointer and integer a
+    multiple of 16 (as Triton specializes them for Llama-shaped matrices)."""
     unit = tops.DOT8_UNIT[name]
     signature = dict(POINTERS)
     for j in range(tops.DOT8_MAX_WEIGHTS):
@@ -45,7 +49,18 @@ def ptx(name: str, bn: int, bk: int, warps: int) -> str:
         constexprs=dict(zip(CONSTANTS, values, strict=True)),
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the compiled kernel uses (they bound how many warps an SM holds), as the
+    cuobjdump shipped with Triton reads them from the cubin."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True)
+    return int(re.search(r"REG:(\d+)", usage.stdout).group(1))
 
 
 def loop_body(code: str) -> list[str]:
@@ -67,14 +82,16 @@ def main() -> None:
     args = ap.parse_args()
     ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps)]
     print(f"Triton {triton.__version__}")
-    print("| type | BN/BK/warps | global loads a step | shuffles a step | barriers a step |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print("| type | BN/BK/warps | global loads a step | shuffles a step | barriers a step | registers |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, bn, bk, warps in itertools.product(args.types.split(","), *ints):
-        body = loop_body(ptx(name, bn, bk, warps))
+        asm = compiled(name, bn, bk, warps)
+        body = loop_body(asm["ptx"])
         loads = sum("ld.global" in line for line in body)
         shuffles = sum("shfl.sync" in line for line in body)
         barriers = sum("bar.sync" in line for line in body)
-        print(f"| {name} | {bn}/{bk}/{warps} | {loads} | {shuffles} | {barriers} |", flush=True)
+        regs = registers(asm["cubin"])
+        print(f"| {name} | {bn}/{bk}/{warps} | {loads} | {shuffles} | {barriers} | {regs} |", flush=True)
 
 
 if __name__ == "__main__":
