@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
 #   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
+#   A=/tmp/A bash bench/gpu_session.sh gemv-ab  # M = 1 GEMVs of the tree at $A against this one, alternating, ~3 min
 #
 # Each part writes its output under $OUT (default /tmp/llmx-out) as it goes, and every command has
 # its own time limit, so a part that runs long still reports what it measured. CPU kernels take the
@@ -41,6 +42,22 @@ kernels)
     timeout 230 $PY bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 1,2,16,512 --json "$OUT/kernels.json" \
         | tee "$OUT/kernels.md"
     timeout 200 $PY bench/kernels.py --types Q4_K --m 1 --sweep Q4_K,Q6_K,Q8_0 | tee "$OUT/sweep.md"
+    ;;
+gemv-ab)
+    # another tree (e.g. main, unpacked from `git archive`) at $A, first on its PYTHONPATH; machines
+    # differ by 10-20%, so the two trees alternate on this one
+    gemv() { timeout 100 $PY bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 1 --json "$1" > /dev/null; }
+    for round in 1 2; do
+        (cd "${A:?set A to the other tree}" && PYTHONPATH="$A:${PYTHONPATH:-}" gemv "$OUT/gemv-a-$round.json")
+        gemv "$OUT/gemv-b-$round.json"
+    done
+    $PY - "$OUT"/gemv-[ab]-*.json <<'PY'
+import json, sys
+
+for path in sys.argv[1:]:
+    rows = [r for r in json.load(open(path))["rows"] if r["kernel"] == "dot8"]
+    print(path.rsplit("/", 1)[-1], " ".join(f"{r['type']} {r['n']}x{r['k']}: {r['gbs']:.0f}" for r in rows))
+PY
     ;;
 e2e)
     q4=$(synth llama3-8b Q4_K_M) q8=$(synth llama3-8b Q8_0)
@@ -91,7 +108,7 @@ ncu)
     grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
-    echo "usage: bash bench/gpu_session.sh check|kernels|e2e|hybrid|multi|ncu" >&2
+    echo "usage: bash bench/gpu_session.sh check|kernels|gemv-ab|e2e|hybrid|multi|ncu" >&2
     exit 2
     ;;
 esac
