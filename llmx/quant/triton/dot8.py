@@ -135,16 +135,15 @@ def _half(word, high: tl.constexpr):
 
 
 @triton.jit
-def _block_d(w_ptr, row_w, first, u0, n_units, WPB: tl.constexpr, W: tl.constexpr):
-    """[BN, W/4]: the fp16 d of each quad's block (WPB words of the axis a block), from the d's that
+def _block_d(w_ptr, row_w, first, blk, ok):
+    """[BN, Q]: the fp16 d of block `blk` [Q] of each quad (0 where not `ok`), from the d's that
     prepared rows store one after another from word `first`, as float32. Loaded as one flat axis
-    and reshaped: a [BN, W/4] load has no contiguous axis (two or four quads share a d), and Triton
+    and reshaped: a [BN, Q] load has no contiguous axis (two or four quads share a d), and Triton
     3.6 then lays its rows across threads and moves every d to the codes' layout with shuffles."""
     BN: tl.constexpr = row_w.shape[0]
-    Q: tl.constexpr = W // 4
-    blk = u0 + (4 * tl.arange(0, Q)) // WPB
+    Q: tl.constexpr = blk.shape[0]
     byte = row_w[:, None] * 4 + first * 4 + blk[None, :] * 2
-    ok = tl.broadcast_to((blk < n_units)[None, :], [BN, Q])
+    ok = tl.broadcast_to(ok[None, :], [BN, Q])
     flat = tl.load(
         (w_ptr + tl.reshape(byte, [BN * Q])).to(tl.pointer_type(tl.float16)),
         mask=tl.reshape(ok, [BN * Q]),
@@ -170,7 +169,7 @@ def _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM: tl.constexpr
     blk = u0 + tl.arange(0, Q) // 2
     ok = blk < n_units
     dx = tl.load(dx_ptr + blk, mask=ok, other=0.0)
-    return int_f32(dot) * _block_d(w_ptr, row_w, K // 4, u0, n_units, 8, 4 * Q) * dx[None, :]
+    return int_f32(dot) * _block_d(w_ptr, row_w, K // 4, blk, ok) * dx[None, :]
 
 
 @triton.jit
@@ -269,7 +268,7 @@ def _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_un
         dx = tl.load(dx_ptr + row16 // 2, mask=ok, other=0.0)[None, :]
         xsum = tl.load(xs_ptr + row16, mask=ok, other=0.0)[None, :]
         acc += sc * (dx * int_f32(s) - 32.0 * xsum)
-    return _block_d(w_ptr, row_w, (K // 256) * 52, u0, n_units, 16, 4 * Q) * acc
+    return _block_d(w_ptr, row_w, (K // 256) * 52, blk, ok) * acc
 
 
 @triton.jit
