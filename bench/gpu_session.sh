@@ -44,19 +44,19 @@ kernels)
     timeout 200 $PY bench/kernels.py --types Q4_K --m 1 --sweep Q4_K,Q6_K,Q8_0 | tee "$OUT/sweep.md"
     ;;
 gemv-ab)
-    # another tree (e.g. main, unpacked from `git archive`) at $A, first on its PYTHONPATH; machines
-    # differ by 10-20%, so the two trees alternate on this one
-    gemv() { timeout 100 $PY bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 1 --json "$1" > /dev/null; }
+    # another tree's llmx (e.g. main, unpacked from `git archive`) at $A, first on PYTHONPATH, timed
+    # by this tree's bench/kernels.py; machines differ by 10-20%, so the two alternate on this one
+    gemv() { timeout 100 $PY "$PWD/bench/kernels.py" --types Q4_K,Q6_K,Q8_0 --m 1 --json "$1" > /dev/null; }
     for round in 1 2; do
-        (cd "${A:?set A to the other tree}" && PYTHONPATH="$A:${PYTHONPATH:-}" gemv "$OUT/gemv-a-$round.json")
+        PYTHONPATH="${A:?set A to the other tree}:${PYTHONPATH:-}" gemv "$OUT/gemv-a-$round.json"
         gemv "$OUT/gemv-b-$round.json"
     done
     $PY - "$OUT"/gemv-[ab]-*.json <<'PY'
 import json, sys
 
 for path in sys.argv[1:]:
-    rows = [r for r in json.load(open(path))["rows"] if r["kernel"] == "dot8"]
-    print(path.rsplit("/", 1)[-1], " ".join(f"{r['type']} {r['n']}x{r['k']}: {r['gbs']:.0f}" for r in rows))
+    rows = [r for r in json.load(open(path))["rows"] if r["kernel"] in ("dot8", "read")]
+    print(path.rsplit("/", 1)[-1], " ".join(f"{r['type']} {r['n']}x{r['k']} {r['kernel']}: {r['gbs']:.0f}" for r in rows))
 PY
     ;;
 e2e)

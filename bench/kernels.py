@@ -5,7 +5,9 @@ each batch M, the median time of each kernel `triton_ops.linear` can run there (
 GEMM; larger M: GEMM and dequantize + torch matmul), on `prepare`d weights; with GB/s of weight
 bytes over the measured device-to-device copy bandwidth (what bounds M <= 8) and TFLOP/s over the
 measured bf16 matmul rate (what bounds large M). At M = 512 a dense bf16 torch matmul of the same
-shape is timed too, and at M = 1 the GEMV on raw (not prepared) rows. The ceilings are measured in
+shape is timed too, and at M = 1 the GEMV on raw (not prepared) rows and a plain read of the same
+bytes ("read": what any kernel reading them at this size can reach). The integer-dot GEMV ("dot8")
+takes x already quantized, as decode's norm and gate kernels write it. The ceilings are measured in
 the same run: a copy of a 4 GB buffer (bytes read + written) and an 8192^3 bf16 matmul.
 At M <= 8 calls are timed on the GPU alone, replayed from a CUDA graph (as decode runs them), over
 copies of the weight that together exceed the L2; larger M use triton.testing.do_bench, which
@@ -29,6 +31,8 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
+import triton
+import triton.language as tl
 import triton.testing
 
 from llmx.bench.blocks import chunk_rng, random_data
@@ -85,6 +89,36 @@ def ceilings() -> dict[str, float]:
     return {"copy_gbs": copy_gbs, "bf16_tflops": mm_tflops}
 
 
+@triton.jit
+def _read_kernel(p, out, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """Sum STEPS * BLOCK int32 words from program_id * STEPS * BLOCK: a read of the bytes, nothing else."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
+    acc = tl.zeros([BLOCK], tl.int32)
+    for s in range(STEPS):
+        off = base + s * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(p + off, mask=off < n_words, other=0)
+    tl.store(out + tl.program_id(0), tl.sum(acc))
+
+
+def read_row(w: SimpleNamespace, ceil: dict[str, float]) -> dict:
+    """GB/s of the fastest plain read of w's bytes (a few launch shapes) timed like the GEMVs: the
+    ceiling at this size, where a kernel's start and its last wave weigh more than in a 4 GB copy."""
+    n, k = w.shape
+    words = [c.raw.view(-1).view(torch.int32) for c in copies(w)]
+    best = float("inf")
+    for block, steps, warps in ((1024, 4, 4), (2048, 4, 8), (4096, 2, 8), (2048, 8, 4)):
+        grid = (-(-words[0].numel() // (block * steps)),)
+        out = torch.empty(grid[0], dtype=torch.int32, device="cuda")
+
+        def read(v: torch.Tensor, out=out, grid=grid, block=block, steps=steps, warps=warps) -> None:
+            _read_kernel[grid](v, out, v.numel(), BLOCK=block, STEPS=steps, num_warps=warps)
+
+        best = min(best, graph_ms([partial(read, v) for v in words]))
+    gbs = w.raw.numel() * w.raw.element_size() / best / 1e6
+    row = {"type": w.qtype.name, "n": n, "k": k, "m": 1, "kernel": "read", "ms": best, "gbs": gbs}
+    return row | {"tflops": 0.0, "frac": gbs / ceil["copy_gbs"], "layout": "prepared"}
+
+
 def make_weight(name: str, n: int, k: int) -> SimpleNamespace:
     """A random valid [n, k] weight of type `name` on the GPU, shaped like llmx.quant.weight.QWeight."""
     qt = qtype(name)
@@ -97,8 +131,10 @@ def measure(w: SimpleNamespace, m: int, kernel: str, ceil: dict[str, float], **e
     """One timed row: kernel `kernel` on weight `w` with M = m bf16 inputs."""
     n, k = w.shape
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    # x quantized beforehand, as decode's norm and gate kernels write it (the GEMV's time alone)
+    qx = tops.quantize_x(x) if kernel == "dot8" else None
     if m <= tops.GEMV_MAX_M:
-        t = graph_ms([partial(tops.linear, x, c, kernel=kernel) for c in copies(w)])
+        t = graph_ms([partial(tops.linear, x, c, kernel=kernel, qx=qx) for c in copies(w)])
     else:
         t = bench_ms(partial(tops.linear, x, w, kernel=kernel))
     gbs, tflops = w.raw.numel() * w.raw.element_size() / t / 1e6, 2 * m * n * k / t / 1e9
@@ -113,6 +149,8 @@ def run(types: list[str], ms: list[int], ceil: dict[str, float]) -> Iterator[dic
         raw = make_weight(name, n, k)
         w = tops.prepare(raw)
         layout = "prepared" if w is not raw else "raw"
+        if 1 in ms:
+            yield read_row(w, ceil)
         if w is not raw:
             yield measure(raw, 1, "gemv", ceil, layout="raw")
         for m in ms:
@@ -146,9 +184,10 @@ def sweep(types: list[str]) -> list[dict]:
             shapes = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4)))
         grid = [tops.GemvConfig(*c) for c in shapes]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        qx = tops.quantize_x(x) if kernel == "dot8" else None
         ws = copies(w)
         for cfg in grid:
-            t = graph_ms([partial(tops.linear, x, c, kernel=kernel, gemv=cfg) for c in ws])
+            t = graph_ms([partial(tops.linear, x, c, kernel=kernel, gemv=cfg, qx=qx) for c in ws])
             row = {
                 "type": name,
                 "n": n,
