@@ -30,7 +30,7 @@ from llmx.quant.triton import dot8
 
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
 WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
-CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM")
+CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN")
 
 
 def compiled(name: str, bn: int, bk: int, warps: int) -> dict[str, str | bytes]:
@@ -41,7 +41,7 @@ def compiled(name: str, bn: int, bk: int, warps: int) -> dict[str, str | bytes]:
     for j in range(tops.DOT8_MAX_WEIGHTS):
         signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
     signature |= {"K": "i32", "swn_words": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
-    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True)
+    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True, True)
     aligned = [i for i, v in enumerate(signature.values()) if v != "constexpr"]
     src = ASTSource(
         fn=dot8.gemv8_kernel,
@@ -52,15 +52,32 @@ def compiled(name: str, bn: int, bk: int, warps: int) -> dict[str, str | bytes]:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm
 
 
-def registers(cubin: bytes) -> int:
-    """Registers a thread of the compiled kernel uses (they bound how many warps an SM holds), as the
-    cuobjdump shipped with Triton reads them from the cubin."""
+def cuobjdump(cubin: bytes, option: str) -> str:
+    """What the cuobjdump shipped with Triton prints for the cubin with `option`."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True)
-    return int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+        return subprocess.run([str(tool), option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the compiled kernel uses (they bound how many warps an SM holds)."""
+    return int(re.search(r"REG:(\d+)", cuobjdump(cubin, "-res-usage")).group(1))
+
+
+def sass_loop(cubin: bytes) -> int:
+    """Machine instructions in the loop over K: from the target of the last backward branch to it.
+    The kernel is memory-bound only while the SMs can issue these fast enough (an H200 issues about
+    4 warp instructions a cycle an SM), so fewer a step is headroom."""
+    addresses = []
+    for line in cuobjdump(cubin, "-sass").splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            addresses.append((int(m.group(1), 16), m.group(2)))
+    branches = [(a, int(t, 16)) for a, ins in addresses for t in re.findall(r"BRA\s+0x([0-9a-f]+)", ins)]
+    end, start = max((a, t) for a, t in branches if t < a)
+    return sum(start <= a <= end for a, _ in addresses)
 
 
 def loop_body(code: str) -> list[str]:
@@ -82,16 +99,21 @@ def main() -> None:
     args = ap.parse_args()
     ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps)]
     print(f"Triton {triton.__version__}")
-    print("| type | BN/BK/warps | global loads a step | shuffles a step | barriers a step | registers |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print(
+        "| type | BN/BK/warps | loads a step | shuffles a step | barriers a step | registers | SASS a step |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, bn, bk, warps in itertools.product(args.types.split(","), *ints):
         asm = compiled(name, bn, bk, warps)
         body = loop_body(asm["ptx"])
         loads = sum("ld.global" in line for line in body)
         shuffles = sum("shfl.sync" in line for line in body)
         barriers = sum("bar.sync" in line for line in body)
-        regs = registers(asm["cubin"])
-        print(f"| {name} | {bn}/{bk}/{warps} | {loads} | {shuffles} | {barriers} | {regs} |", flush=True)
+        regs, sass = registers(asm["cubin"]), sass_loop(asm["cubin"])
+        print(
+            f"| {name} | {bn}/{bk}/{warps} | {loads} | {shuffles} | {barriers} | {regs} | {sass} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def layout(request: pytest.FixtureRequest) -> str:
 def laid_out(w: Weight, name: str, layout: str) -> Weight:
     if layout == "raw":
         return w
-    if name not in tops.SPLIT_FIELDS:
+    if name not in tops.PREPARED_TYPES:
         pytest.skip(f"prepare leaves {name} as it is")
     packed = tops.prepare(w)
     assert packed.raw.shape == w.raw.shape and packed.packed is tops.SPLIT
@@ -191,7 +191,7 @@ def test_dot8(name: str, shape: tuple[int, int, int]) -> None:
     # program. The launch shapes the H200 sweeps favoured (bench/RESULTS.md), main's defaults
     # (`triton_ops.default_dot8`) among them.
     w, ref = random_weight(name, 9, 1536, seed=60)
-    w = w if name == "Q4_K" else laid_out(w, name, "prepared")
+    w = laid_out(w, name, "prepared")
     assert tops.kernel_for(w, 1, "dot8") == "dot8" and tops.kernel_for(w, 2, "dot8") == "gemv"
     check_linear(w, ref, 1, torch.float32, seed=shape[1], kernel="dot8", gemv=tops.GemvConfig(*shape))
 
@@ -200,7 +200,8 @@ def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:
     w4, ref4 = random_weight("Q4_K", 5, 512, seed=70)
     w6, ref6 = random_weight("Q6_K", 7, 512, seed=71)
     w8, ref8 = random_weight("Q8_0", 3, 96, seed=72)  # 3 blocks: 102-byte rows, not word-aligned
-    w6, w8 = laid_out(w6, "Q6_K", "prepared"), laid_out(w8, "Q8_0", "prepared")
+    assert [tops.kernel_for(w, 1, "dot8") for w in (w4, w6, w8)] == ["gemv"] * 3  # GGUF rows: not its layout
+    w4, w6, w8 = (laid_out(w, name, "prepared") for w, name in ((w4, "Q4_K"), (w6, "Q6_K"), (w8, "Q8_0")))
     assert [tops.kernel_for(w, 1, "dot8") for w in (w4, w6, w8)] == ["dot8", "dot8", "gemv"]
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(73))
     outs = tops.linear_many(x.to(DEVICE), [w4, w6, w6])  # one quantized x for all three
@@ -214,7 +215,7 @@ def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:
 def test_dot8_serves_up_to_three_weights_a_launch() -> None:
     """Four Q4_K weights of different heights and a Q6_K between them: launches of three and one
     Q4_K weights and one Q6_K, each output equal to that weight's own GEMV."""
-    ws = [random_weight("Q4_K", n, 512, seed=90 + n)[0] for n in (5, 3, 9, 2)]
+    ws = [laid_out(random_weight("Q4_K", n, 512, seed=90 + n)[0], "Q4_K", "prepared") for n in (5, 3, 9, 2)]
     ws.insert(2, laid_out(random_weight("Q6_K", 7, 512, seed=99)[0], "Q6_K", "prepared"))
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(98)).to(DEVICE)
     outs = tops.linear_many(x, ws)

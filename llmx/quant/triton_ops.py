@@ -19,9 +19,11 @@ Which kernel runs (`pick_kernel`, by type and M = rows of x; measured on an H200
   the bf16 matrix rate). Float32 x is scaled per row into [-1, 1] and rounded to fp16 for it: a
   float32 matmul would run at the FP32 rate, about a twelfth of the half-precision tensor cores.
 
-`prepare(w)` is an optional one-time repack at load for the types whose fp16 block scales leave
-their codes 2-byte aligned (Q4_0, Q8_0, Q6_K, ...): the same bytes, each row's scales moved after
-its block bodies, so codes load as 16-byte vectors. Every kernel reads both layouts exactly.
+`prepare(w)` is an optional one-time repack at load, in the same bytes a row: for the types whose
+fp16 block scales leave their codes 2-byte aligned (Q4_0, Q8_0, Q6_K, ...) each row's scales move
+after its block bodies, so codes load as 16-byte vectors; Q4_K's 6-bit sub-block scales and mins
+are regrouped by sub-block pair (`prepare_q4_k_scales`), so that the integer-dot GEMV takes a
+pair's four apart with a few shifts. Every kernel reads both layouts exactly.
 
 Output dtype is x's dtype; accumulation is always float32. GEMM multiplies in x's dtype (fp16 or
 bf16 weight tiles; tf32 for float32 x).
@@ -56,6 +58,7 @@ SPLIT_FIELDS = {
     "Q8_0": (34, 1, True), "IQ4_NL": (18, 1, True),
     "Q2_K": (84, 2, False), "Q3_K": (110, 1, False), "Q6_K": (210, 1, False),
 }  # fmt: skip
+PREPARED_TYPES = (*SPLIT_FIELDS, "Q4_K")  # the types `prepare` repacks
 KERNELS = ("dot8", "gemv", "gemm", "dequant")
 GEMV_MAX_M = 8  # the GEMV kernel's limit (a static loop over input rows)
 DOT8_UNIT = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # integer-dot GEMV types: weights a block
@@ -69,10 +72,11 @@ DEQUANT_MATMUL_MIN_M = 16
 
 @dataclass(frozen=True)
 class SplitFields:
-    """QWeight.packed marker: rows are in `prepare`'s layout (bodies first, then fp16 fields)."""
+    """QWeight.packed marker: rows are in `prepare`'s layout (bodies first, then fp16 fields;
+    Q4_K: scales by sub-block pair)."""
 
     def describe(self) -> str:
-        return "fp16 block scales moved to row ends (Triton, 16-byte aligned codes)"
+        return "block scales rearranged for the Triton kernels (16-byte aligned codes)"
 
 
 SPLIT = SplitFields()
@@ -199,12 +203,13 @@ def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: Ge
     name, k = ws[0].qtype.name, ws[0].shape[1]
     cfg = gemv or default_dot8(name)
     unit = DOT8_UNIT[name]
+    bu = max(1, cfg.bk // unit)
     args = [(raw, out, w.shape[0]) for raw, out, w in zip(raws, outs, ws, strict=True)]
     args += [args[0][:2] + (0,)] * (DOT8_MAX_WEIGHTS - len(args))  # unused slots: no programs
     _dot8().gemv8_kernel[(sum(_cdiv(w.shape[0], cfg.bn) for w in ws),)](
         qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), k, raws[0].stride(0) // 4,
-        QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=max(1, cfg.bk // unit), NW=len(ws),
-        ASM=not _interpreting(), num_warps=cfg.num_warps,
+        QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
+        ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, num_warps=cfg.num_warps,
     )  # fmt: skip
 
 
@@ -342,20 +347,49 @@ def prepare(w: QWeight) -> QWeight:
     """`w` with its rows repacked for these kernels where that helps, else `w` itself.
 
     For the SPLIT_FIELDS types each row of blocks [fields | body] (or [body | fields]) becomes
-    [body 0 | body 1 | ... | fields of block 0 | fields of block 1 | ...]: the same bytes in the
-    same row width, so sizes and offsets elsewhere do not change. Costs one copy of the tensor.
+    [body 0 | body 1 | ... | fields of block 0 | fields of block 1 | ...]; Q4_K blocks keep their
+    place and get their scale bytes regrouped (`prepare_q4_k_scales`). Either way the same row
+    width, so sizes and offsets elsewhere do not change. Costs one copy of the tensor.
     """
-    if w.qtype.name not in SPLIT_FIELDS or w.packed is SPLIT:
+    if w.qtype.name not in PREPARED_TYPES or w.packed is SPLIT:
         return w
-    raw, _, _ = _raw(w)
-    nbytes, nf, fields_first = SPLIT_FIELDS[w.qtype.name]
-    blocks = raw.reshape(raw.shape[0], -1, nbytes)
-    cut = 2 * nf if fields_first else nbytes - 2 * nf
-    head, tail = blocks[:, :, :cut], blocks[:, :, cut:]
-    body, fields = (tail, head) if fields_first else (head, tail)
-    packed = torch.cat([body.reshape(raw.shape[0], -1), fields.reshape(raw.shape[0], -1)], dim=1)
+    raw, name, _ = _raw(w)
+    if name == "Q4_K":
+        packed = prepare_q4_k_scales(raw.reshape(raw.shape[0], -1, 144)).reshape(raw.shape)
+    else:
+        nbytes, nf, fields_first = SPLIT_FIELDS[name]
+        blocks = raw.reshape(raw.shape[0], -1, nbytes)
+        cut = 2 * nf if fields_first else nbytes - 2 * nf
+        head, tail = blocks[:, :, :cut], blocks[:, :, cut:]
+        body, fields = (tail, head) if fields_first else (head, tail)
+        packed = torch.cat([body.reshape(raw.shape[0], -1), fields.reshape(raw.shape[0], -1)], dim=1)
     out = copy.copy(w)
     out.raw, out.packed = packed, SPLIT
+    return out
+
+
+def prepare_q4_k_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks [..., 144] (uint8) with bytes 4-15, the 6-bit scales sc and mins m of sub-blocks
+    0-7, regrouped by pair p = j // 2 (sub-blocks 2p and 2p + 1, which one quad of the integer-dot
+    GEMV meets):
+        byte 4 + 2p: low 4 bits of sc[2p] (bits 0-3) and sc[2p + 1] (bits 4-7)
+        byte 5 + 2p: the same for m[2p] and m[2p + 1]
+        byte 12 + p: their top 2 bits, sc[2p], sc[2p + 1], m[2p], m[2p + 1] at bits 0-1, 2-3, 4-5, 6-7
+    (`kquants.paired_scale_min` reads them). The GGUF order (`kquants.k4_scale_min`) puts scales
+    0-3 and 4-7 in different bytes and bits, which cost the GEMV ~30 instructions a quad."""
+    s = blocks[..., 4:16].to(torch.int32)
+    lo, hi = s[..., 0:4], s[..., 4:8]
+    sc = torch.cat([lo & 63, (s[..., 8:12] & 15) | ((lo >> 6) << 4)], dim=-1)
+    mn = torch.cat([hi & 63, (s[..., 8:12] >> 4) | ((hi >> 6) << 4)], dim=-1)
+    sc2, mn2 = sc.unflatten(-1, (4, 2)), mn.unflatten(-1, (4, 2))  # [..., pair, 2]
+    nib = torch.stack(
+        [(sc2[..., 0] & 15) | ((sc2[..., 1] & 15) << 4), (mn2[..., 0] & 15) | ((mn2[..., 1] & 15) << 4)], -1
+    )
+    top = (
+        (sc2[..., 0] >> 4) | ((sc2[..., 1] >> 4) << 2) | ((mn2[..., 0] >> 4) << 4) | ((mn2[..., 1] >> 4) << 6)
+    )
+    out = blocks.clone()
+    out[..., 4:16] = torch.cat([nib.flatten(-2), top], dim=-1).to(torch.uint8)
     return out
 
 
@@ -406,14 +440,14 @@ _DOT8_M1 = {"Q8_0": GemvConfig(2, 2048, 2), "Q4_K": GemvConfig(2, 2048, 1), "Q6_
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:
-    """Whether the integer-dot GEMV takes `w` at M = m: it reads codes as 32-bit words, so every
-    row must start 4-byte aligned with its codes aligned inside (Q6_K and Q8_0 only after
-    `prepare`; an even number of blocks a row for them)."""
+    """Whether the integer-dot GEMV takes `w` at M = m: it reads `prepare`d rows (Q6_K's and Q8_0's
+    codes aligned, Q4_K's scales by pair) as 32-bit words, so every row must start 4-byte aligned
+    (an even number of blocks a row for Q8_0)."""
     name = w.qtype.name
     return (
         name in DOT8_UNIT
         and m <= DOT8_MAX_M
-        and (name == "Q4_K" or w.packed is SPLIT)
+        and w.packed is SPLIT
         and w.raw.stride(0) % 4 == 0
         and w.raw.data_ptr() % 4 == 0
     )

@@ -13,8 +13,8 @@ gate, attention's combine) quantize their output with `store_quantized` as they 
 Numerics: integer sums are exact; beyond float32 summation, the one rounding is x's quantization
 (at most 1/254 of each group's largest |x| per value), as in llama.cpp's GPU decode.
 
-Types (rows of Q6_K and Q8_0 must be in `triton_ops.prepare`'s layout, where block bodies are
-16-byte aligned; Q4_K blocks are 144 bytes with codes at byte 16, aligned as stored):
+Types (rows in `triton_ops.prepare`'s layout: Q6_K's and Q8_0's block bodies 16-byte aligned,
+Q4_K's 144-byte blocks in place with their scales regrouped by sub-block pair):
     Q8_0: 8 words of int8 codes a block of 32              w = d * q
     Q4_K: 32 words of nibbles a super-block of 256         w = d*sc*q - dmin*m (per 32)
     Q6_K: 32 words of low nibbles + 16 of 2-bit highs      w = d*sc*(q - 32)   (per 16)
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from llmx.quant.triton.bits import code_f32, int_f32
-from llmx.quant.triton.kquants import k4_scale_min
+from llmx.quant.triton.kquants import paired_scale_min
 
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
 HIGH_PAIRS = tl.constexpr(0x30303030)  # bits 4-5 of each byte: where Q6_K's 2 high bits go
@@ -120,11 +120,17 @@ def _lane(v, i):
 
 
 @triton.jit
-def _words(ptr, word, ok):
-    """The 32-bit words at word offsets `word` of a weight's rows or of x's codes, 0 where not `ok`:
-    the step after the last one is loaded ahead like any other, and its blocks must cost no memory
-    traffic."""
-    return tl.load(ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
+def _load(ptr, blk, n_units, EVEN: tl.constexpr):
+    """*ptr, 0 where block `blk` (broadcast to ptr's shape) is past the row's n_units. EVEN (every
+    step's blocks whole) loads with no mask: a masked load costs a predicate and a zero fill of its
+    registers, ~10% of Q4_K's instructions."""
+    return tl.load(ptr) if EVEN else tl.load(ptr, mask=blk < n_units, other=0)
+
+
+@triton.jit
+def _words(ptr, word, blk, n_units, EVEN: tl.constexpr):
+    """The 32-bit words at word offsets `word` of a weight's rows or of x's codes (`_load`)."""
+    return _load(ptr.to(tl.pointer_type(tl.int32)) + word, blk, n_units, EVEN)
 
 
 @triton.jit
@@ -135,82 +141,78 @@ def _half(word, high: tl.constexpr):
 
 
 @triton.jit
-def _block_d(w_ptr, row_w, first, blk, ok):
-    """[BN, Q]: the fp16 d of block `blk` [Q] of each quad (0 where not `ok`), from the d's that
-    prepared rows store one after another from word `first`, as float32. Loaded as one flat axis
-    and reshaped: a [BN, Q] load has no contiguous axis (two or four quads share a d), and Triton
-    3.6 then lays its rows across threads and moves every d to the codes' layout with shuffles."""
+def _block_d(w_ptr, row_w, first, blk, n_units, EVEN: tl.constexpr):
+    """[BN, Q]: the fp16 d of block `blk` [Q] of each quad (`_load`), from the d's that prepared
+    rows store one after another from word `first`, as float32. Loaded as one flat axis and
+    reshaped: a [BN, Q] load has no contiguous axis (two or four quads share a d), and Triton 3.6
+    then lays its rows across threads and moves every d to the codes' layout with shuffles."""
     BN: tl.constexpr = row_w.shape[0]
     Q: tl.constexpr = blk.shape[0]
     byte = row_w[:, None] * 4 + first * 4 + blk[None, :] * 2
-    ok = tl.broadcast_to(ok[None, :], [BN, Q])
-    flat = tl.load(
-        (w_ptr + tl.reshape(byte, [BN * Q])).to(tl.pointer_type(tl.float16)),
-        mask=tl.reshape(ok, [BN * Q]),
-        other=0.0,
-    )
+    blks = tl.reshape(tl.broadcast_to(blk[None, :], [BN, Q]), [BN * Q])
+    flat = _load((w_ptr + tl.reshape(byte, [BN * Q])).to(tl.pointer_type(tl.float16)), blks, n_units, EVEN)
     return tl.reshape(flat, [BN, Q]).to(tl.float32)
 
 
 @triton.jit
-def _q8_0_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr):
+def _q8_0_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr, EVEN: tl.constexpr):
     """Q8_0 blocks u0.. (prepared rows: 32-byte bodies, then the fp16 d's): [BN, 8 BU] code words."""
     w = tl.arange(0, BU * 8)
-    return _words(w_ptr, row_w[:, None] + u0 * 8 + w[None, :], (u0 * 8 + w < n_units * 8)[None, :])
+    return _words(w_ptr, row_w[:, None] + u0 * 8 + w[None, :], (u0 + w // 8)[None, :], n_units, EVEN)
 
 
 @triton.jit
-def _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM: tl.constexpr):
+def _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM: tl.constexpr, EVEN: tl.constexpr):
     """[BN, Q] partial dots of loaded Q8_0 blocks (2 quads a block)."""
     Q: tl.constexpr = codes.shape[1] // 4
     w = tl.arange(0, 4 * Q)
-    xw = _words(xq_ptr, u0 * 8 + w, u0 * 8 + w < n_units * 8)
+    xw = _words(xq_ptr, u0 * 8 + w, u0 + w // 8, n_units, EVEN)
     dot = _quads(dp4a(codes, xw[None, :], True, ASM))
     blk = u0 + tl.arange(0, Q) // 2
-    ok = blk < n_units
-    dx = tl.load(dx_ptr + blk, mask=ok, other=0.0)
-    return int_f32(dot) * _block_d(w_ptr, row_w, K // 4, blk, ok) * dx[None, :]
+    dx = _load(dx_ptr + blk, blk, n_units, EVEN)
+    return int_f32(dot) * _block_d(w_ptr, row_w, K // 4, blk, n_units, EVEN) * dx[None, :]
 
 
 @triton.jit
-def _q4_k_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr):
+def _q4_k_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr, EVEN: tl.constexpr):
     """Q4_K super-blocks u0.. (144 bytes: d, dmin, 12 scale bytes, 128 code bytes): [BN, 32 BU] code
     words, and for each quad its block's 16-byte header, loaded as one vector (one L1 request for
     all of a block's quads, where byte-wise loads made ten) and taken apart in registers."""
     w = tl.arange(0, BU * 32)
-    blk = u0 + w // 32
-    ok = (blk < n_units)[None, :]
-    base = row_w[:, None] + blk[None, :] * 36
-    return _words(w_ptr, base + 4 + (w % 32)[None, :], ok), _words(w_ptr, base + (w % 4)[None, :], ok)
+    blk = (u0 + w // 32)[None, :]
+    base = row_w[:, None] + blk * 36
+    codes = _words(w_ptr, base + 4 + (w % 32)[None, :], blk, n_units, EVEN)
+    return codes, _words(w_ptr, base + (w % 4)[None, :], blk, n_units, EVEN)
 
 
 @triton.jit
-def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM: tl.constexpr):
+def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM: tl.constexpr, EVEN: tl.constexpr):
     """[BN, Q] partial dots of loaded Q4_K super-blocks (8 quads a block). Code word c of a block
     holds weights c%8 of sub-block 2(c//8) in its low nibbles and of sub-block 2(c//8) + 1 in its
     high nibbles, so quad e meets the sub-block pair e//2, whose x words are 16(e//2) + c%8 (low)
     and 8 words on (high)."""
     Q: tl.constexpr = codes.shape[1] // 4
     w = tl.arange(0, 4 * Q)
-    ok_w = u0 + w // 32 < n_units
     x_lo = (u0 + w // 32) * 64 + 16 * ((w // 8) % 4) + w % 8
-    s_lo = _quads(dp4a(codes & LOW_NIBBLES, _words(xq_ptr, x_lo, ok_w)[None, :], False, ASM))
-    s_hi = _quads(dp4a((codes >> 4) & LOW_NIBBLES, _words(xq_ptr, x_lo + 8, ok_w)[None, :], False, ASM))
+    x_blk = u0 + w // 32
+    s_lo = _quads(dp4a(codes & LOW_NIBBLES, _words(xq_ptr, x_lo, x_blk, n_units, EVEN)[None, :], False, ASM))
+    s_hi = _quads(
+        dp4a((codes >> 4) & LOW_NIBBLES, _words(xq_ptr, x_lo + 8, x_blk, n_units, EVEN)[None, :], False, ASM)
+    )
     q = tl.arange(0, Q)
     blk = u0 + q // 8
-    ok = blk < n_units
     pair = (q % 8) // 2
-    # Sub-blocks 2 pair and 2 pair + 1 have their scale bytes side by side in each of header words 1-3.
-    shift = (16 * (pair % 2))[None, :]
-    s_w, m_w, sm_w = _lane(hdr, 1) >> shift, _lane(hdr, 2) >> shift, _lane(hdr, 3) >> shift
-    first = (pair < 2)[None, :]
-    sc_lo, mn_lo = k4_scale_min(s_w & 255, m_w & 255, sm_w & 255, first)
-    sc_hi, mn_hi = k4_scale_min((s_w >> 8) & 255, (m_w >> 8) & 255, (sm_w >> 8) & 255, first)
+    # The pair's low scale bits: header bytes 4 + 2 pair, 5 + 2 pair (word 1 or 2); its top bits:
+    # byte 12 + pair (word 3), see triton_ops.prepare_q4_k_scales.
+    lows = tl.where((pair < 2)[None, :], _lane(hdr, 1), _lane(hdr, 2)) >> (16 * (pair % 2))[None, :]
+    highs = (_lane(hdr, 3) >> (8 * pair)[None, :]) << 4
+    sc_lo, mn_lo = paired_scale_min(lows, highs, 0)
+    sc_hi, mn_hi = paired_scale_min(lows, highs, 1)
     grp = blk * 8 + 2 * pair  # 32-group of the low sub-block in the row
-    dx_lo = tl.load(dx_ptr + grp, mask=ok, other=0.0)[None, :]
-    dx_hi = tl.load(dx_ptr + grp + 1, mask=ok, other=0.0)[None, :]
-    xs_lo = tl.load(xs_ptr + 2 * grp + q % 2, mask=ok, other=0.0)[None, :]  # this quad's 16 of each
-    xs_hi = tl.load(xs_ptr + 2 * grp + 2 + q % 2, mask=ok, other=0.0)[None, :]
+    dx_lo = _load(dx_ptr + grp, blk, n_units, EVEN)[None, :]
+    dx_hi = _load(dx_ptr + grp + 1, blk, n_units, EVEN)[None, :]
+    xs_lo = _load(xs_ptr + 2 * grp + q % 2, blk, n_units, EVEN)[None, :]  # this quad's 16 of each
+    xs_hi = _load(xs_ptr + 2 * grp + 2 + q % 2, blk, n_units, EVEN)[None, :]
     scaled = dx_lo * int_f32(sc_lo * s_lo) + dx_hi * int_f32(sc_hi * s_hi)  # |sc * s| <= 63*16*15*127 < 2**22
     mins = code_f32(mn_lo, 0) * xs_lo + code_f32(mn_hi, 0) * xs_hi
     hdr0 = _lane(hdr, 0)
@@ -218,7 +220,7 @@ def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr):
+def _q6_k_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr, EVEN: tl.constexpr):
     """Q6_K super-blocks u0.. (prepared rows: 208-byte bodies of ql[128], qh[64], scales[16]), along
     the qh words (16 a block): ql_a, ql_b, qh and the scale words, [BN, 16 BU] each.
 
@@ -229,20 +231,22 @@ def _q6_k_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr):
     weights, 8h + 2 * quarter + quad%2) are in scale words 2h (quarters 0, 1) and 2h + 1 of the
     block's four, which every quad loads as one vector."""
     w = tl.arange(0, BU * 16)
-    blk = u0 + w // 16
-    ok = (blk < n_units)[None, :]
-    base = row_w[:, None] + blk[None, :] * 52
+    blk = (u0 + w // 16)[None, :]
+    base = row_w[:, None] + blk * 52
     ql_a = base + (16 * ((w // 8) % 2) + w % 8)[None, :]
     return (
-        _words(w_ptr, ql_a, ok),
-        _words(w_ptr, ql_a + 8, ok),
-        _words(w_ptr, base + 32 + (w % 16)[None, :], ok),
-        _words(w_ptr, base + 48 + (w % 4)[None, :], ok),
+        _words(w_ptr, ql_a, blk, n_units, EVEN),
+        _words(w_ptr, ql_a + 8, blk, n_units, EVEN),
+        _words(w_ptr, base + 32 + (w % 16)[None, :], blk, n_units, EVEN),
+        _words(w_ptr, base + 48 + (w % 4)[None, :], blk, n_units, EVEN),
     )
 
 
 @triton.jit
-def _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_units, K, ASM: tl.constexpr):
+def _q6_k(
+    ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_units, K,
+    ASM: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
     """[BN, Q] partial dots of loaded Q6_K super-blocks (4 quads a block, see `_q6_k_load`)."""
     quarters = (
         (ql_a & LOW_NIBBLES) | ((qh << 4) & HIGH_PAIRS),
@@ -252,30 +256,29 @@ def _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_un
     )
     Q: tl.constexpr = qh.shape[1] // 4
     w = tl.arange(0, 4 * Q)
-    ok_w = u0 + w // 16 < n_units
-    x0 = (u0 + w // 16) * 64 + 32 * ((w // 8) % 2) + w % 8  # quarter 0's x words; quarter kq's 8 kq on
+    x_blk = u0 + w // 16
+    x0 = x_blk * 64 + 32 * ((w // 8) % 2) + w % 8  # quarter 0's x words; quarter kq's 8 kq on
     q = tl.arange(0, Q)
     blk = u0 + q // 4
-    ok = blk < n_units
     h = ((q % 4) // 2)[None, :, None]
     words = (_lane(scales, 2 * h), _lane(scales, 2 * h + 1))
     acc = tl.zeros([qh.shape[0], Q], tl.float32)
     for kq in tl.static_range(4):
-        s = _quads(dp4a(quarters[kq], _words(xq_ptr, x0 + 8 * kq, ok_w)[None, :], False, ASM))
+        s = _quads(dp4a(quarters[kq], _words(xq_ptr, x0 + 8 * kq, x_blk, n_units, EVEN)[None, :], False, ASM))
         byte = (2 * (kq % 2) + q % 2)[None, :]
         sc = int_f32((words[kq // 2] << (24 - 8 * byte)) >> 24)  # the int8 scale
         row16 = blk * 16 + 8 * ((q % 4) // 2) + 2 * kq + q % 2
-        dx = tl.load(dx_ptr + row16 // 2, mask=ok, other=0.0)[None, :]
-        xsum = tl.load(xs_ptr + row16, mask=ok, other=0.0)[None, :]
+        dx = _load(dx_ptr + row16 // 2, blk, n_units, EVEN)[None, :]
+        xsum = _load(xs_ptr + row16, blk, n_units, EVEN)[None, :]
         acc += sc * (dx * int_f32(s) - 32.0 * xsum)
-    return _block_d(w_ptr, row_w, (K // 256) * 52, blk, ok) * acc
+    return _block_d(w_ptr, row_w, (K // 256) * 52, blk, n_units, EVEN) * acc
 
 
 @triton.jit
 def gemv8_kernel(
     xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, K, swn_words,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-    NW: tl.constexpr, ASM: tl.constexpr,
+    NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
     for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
@@ -286,11 +289,13 @@ def gemv8_kernel(
 
     Each step loads the next step's weights before computing on the current ones (Triton does not
     pipeline loads that feed no tl.dot into registers: with `num_stages` it stages them through
-    shared memory, at half the speed on an H200), so two steps of codes are in flight. Partial
-    sums stay in registers, [BN, BU * QUADS], and are reduced once after the loop: at Q4_K's and
-    Q8_0's default shapes the loop moves no data between threads (a test compiles it to check).
-    Out-of-range rows are clamped to the last one (and not stored);
-    out-of-range blocks are not read (their weights and x load as 0).
+    shared memory, at half the speed on an H200), so two steps of codes are in flight; the last
+    step, which loads nothing ahead, is taken after the loop. Partial sums stay in registers,
+    [BN, BU * QUADS], and are reduced once after the loop: at Q4_K's and Q8_0's default shapes the
+    loop moves no data between threads (a test compiles it to check). Out-of-range rows are
+    clamped to the last one (and not stored). EVEN: the row's blocks fill whole steps (K a
+    multiple of BU * UNIT, as in Llama-shaped models), so no load is masked; otherwise the last
+    step's blocks past the row are not read (their weights and x load as 0).
     """
     pid = tl.program_id(0)
     w_ptr, out_ptr, N, first = w0, o0, n0, 0
@@ -305,24 +310,32 @@ def gemv8_kernel(
     rn = (pid - first) * BN + tl.arange(0, BN)
     row_w = tl.minimum(rn, N - 1).to(tl.int64) * swn_words
     n_units = K // UNIT
+    last = (n_units - 1) // BU * BU  # the last step's first block
     acc = tl.zeros([BN, BU * QUADS], tl.float32)
     if QT == "Q8_0":
-        codes = _q8_0_load(w_ptr, row_w, 0, n_units, BU)
-        for u0 in range(0, n_units, BU):
-            codes_next = _q8_0_load(w_ptr, row_w, u0 + BU, n_units, BU)
-            acc += _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM)
+        codes = _q8_0_load(w_ptr, row_w, 0, n_units, BU, EVEN)
+        for u0 in range(0, last, BU):
+            codes_next = _q8_0_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
+            acc += _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
             codes = codes_next
+        acc += _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, last, n_units, K, ASM, EVEN)
     elif QT == "Q4_K":
-        codes, hdr = _q4_k_load(w_ptr, row_w, 0, n_units, BU)
-        for u0 in range(0, n_units, BU):
-            codes_next, hdr_next = _q4_k_load(w_ptr, row_w, u0 + BU, n_units, BU)
-            acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM)
+        codes, hdr = _q4_k_load(w_ptr, row_w, 0, n_units, BU, EVEN)
+        for u0 in range(0, last, BU):
+            codes_next, hdr_next = _q4_k_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
+            acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM, EVEN)
             codes, hdr = codes_next, hdr_next
+        acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, last, n_units, ASM, EVEN)
     else:
         tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
-        ql_a, ql_b, qh, scales = _q6_k_load(w_ptr, row_w, 0, n_units, BU)
-        for u0 in range(0, n_units, BU):
-            na, nb, nh, ns = _q6_k_load(w_ptr, row_w, u0 + BU, n_units, BU)
-            acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_units, K, ASM)
+        ql_a, ql_b, qh, scales = _q6_k_load(w_ptr, row_w, 0, n_units, BU, EVEN)
+        for u0 in range(0, last, BU):
+            na, nb, nh, ns = _q6_k_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
+            acc += _q6_k(
+                ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_units, K, ASM, EVEN
+            )
             ql_a, ql_b, qh, scales = na, nb, nh, ns
+        acc += _q6_k(
+            ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, last, n_units, K, ASM, EVEN
+        )
     tl.store(out_ptr + rn, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)

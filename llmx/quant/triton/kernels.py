@@ -35,7 +35,7 @@ def unpack(QT: tl.constexpr, w_ptr, row_off, sb, K, PACKED: tl.constexpr, lut_pt
     elif QT == "Q3_K":
         q, a, b = kquants.q3_k(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q4_K":
-        q, a, b = kquants.q4_k(w_ptr, row_off, sb)
+        q, a, b = kquants.q4_k(w_ptr, row_off, sb, PACKED)
     elif QT == "Q5_K":
         q, a, b = kquants.q5_k(w_ptr, row_off, sb)
     elif QT == "Q6_K":

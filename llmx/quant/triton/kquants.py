@@ -7,6 +7,7 @@ Layouts (ggml-common.h block_q*_K), w = weight j*G + l of the super-block:
     Q2_K (84 B):  scales[16] (lo: scale, hi: min), qs[64], d, dmin      w = d*sc*q - dmin*m, q 2 bits
     Q3_K (110 B): hmask[32], qs[64], scales[12] (16 x 6 bits), d        w = d*(sc-32)*(q - 4*(1-h))
     Q4_K (144 B): d, dmin, scales[12] (8 x 6-bit scale + min), qs[128]  w = d*sc*q - dmin*m
+                  (`prepare`d: scales[12] regrouped by sub-block pair, see `paired_scale_min`)
     Q5_K (176 B): d, dmin, scales[12], qh[32], qs[128]                   w = d*sc*(q | h<<4) - dmin*m
     Q6_K (210 B): ql[128], qh[64], scales[16] int8, d                    w = d*sc*((ql | qh<<4) - 32)
 2-bit codes: weight i of a 128-weight half sits in byte i%32 of that half's 32 bytes, at bits
@@ -49,6 +50,16 @@ def k4_scale_min(s, m, sm, first):
 
 
 @triton.jit
+def paired_scale_min(lows, highs, odd):
+    """int32 scale and min of sub-block 2p + odd of a Q4_K block in `triton_ops.prepare`'s layout
+    (`prepare_q4_k_scales`), from its pair p's fields: `lows` (bits 0-15 of bytes 4 + 2p and 5 + 2p
+    as one int32; higher bits ignored) and `highs` (byte 12 + p, at bit 4 and up, lower bits ignored)."""
+    sc = ((lows >> (4 * odd)) & 15) | ((highs >> (2 * odd)) & 0x30)
+    mn = ((lows >> (8 + 4 * odd)) & 15) | ((highs >> (4 + 2 * odd)) & 0x30)
+    return sc, mn
+
+
+@triton.jit
 def q2_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
     body, fields = block_parts(row_off, sb // 16, K, 256, 84, 2, False, PACKED)
     j = sb % 16
@@ -74,12 +85,19 @@ def q3_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _k4_low_nibbles(w_ptr, row_off, sb, BYTES: tl.constexpr, QS: tl.constexpr):
+def _k4_low_nibbles(w_ptr, row_off, sb, BYTES: tl.constexpr, QS: tl.constexpr, PAIRED: tl.constexpr):
     """What Q4_K and Q5_K share: the super-block offsets `blk`, group index j, code lanes l, the
-    low 4 bits of each code (nibbles at QS), and the group's a = d*sc and b = -dmin*m."""
+    low 4 bits of each code (nibbles at QS), and the group's a = d*sc and b = -dmin*m (scales in
+    GGUF order, or by pair when PAIRED)."""
     blk = row_off + (sb // 8) * BYTES
     j = sb % 8
-    sc, mn = scale_min_k4(w_ptr, blk, j)
+    if PAIRED:
+        p = j // 2
+        lows = u8(w_ptr, blk + 4 + 2 * p) | (u8(w_ptr, blk + 5 + 2 * p) << 8)
+        sc, mn = paired_scale_min(lows, u8(w_ptr, blk + 12 + p) << 4, j % 2)
+        sc, mn = sc.to(tl.float32), mn.to(tl.float32)
+    else:
+        sc, mn = scale_min_k4(w_ptr, blk, j)
     l = tl.arange(0, 32)[None, None, :]
     off = blk + QS + 32 * (j // 2)
     q = nibbles(w_ptr, off[:, :, None] + l, (4 * (j % 2))[:, :, None])
@@ -87,14 +105,14 @@ def _k4_low_nibbles(w_ptr, row_off, sb, BYTES: tl.constexpr, QS: tl.constexpr):
 
 
 @triton.jit
-def q4_k(w_ptr, row_off, sb):
-    _, _, _, q, a, b = _k4_low_nibbles(w_ptr, row_off, sb, 144, 16)
+def q4_k(w_ptr, row_off, sb, PACKED: tl.constexpr):
+    _, _, _, q, a, b = _k4_low_nibbles(w_ptr, row_off, sb, 144, 16, PACKED)
     return code_f32(q, 0), a, b
 
 
 @triton.jit
 def q5_k(w_ptr, row_off, sb):
-    blk, j, l, q, a, b = _k4_low_nibbles(w_ptr, row_off, sb, 176, 48)
+    blk, j, l, q, a, b = _k4_low_nibbles(w_ptr, row_off, sb, 176, 48, False)
     h = (u8(w_ptr, blk[:, :, None] + 16 + l) >> j[:, :, None]) & 1  # fifth bits: qh[32] at byte 16
     return code_f32(q | (h << 4), 0), a, b
 
