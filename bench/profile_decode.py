@@ -8,7 +8,8 @@ times graph-replayed decode steps the way `llmx bench` does, so the two can be s
 (graph step time) - (kernel time) is launch gaps and host work the graph did not hide.
 `--prefill N` also profiles one N-token prefill (after one that compiles and tunes), then times
 eight more without the profiler, with the garbage collector's time inside each. `--host` profiles
-the host's side of decode steps by operator (for hybrid runs: where the CPU layers' time goes).
+the host's side of decode steps as `llmx bench` runs them (graphs where they run) by operator: what
+the GPU waits for between steps, and for hybrid runs where the CPU layers' time goes.
 """
 
 from __future__ import annotations
@@ -106,12 +107,6 @@ def main() -> None:
             engine.decode(1)
         engine.synchronize()
     print_kernels(prof, args.steps, "eager decode", "token", args.top)
-    if args.host:
-        with torch.profiler.profile(activities=HOST_AND_GPU) as prof:
-            for _ in range(args.steps):
-                engine.decode(1)
-            engine.synchronize()
-        print_host_ops(prof, f"{args.steps} eager decode steps", args.top)
 
     if args.prefill:
         batch = list(range(1, args.prefill + 1))
@@ -141,6 +136,12 @@ def main() -> None:
         engine.synchronize()
         ms = (time.perf_counter() - t0) / 64 * 1000
         print(f"decode step with graphs={graphs}: {ms:.3f} ms/token ({1000 / ms:.1f} t/s)")
+    if args.host:  # the steps `llmx bench` times: GPU segments replayed from graphs, CPU ones eager
+        with torch.profiler.profile(activities=HOST_AND_GPU) as prof:
+            for _ in range(args.steps):
+                engine.decode(1)
+            engine.synchronize()
+        print_host_ops(prof, f"{args.steps} decode steps (graphs where they run)", args.top)
 
 
 if __name__ == "__main__":
