@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from llmx.errors import LlmxError
 from llmx.quant import cpu_native, qtype
 from llmx.quant.weight import QWeight, linear, linear_many, prepare_cpu
-from tests.test_quant import gguf_py, random_blocks
+from tests.test_quant import assert_bits_equal, gguf_py, random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native kernels")
 TYPES = list(cpu_native.TYPES)
@@ -33,8 +34,13 @@ def test_rows_dequantize_to_gguf_py_values(name):
     raw, ref = random_weight(name, 37, 3 * 256)
     out = torch.empty((20, ref.shape[1]), dtype=torch.float32)
     cpu_native.dequantize_rows(raw, qt, 11, 31, ref.shape[1], out)
-    # one rounding apart at most: the C code may fuse d * scale * q - dmin * min into one FMA
-    np.testing.assert_allclose(out.numpy(), ref[11:31], rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    # equal to the bit: an fp16 scale (11 significant bits) times a 6- or 8-bit sub-scale times a code
+    # of at most 6 bits is exact in float32, so fused multiply-adds round only where gguf-py does
+    assert_bits_equal(out.numpy(), ref[11:31])
+    ids = torch.tensor([36, 0, 11, 11])
+    assert_bits_equal(cpu_native.embedding_rows(raw, qt, ids, ref.shape[1]).numpy(), ref[ids.numpy()])
+    with pytest.raises(LlmxError, match="token id 37 is outside the embedding table's 37 rows"):
+        cpu_native.embedding_rows(raw, qt, torch.tensor([3, 37]), ref.shape[1])
 
 
 X_CODES = 32512  # cpu_blocks.c's X_CODES

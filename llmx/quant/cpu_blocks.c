@@ -696,17 +696,21 @@ int llmx_swiglu(int count, const int *types, const uint8_t *const *ws, const int
     return err;
 }
 
-/* out[r - r0, :] = W[r, :] in float32 for rows r0 <= r < r1. Returns 0, or -1 for an unknown type. */
-int llmx_dequantize_rows(int type, const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes, int64_t k,
-                         float *out, int threads) {
+/* out[i, :] = W[r, :] in float32 for n rows r: ids[i] (an embedding lookup), or r0 + i where ids is
+ * NULL (a chunk of a matrix). A few rows take one thread: a parallel region costs more than they do.
+ * Returns 0, or -1 for an unknown type. */
+int llmx_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t r0, int64_t n, int64_t row_bytes,
+                         int64_t k, float *out, int threads) {
     dot_fn dot;
     void (*decode)(const uint8_t *, float *);
     int qk, bytes;
     if (!block_of(type, &dot, &decode, &qk, &bytes)) return -1;
     const int64_t blocks = k / qk;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t blk = 0; blk < blocks; blk++) decode(w + r * row_bytes + bytes * blk, out + (r - r0) * k + qk * blk);
+#pragma omp parallel for num_threads(n < 16 ? 1 : threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = w + (ids != NULL ? ids[i] : r0 + i) * row_bytes;
+        for (int64_t blk = 0; blk < blocks; blk++) decode(row + bytes * blk, out + i * k + qk * blk);
+    }
     return 0;
 }
 

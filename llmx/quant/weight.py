@@ -193,6 +193,14 @@ def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
         from llmx.quant import triton_ops
 
         return triton_ops.embedding(ids.to(w.raw.device), w)
+    if (
+        w.raw.device.type == "cpu"
+        and w.raw.is_contiguous()
+        and N.supports(w.qtype, w.shape)
+        and N.available()
+    ):
+        flat = ids.reshape(-1).to(device="cpu", dtype=torch.long)
+        return N.embedding_rows(w.raw, w.qtype, flat, cols).reshape(*ids.shape, cols)
     return T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
 
 
