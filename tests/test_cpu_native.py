@@ -253,3 +253,22 @@ def test_swiglu_is_one_call_matching_a_float64_ffn(m, native_kernels):
     assert np.all(np.abs(y.numpy() - want) <= 1e-4 * scale)
     gate_up = cpu_native.Gemv([(gate_raw, qtype("Q4_K")), (up_raw, qtype("Q4_K"))])
     assert torch.equal(y, gate_up.swiglu(x, cpu_native.Gemv([(down_raw, qtype("Q6_K"))])))
+
+
+@pytest.mark.parametrize("k", [1, 40, 256, 1000])
+def test_top_k_equals_torch_topk(k):
+    x = torch.randn(128256, generator=torch.Generator().manual_seed(k)) * 4
+    x[torch.randperm(128256, generator=torch.Generator().manual_seed(1))[:1000]] = float("-inf")
+    values, ids = cpu_native.top_k(x, k)
+    expected = torch.topk(x, k)
+    assert torch.equal(values, expected.values) and torch.equal(ids, expected.indices)
+
+
+def test_top_k_takes_the_lower_id_of_equal_values_and_any_value():
+    x = torch.zeros(1000)
+    x[[700, 5, 300]] = 1.0
+    values, ids = cpu_native.top_k(x, 5)
+    assert values.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0] and ids.tolist() == [5, 300, 700, 0, 1]
+    only_one = torch.full((300,), float("-inf"))
+    only_one[10] = 2.0
+    assert cpu_native.top_k(only_one, 3)[1].tolist() == [10, 0, 1]

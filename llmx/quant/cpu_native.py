@@ -66,7 +66,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def bind(path: Path) -> ctypes.CDLL:
-    """Load a build of `cpu_blocks.c` and declare its two functions."""
+    """Load a build of `cpu_blocks.c` and declare its functions."""
     lib = ctypes.CDLL(str(path))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
@@ -78,6 +78,8 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_rope_store_attend.restype = i32
     lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.llmx_rms_norm.restype = None
+    lib.llmx_top_k.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.llmx_top_k.restype = None
     lib.llmx_pin_threads.argtypes = [ptr, i32]
     lib.llmx_set_prefetch.argtypes = [i64]
     lib.llmx_set_prefetch.restype = None
@@ -289,6 +291,18 @@ def _dequantize(
     )
     assert err == 0, qt.name
     return out
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of float32 x [n] (contiguous, on the CPU, no NaN; 1 <= k <= n) and their
+    indices, largest first, of equal values the lower index first: `torch.topk` in one pass on one
+    thread (a sampler's top-k of a 128k vocabulary took torch 0.87 ms on the 16-core H200 host)."""
+    lib = _library()
+    assert lib is not None and x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous()
+    assert 1 <= k <= x.numel()
+    values, ids = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.int64)
+    lib.llmx_top_k(x.data_ptr(), x.numel(), k, values.data_ptr(), ids.data_ptr())
+    return values, ids
 
 
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # cpu_blocks.c's cache types

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from llmx.errors import LlmxError
+from llmx.quant import cpu_native
 
 
 @dataclass(frozen=True)
@@ -113,10 +114,10 @@ class Sampler:
         """The next id after `history` given `logits` (float, [vocab], on the CPU)."""
         p = self.params
         logits = apply_penalties(logits.float(), _recent(history, p.repeat_last_n), p)
-        if p.greedy:
-            return int(torch.argmax(logits).item())
+        if p.greedy:  # the first of equal maxima, as torch.argmax
+            return int(top_k(logits, 1)[1][0])
         if 0 < p.top_k < len(logits):
-            values, ids = torch.topk(logits, p.top_k)
+            values, ids = top_k(logits, p.top_k)
             log_total = torch.logsumexp(values, dim=-1)  # top-p renormalizes over the top k
         else:
             log_total = torch.logsumexp(logits, dim=-1)
@@ -124,6 +125,14 @@ class Sampler:
         keep = min(top_p_count(values, p.top_p, log_total), min_p_count(values, p.min_p))
         probs = torch.softmax(values[:keep] / p.temperature, dim=-1)
         return int(ids[_draw(probs, self._generator)].item())
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(logits, k)` for CPU float32 logits [vocab], 1 <= k <= vocab: the native one-pass
+    kernel where it is built (of equal logits the lower id first)."""
+    if logits.dtype == torch.float32 and logits.is_contiguous() and cpu_native.available():
+        return cpu_native.top_k(logits, k)
+    return torch.topk(logits, k)
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -146,7 +155,7 @@ def _head(
     if p.top_p < 1.0:
         m = 256
         while m < len(logits):
-            values, ids = torch.topk(logits, m)
+            values, ids = top_k(logits, m)
             if torch.exp(values - log_total).sum() >= p.top_p:
                 return values, ids
             m *= 8
