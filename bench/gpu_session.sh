@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
 #   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
-#   A=/tmp/A bash bench/gpu_session.sh gemv-ab  # M = 1 GEMVs of the tree at $A against this one, alternating, ~3 min
+#   TREES="/tmp/A /tmp/B" bash bench/gpu_session.sh gemv-ab  # M = 1 GEMVs of other trees and this one, ~1.5 min a tree
 #
 # Each part writes its output under $OUT (default /tmp/llmx-out) as it goes, and every command has
 # its own time limit, so a part that runs long still reports what it measured. CPU kernels take the
@@ -44,14 +44,20 @@ kernels)
     timeout 200 $PY bench/kernels.py --types Q4_K --m 1 --sweep Q4_K,Q6_K,Q8_0 | tee "$OUT/sweep.md"
     ;;
 gemv-ab)
-    # another tree's llmx (e.g. main, unpacked from `git archive`) at $A, first on PYTHONPATH, timed
-    # by this tree's bench/kernels.py; machines differ by 10-20%, so the two alternate on this one
-    gemv() { timeout 100 $PY "$PWD/bench/kernels.py" --types Q4_K,Q6_K,Q8_0 --m 1 --json "$1" > /dev/null; }
+    # other trees' llmx (e.g. main and branches, unpacked from `git archive`), listed in $TREES (or
+    # $A), each first on PYTHONPATH and timed by this tree's bench/kernels.py, then this tree; two
+    # rounds, the trees alternating (machines differ by 10-20%). TYPES narrows the types.
+    trees="${TREES:-${A:?set TREES (or A) to the other trees}}"
+    gemv() { timeout 100 $PY "$PWD/bench/kernels.py" --types "${TYPES:-Q4_K,Q6_K,Q8_0}" --m 1 --json "$1" > /dev/null; }
     for round in 1 2; do
-        PYTHONPATH="${A:?set A to the other tree}:${PYTHONPATH:-}" gemv "$OUT/gemv-a-$round.json"
-        gemv "$OUT/gemv-b-$round.json"
+        i=0
+        for tree in $trees; do
+            i=$((i + 1))
+            PYTHONPATH="$tree:${PYTHONPATH:-}" gemv "$OUT/gemv-$i-$round.json"
+        done
+        gemv "$OUT/gemv-this-$round.json"
     done
-    $PY - "$OUT"/gemv-[ab]-*.json <<'PY'
+    $PY - "$OUT"/gemv-*-[12].json <<'PY'
 import json, sys
 
 for path in sys.argv[1:]:
