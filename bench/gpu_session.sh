@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
 #   TREES="/tmp/A /tmp/B" bash bench/gpu_session.sh gemv-ab  # M = 1 GEMVs of other trees and this one, ~1.5 min a tree
+#   TREES="/tmp/A" bash bench/gpu_session.sh decode-ab  # decode steps (kernel and graph time) of other trees and this one
 #
 # Each part writes its output under $OUT (default /tmp/llmx-out) as it goes, and every command has
 # its own time limit, so a part that runs long still reports what it measured. CPU kernels take the
@@ -65,6 +66,24 @@ for path in sys.argv[1:]:
     print(path.rsplit("/", 1)[-1], " ".join(f"{r['type']} {r['n']}x{r['k']} {r['kernel']}: {r['gbs']:.0f}" for r in rows))
 PY
     ;;
+decode-ab)
+    # decode steps of other trees ($TREES, as gemv-ab) and this one, alternating, two rounds: kernel
+    # time a token (eager, profiled), graph-replayed step time, and the host's share
+    q4=$(synth llama3-8b Q4_K_M)
+    trees="${TREES:?set TREES to the other trees}"
+    decode() {
+        timeout 100 $PY "$PWD/bench/profile_decode.py" "$q4" --steps 4 --top 2 2>&1 \
+            | grep -E "eager decode:|gemv8|graphs=True" | sed "s|^|$1 |"
+    }
+    for round in 1 2; do
+        i=0
+        for tree in $trees; do
+            i=$((i + 1))
+            PYTHONPATH="$tree:${PYTHONPATH:-}" decode "tree$i-$round"
+        done
+        decode "this-$round"
+    done | tee "$OUT/decode-ab.txt"
+    ;;
 e2e)
     q4=$(synth llama3-8b Q4_K_M) q8=$(synth llama3-8b Q8_0)
     timeout 60 $PY -m llmx.cli bench --ceilings | tee "$OUT/ceilings.txt"  # the floors' bandwidths
@@ -114,7 +133,7 @@ ncu)
     grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
-    echo "usage: bash bench/gpu_session.sh check|kernels|gemv-ab|e2e|hybrid|multi|ncu" >&2
+    echo "usage: bash bench/gpu_session.sh check|kernels|gemv-ab|decode-ab|e2e|hybrid|multi|ncu" >&2
     exit 2
     ;;
 esac
