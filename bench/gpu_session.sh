@@ -29,6 +29,18 @@ synth() {  # shape type -> path, written once
     echo "$path"
 }
 
+alternate() {  # $1 LABEL for each tree of $trees (first on PYTHONPATH), then for this tree; two
+    # rounds, the trees taking turns (machines differ by 10-20%); LABEL is tree-round, "this-round"
+    for round in 1 2; do
+        i=0
+        for tree in $trees; do
+            i=$((i + 1))
+            PYTHONPATH="$tree:${PYTHONPATH:-}" "$1" "$i-$round"
+        done
+        "$1" "this-$round"
+    done
+}
+
 case "${1:-}" in
 check)
     # three groups at once (Triton compiles on every core; the GPU has room for all three), ~4 min
@@ -46,18 +58,10 @@ kernels)
     ;;
 gemv-ab)
     # other trees' llmx (e.g. main and branches, unpacked from `git archive`), listed in $TREES (or
-    # $A), each first on PYTHONPATH and timed by this tree's bench/kernels.py, then this tree; two
-    # rounds, the trees alternating (machines differ by 10-20%). TYPES narrows the types.
+    # $A), timed by this tree's bench/kernels.py against this tree (`alternate`). TYPES narrows the types.
     trees="${TREES:-${A:?set TREES (or A) to the other trees}}"
-    gemv() { timeout 100 $PY "$PWD/bench/kernels.py" --types "${TYPES:-Q4_K,Q6_K,Q8_0}" --m 1 --json "$1" > /dev/null; }
-    for round in 1 2; do
-        i=0
-        for tree in $trees; do
-            i=$((i + 1))
-            PYTHONPATH="$tree:${PYTHONPATH:-}" gemv "$OUT/gemv-$i-$round.json"
-        done
-        gemv "$OUT/gemv-this-$round.json"
-    done
+    gemv() { timeout 100 $PY "$PWD/bench/kernels.py" --types "${TYPES:-Q4_K,Q6_K,Q8_0}" --m 1 --json "$OUT/gemv-$1.json" > /dev/null; }
+    alternate gemv
     $PY - "$OUT"/gemv-*-[12].json <<'PY'
 import json, sys
 
@@ -67,22 +71,15 @@ for path in sys.argv[1:]:
 PY
     ;;
 decode-ab)
-    # decode steps of other trees ($TREES, as gemv-ab) and this one, alternating, two rounds: kernel
-    # time a token (eager, profiled), graph-replayed step time, and the host's share
+    # decode steps of other trees ($TREES, as gemv-ab) and this one (`alternate`): kernel time a
+    # token (eager, profiled), graph-replayed step time, and the host's share
     q4=$(synth llama3-8b Q4_K_M)
     trees="${TREES:?set TREES to the other trees}"
     decode() {
         timeout 100 $PY "$PWD/bench/profile_decode.py" "$q4" --steps 4 --top 2 2>&1 \
             | grep -E "eager decode:|gemv8|graphs=True" | sed "s|^|$1 |"
     }
-    for round in 1 2; do
-        i=0
-        for tree in $trees; do
-            i=$((i + 1))
-            PYTHONPATH="$tree:${PYTHONPATH:-}" decode "tree$i-$round"
-        done
-        decode "this-$round"
-    done | tee "$OUT/decode-ab.txt"
+    alternate decode | tee "$OUT/decode-ab.txt"
     ;;
 e2e)
     q4=$(synth llama3-8b Q4_K_M) q8=$(synth llama3-8b Q8_0)
