@@ -179,7 +179,7 @@ def sweep(types: list[str]) -> list[dict]:
         if kernel == "dot8":
             # One warp and few rows a program were among the best shapes on an H200 (bench/RESULTS.md).
             steps = (512, 1024, 2048) if name == "Q8_0" else (1024, 2048, 4096)
-            shapes = list(itertools.product((2, 4, 8, 16), steps, (1, 2, 4)))
+            shapes = list(itertools.product((1, 2, 4, 8), steps, (1, 2, 4)))
         else:
             shapes = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4)))
         grid = [tops.GemvConfig(*c) for c in shapes]

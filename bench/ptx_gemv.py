@@ -30,19 +30,21 @@ from llmx.quant.triton import dot8
 
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
 WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
-CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN")
+CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS")
 
 
 def compiled(name: str, bn: int, bk: int, warps: int) -> dict[str, str | bytes]:
-    """The PTX and cubin of one launch shape: one weight a launch, every pointer and integer a
-    multiple of 16 (as Triton specializes them for Llama-shaped matrices)."""
+    """The PTX and cubin of one launch shape: one weight a launch, rows whole 16-byte units, every
+    pointer and integer but the row length a multiple of 16 (as Triton specializes them for
+    Llama-shaped matrices)."""
     unit = tops.DOT8_UNIT[name]
     signature = dict(POINTERS)
     for j in range(tops.DOT8_MAX_WEIGHTS):
         signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
-    signature |= {"K": "i32", "swn_words": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
-    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True, True)
-    aligned = [i for i, v in enumerate(signature.values()) if v != "constexpr"]
+    signature |= {"K": "i32", "row_units": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
+    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True, True, 4)
+    # a row's count of 16-byte units need not be a multiple of 16 (Q6_K's 4096-weight rows: 210)
+    aligned = [i for i, (k, v) in enumerate(signature.items()) if v != "constexpr" and k != "row_units"]
     src = ASTSource(
         fn=dot8.gemv8_kernel,
         signature=signature,
@@ -99,21 +101,18 @@ def main() -> None:
     args = ap.parse_args()
     ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps)]
     print(f"Triton {triton.__version__}")
-    print(
-        "| type | BN/BK/warps | loads a step | shuffles a step | barriers a step | registers | SASS a step |"
-    )
+    print("| type | BN/BK/warps | loads a step (16-byte) | shuffles | barriers | registers | SASS a step |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, bn, bk, warps in itertools.product(args.types.split(","), *ints):
         asm = compiled(name, bn, bk, warps)
         body = loop_body(asm["ptx"])
         loads = sum("ld.global" in line for line in body)
+        vectors = sum("ld.global" in line and ".v4." in line for line in body)
         shuffles = sum("shfl.sync" in line for line in body)
         barriers = sum("bar.sync" in line for line in body)
         regs, sass = registers(asm["cubin"]), sass_loop(asm["cubin"])
-        print(
-            f"| {name} | {bn}/{bk}/{warps} | {loads} | {shuffles} | {barriers} | {regs} | {sass} |",
-            flush=True,
-        )
+        cells = (f"{bn}/{bk}/{warps}", f"{loads} ({vectors})", shuffles, barriers, regs, sass)
+        print(f"| {name} | " + " | ".join(map(str, cells)) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -204,12 +204,14 @@ def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: Ge
     cfg = gemv or default_dot8(name)
     unit = DOT8_UNIT[name]
     bu = max(1, cfg.bk // unit)
+    row_words = 4 if raws[0].stride(0) % 16 == 0 else 1
     args = [(raw, out, w.shape[0]) for raw, out, w in zip(raws, outs, ws, strict=True)]
     args += [args[0][:2] + (0,)] * (DOT8_MAX_WEIGHTS - len(args))  # unused slots: no programs
     _dot8().gemv8_kernel[(sum(_cdiv(w.shape[0], cfg.bn) for w in ws),)](
-        qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), k, raws[0].stride(0) // 4,
+        qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), k, raws[0].stride(0) // (4 * row_words),
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
-        ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, num_warps=cfg.num_warps,
+        ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
 
 
@@ -432,7 +434,7 @@ def default_dot8(name: str) -> GemvConfig:
     return _DOT8_M1.get(name, GemvConfig(4, 1024, 4))
 
 
-_DOT8_M1 = {"Q8_0": GemvConfig(2, 2048, 2), "Q4_K": GemvConfig(2, 2048, 1), "Q6_K": GemvConfig(2, 1024, 2)}
+_DOT8_M1 = {"Q8_0": GemvConfig(2, 2048, 2), "Q4_K": GemvConfig(2, 2048, 1), "Q6_K": GemvConfig(2, 2048, 1)}
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:

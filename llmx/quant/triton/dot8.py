@@ -276,9 +276,9 @@ def _q6_k(
 
 @triton.jit
 def gemv8_kernel(
-    xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, K, swn_words,
+    xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, K, row_units,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-    NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+    NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, ROW_WORDS: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
     for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
@@ -295,7 +295,10 @@ def gemv8_kernel(
     loop moves no data between threads (a test compiles it to check). Out-of-range rows are
     clamped to the last one (and not stored). EVEN: the row's blocks fill whole steps (K a
     multiple of BU * UNIT, as in Llama-shaped models), so no load is masked; otherwise the last
-    step's blocks past the row are not read (their weights and x load as 0).
+    step's blocks past the row are not read (their weights and x load as 0). Rows are row_units *
+    ROW_WORDS words apart, ROW_WORDS = 4 where rows are whole 16-byte units: Triton proves 16-byte
+    vector loads only from what it can see, and it sees an integer argument's divisibility by 16
+    at most (a Q6_K row of 4096 weights is 840 words: without the 4, every load took 4 bytes).
     """
     pid = tl.program_id(0)
     w_ptr, out_ptr, N, first = w0, o0, n0, 0
@@ -308,7 +311,7 @@ def gemv8_kernel(
                 if pid >= p2:
                     w_ptr, out_ptr, N, first = w2, o2, n2, p2
     rn = (pid - first) * BN + tl.arange(0, BN)
-    row_w = tl.minimum(rn, N - 1).to(tl.int64) * swn_words
+    row_w = tl.minimum(rn, N - 1).to(tl.int64) * row_units * ROW_WORDS
     n_units = K // UNIT
     last = (n_units - 1) // BU * BU  # the last step's first block
     acc = tl.zeros([BN, BU * QUADS], tl.float32)
