@@ -31,6 +31,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from llmx.quant import triton_ops
 from llmx.quant.triton.dot8 import store_quantized_block
@@ -91,7 +92,8 @@ def decode_attention(
     qx = triton_ops.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
     combine_kernel[(n_head,)](
         partial, stats, out, splits, *triton_ops.quantized_pointers(out, qx),
-        D=d, QUANT=qx is not None, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+        D=d, QUANT=qx is not None, TRIGGER=qx is not None and triton_ops.programmatic_launch(out.device),
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -200,8 +202,10 @@ def attention_kernel(
 @triton.jit
 def combine_kernel(
     part_ptr, stats_ptr, out_ptr, n_splits, xq_ptr, dx_ptr, xs_ptr,
-    D: tl.constexpr, QUANT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, QUANT: tl.constexpr, TRIGGER: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    if TRIGGER:  # the o projection's GEMV may start loading its weights (norm.rms_norm_kernel's note)
+        gdc_launch_dependents()
     h = tl.program_id(0)
     s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     smask, dmask = s < n_splits, d < D

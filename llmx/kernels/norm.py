@@ -11,7 +11,9 @@ residual add before a norm and the `F.silu(g) * u` of a SwiGLU FFN are separate 
 
 Both also write their output quantized for the integer-dot GEMV that takes it next, when it is one
 row on a GPU (`triton_ops.wants_quantized`), and attach it to the output: a decode step then
-spends no launch on quantizing the inputs of its q/k/v, gate/up and down projections.
+spends no launch on quantizing the inputs of its q/k/v, gate/up and down projections. Then, on
+Hopper, they let that GEMV launch as they start (`gdc_launch_dependents`): it loads its first
+weights while they run and waits for them before reading x (`triton_ops.programmatic_launch`).
 
 Math is float32; outputs take the input's dtype. Intermediates that eager PyTorch rounds to the
 input's dtype (x + delta, silu(g)) are rounded here too, so f16/bf16 results match it closely.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from llmx.quant import triton_ops
 from llmx.quant.triton.dot8 import store_quantized_block
@@ -56,7 +59,8 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, quantize: bool | None = None) -> 
         grid = (rows, triton.cdiv(f, SILU_BLOCK))
         silu_mul_kernel[grid](
             g2, u2, out, g2.stride(0), u2.stride(0), f, *triton_ops.quantized_pointers(out, qx),
-            QUANT=qx is not None, BLOCK=SILU_BLOCK, num_warps=4,
+            QUANT=qx is not None, TRIGGER=qx is not None and triton_ops.programmatic_launch(out.device),
+            BLOCK=SILU_BLOCK, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -77,7 +81,9 @@ def _launch(
     if x2.shape[0]:
         rms_norm_kernel[(x2.shape[0],)](
             x2, d2, weight, h, y, x2.stride(0), d2.stride(0), e, eps, *triton_ops.quantized_pointers(y, qx),
-            ADD=delta is not None, QUANT=qx is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+            ADD=delta is not None, QUANT=qx is not None,
+            TRIGGER=qx is not None and triton_ops.programmatic_launch(y.device),
+            BLOCK=block, num_warps=min(max(block // 512, 1), 16),
         )  # fmt: skip
     return h, y
 
@@ -94,10 +100,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def rms_norm_kernel(
     x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, sx, sd, n, eps, xq_ptr, dx_ptr, xs_ptr,
-    ADD: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+    ADD: tl.constexpr, QUANT: tl.constexpr, TRIGGER: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Row r of y = rms_norm(x (+ d)); with ADD the sum also goes to h. h and y are contiguous [rows, n].
-    With QUANT, y also goes to xq, dx, xs quantized (`dot8.store_quantized`; n a multiple of 32)."""
+    With QUANT, y also goes to xq, dx, xs quantized (`dot8.store_quantized`; n a multiple of 32).
+    TRIGGER: the next kernel (a GEMV launched as a programmatic dependent) may start now."""
+    if TRIGGER:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -117,8 +126,11 @@ def rms_norm_kernel(
 
 @triton.jit
 def silu_mul_kernel(
-    g_ptr, u_ptr, out_ptr, sg, su, n, xq_ptr, dx_ptr, xs_ptr, QUANT: tl.constexpr, BLOCK: tl.constexpr
+    g_ptr, u_ptr, out_ptr, sg, su, n, xq_ptr, dx_ptr, xs_ptr,
+    QUANT: tl.constexpr, TRIGGER: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    if TRIGGER:  # as rms_norm_kernel's
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n

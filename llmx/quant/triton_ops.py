@@ -207,11 +207,12 @@ def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: Ge
     row_words = 4 if raws[0].stride(0) % 16 == 0 else 1
     args = [(raw, out, w.shape[0]) for raw, out, w in zip(raws, outs, ws, strict=True)]
     args += [args[0][:2] + (0,)] * (DOT8_MAX_WEIGHTS - len(args))  # unused slots: no programs
+    pdl = programmatic_launch(raws[0].device)
     _dot8().gemv8_kernel[(sum(_cdiv(w.shape[0], cfg.bn) for w in ws),)](
         qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), k, raws[0].stride(0) // (4 * row_words),
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
-        ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words,
-        num_warps=cfg.num_warps,
+        ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
+        num_warps=cfg.num_warps, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -536,6 +537,21 @@ def _gemm() -> Any:
 
     key = ["M_BUCKET", "N", "K", "QT", "PACKED"]
     return triton.autotune(configs=configs, key=key, do_bench=bench)(_kernels().gemm_kernel)
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` may overlap their predecessor's tail (programmatic dependent
+    launch, Hopper and later): the integer-dot GEMV starts loading its weights while the kernel that
+    writes its x finishes, and waits for it (`gdc_wait`) only before reading x. Off under the
+    interpreter, and with LLMX_PDL=0."""
+    if _interpreting() or device.type != "cuda" or os.environ.get("LLMX_PDL", "1") == "0":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _interpreting() -> bool:

@@ -23,6 +23,7 @@ Under TRITON_INTERPRET=1 (no PTX) `dp4a` is spelled out with shifts, with the sa
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from llmx.quant.triton.bits import code_f32, int_f32
 from llmx.quant.triton.kquants import paired_scale_min
@@ -278,7 +279,7 @@ def _q6_k(
 def gemv8_kernel(
     xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, K, row_units,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-    NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, ROW_WORDS: tl.constexpr,
+    NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, ROW_WORDS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
     for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
@@ -298,7 +299,10 @@ def gemv8_kernel(
     step's blocks past the row are not read (their weights and x load as 0). Rows are row_units *
     ROW_WORDS words apart, ROW_WORDS = 4 where rows are whole 16-byte units: Triton proves 16-byte
     vector loads only from what it can see, and it sees an integer argument's divisibility by 16
-    at most (a Q6_K row of 4096 weights is 840 words: without the 4, every load took 4 bytes).
+    at most (a Q6_K row of 4096 weights is 840 words: without the 4, every load took 4 bytes). PDL
+    (launched as a programmatic dependent of the kernel that wrote x): the first step's weights are
+    loaded before waiting for that kernel, so their latency hides in its tail; x and the output only
+    after.
     """
     pid = tl.program_id(0)
     w_ptr, out_ptr, N, first = w0, o0, n0, 0
@@ -317,6 +321,8 @@ def gemv8_kernel(
     acc = tl.zeros([BN, BU * QUADS], tl.float32)
     if QT == "Q8_0":
         codes = _q8_0_load(w_ptr, row_w, 0, n_units, BU, EVEN)
+        if PDL:
+            gdc_wait()
         for u0 in range(0, last, BU):
             codes_next = _q8_0_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
             acc += _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
@@ -324,6 +330,8 @@ def gemv8_kernel(
         acc += _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, last, n_units, K, ASM, EVEN)
     elif QT == "Q4_K":
         codes, hdr = _q4_k_load(w_ptr, row_w, 0, n_units, BU, EVEN)
+        if PDL:
+            gdc_wait()
         for u0 in range(0, last, BU):
             codes_next, hdr_next = _q4_k_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
             acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM, EVEN)
@@ -332,6 +340,8 @@ def gemv8_kernel(
     else:
         tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
         ql_a, ql_b, qh, scales = _q6_k_load(w_ptr, row_w, 0, n_units, BU, EVEN)
+        if PDL:
+            gdc_wait()
         for u0 in range(0, last, BU):
             na, nb, nh, ns = _q6_k_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
             acc += _q6_k(
