@@ -9,13 +9,17 @@ times graph-replayed decode steps the way `llmx bench` does, so the two can be s
 `--prefill N` also profiles one N-token prefill (after one that compiles and tunes), then times
 eight more without the profiler, with the garbage collector's time inside each. `--host` profiles
 the host's side of decode steps as `llmx bench` runs them (graphs where they run) by operator: what
-the GPU waits for between steps, and for hybrid runs where the CPU layers' time goes.
+the GPU waits for between steps, and for hybrid runs where the CPU layers' time goes. `--python`
+profiles the same steps by Python function (cProfile, own time first): a native CPU kernel's time
+counts as its ctypes caller's own, so kernels and the Python around them separate.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import time
 from collections import defaultdict
 
@@ -88,6 +92,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prefill", type=int, default=0, help="also profile one prefill of this many tokens")
     ap.add_argument("--host", action="store_true", help="also profile decode steps' host time by operator")
+    ap.add_argument("--python", action="store_true", help="also profile decode steps by Python function")
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's)")
     args = ap.parse_args()
 
@@ -102,11 +107,12 @@ def main() -> None:
     engine.prefill(prompt)
     engine.decode(1)  # warm-up: compile and autotune outside the profile
     engine.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            engine.decode(1)
-        engine.synchronize()
-    print_kernels(prof, args.steps, "eager decode", "token", args.top)
+    if torch.cuda.is_available():  # without a GPU (an all-CPU run here) only the host's side is seen
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.decode(1)
+            engine.synchronize()
+        print_kernels(prof, args.steps, "eager decode", "token", args.top)
 
     if args.prefill:
         batch = list(range(1, args.prefill + 1))
@@ -142,6 +148,13 @@ def main() -> None:
                 engine.decode(1)
             engine.synchronize()
         print_host_ops(prof, f"{args.steps} decode steps (graphs where they run)", args.top)
+    if args.python:
+        with cProfile.Profile() as py:
+            for _ in range(args.steps):
+                engine.decode(1)
+            engine.synchronize()
+        print(f"host time of {args.steps} decode steps by Python function (own time first):")
+        pstats.Stats(py).sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":
