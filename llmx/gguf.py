@@ -83,6 +83,9 @@ class ModelFile:
         return int(self.buffer.nbytes)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Sequential little-endian reads over the header, with truncation turned into a clear error."""
 
@@ -105,6 +108,23 @@ class _Cursor:
     def string(self) -> str:
         return bytes(self.take(self.scalar("Q"))).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in one loop over the buffer: a vocabulary's 128k tokens and 280k merges
+        took a third of a second through `string` (three calls each)."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            (n,) = _U64.unpack_from(buf, pos)
+            if pos + 8 + n > end:
+                break
+            out.append(str(buf[pos + 8 : pos + 8 + n], "utf-8", "replace"))
+            pos += 8 + n
+        self.pos = pos
+        if len(out) < count:  # truncated: `take` says where
+            self.take(8 if pos + 8 > end else 8 + _U64.unpack_from(buf, pos)[0])
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
@@ -115,6 +135,8 @@ class _Cursor:
             if etype in _NUMPY:  # numeric arrays (token scores, types) in one vectorised read
                 dt = np.dtype(_NUMPY[etype]).newbyteorder("<")
                 return np.frombuffer(self.take(count * dt.itemsize), dtype=dt).tolist()
+            if etype == _STRING:
+                return self.strings(count)
             return [self.value(etype) for _ in range(count)]
         raise LlmxError(f"{self.path}: unknown GGUF metadata value type {vtype} at byte {self.pos}")
 

@@ -9,6 +9,7 @@ import numpy as np
 import psutil
 import pytest
 
+from llmx.errors import LlmxError
 from llmx.gguf import open_gguf
 from tests.conftest import craft_gguf
 
@@ -73,3 +74,15 @@ def test_metadata_types_and_alignment(tmp_path, alignment):
         info = mf.tensors[name]
         assert info.shape == arr.shape and info.offset % alignment == 0
         assert np.array_equal(info.data.view(np.float32).reshape(arr.shape), arr)
+
+
+def test_a_cut_inside_a_string_array_is_a_clear_error(tmp_path):
+    key, words = "tokenizer.ggml.tokens", ["a", "bc", "déf"]
+    whole = craft_gguf(tmp_path / "m.gguf", {"general.architecture": "llama", key: words}, {}).read_bytes()
+    start = whole.index(key.encode()) + len(key) + 4 + 4 + 8  # value type, element type, count
+    end = start + sum(8 + len(w.encode()) for w in words)
+    for cut in range(start, end):  # inside every length and every string
+        path = tmp_path / "cut.gguf"
+        path.write_bytes(whole[:cut])
+        with pytest.raises(LlmxError, match="truncated GGUF header"):
+            open_gguf(path)

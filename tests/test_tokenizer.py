@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from llmx.errors import LlmxError
 from llmx.gguf import open_gguf
 from llmx.models_on_disk import default_model_path, gemma3_270m_path
-from llmx.text.bpe import byte_alphabet
+from llmx.text.bpe import byte_alphabet, spelled_bytes
 from llmx.text.pretokenize import PRESETS, pre_tokenizer, preset
 from llmx.text.tokenizer import StreamDecoder, Tokenizer
 
@@ -301,6 +301,13 @@ def test_every_preset_compiles_and_splits():
     for name, p in PRESETS.items():
         pieces = [piece for piece, _ in pre_tokenizer(p).pre_tokenize_str(sample)]
         assert b"".join(_spelled(piece) for piece in pieces) == sample.encode(), name
+
+
+@given(st.lists(st.one_of(st.sampled_from(sorted(byte_alphabet().values())), st.characters(codec="utf-8"))))
+def test_spelled_bytes_undo_the_alphabet_and_keep_other_characters_utf8(chars):
+    to_byte = {c: b for b, c in byte_alphabet().items()}
+    want = b"".join(bytes([to_byte[c]]) if c in to_byte else c.encode() for c in chars)
+    assert spelled_bytes("".join(chars)) == want
 
 
 def _spelled(piece: str) -> bytes:

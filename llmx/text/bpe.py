@@ -29,10 +29,19 @@ def byte_alphabet() -> dict[int, str]:
 
 
 _CHAR_TO_BYTE = {c: b for b, c in byte_alphabet().items()}
+# Every character below U+0144 to the Latin-1 character of the byte(s) it spells: the alphabet's to
+# their byte, the others (controls, U+0080-U+00A0, U+00AD as themselves) to their UTF-8 bytes.
+_TO_LATIN1 = {ord(c): chr(b) for c, b in _CHAR_TO_BYTE.items()} | {
+    u: chr(u).encode("utf-8").decode("latin-1") for u in range(0x100) if chr(u) not in _CHAR_TO_BYTE
+}
 
 
 def spelled_bytes(token: str) -> bytes:
     """The bytes a vocabulary entry spells; a character outside the alphabet stands for its UTF-8."""
+    try:  # one C pass for the usual entry, all of whose characters are below U+0144
+        return token.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        pass
     out = bytearray()
     for c in token:
         b = _CHAR_TO_BYTE.get(c)

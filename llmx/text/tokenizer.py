@@ -59,7 +59,7 @@ END_OF_TURN_TEXTS = frozenset(
     ]  # fmt: skip
 )
 
-_KNOWN_TYPES = frozenset(int(t) for t in TokenType)
+_TYPE_OF = {int(t): t for t in TokenType}  # a dict lookup: TokenType(t) costs ~1 µs, 128k times
 _PARSED_TYPES = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
 _HIDDEN_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN)  # left out of decoded text when skip_special
 
@@ -98,7 +98,7 @@ class Tokenizer:
             raise LlmxError("the GGUF asks to add an EOS token (tokenizer.ggml.add_eos_token) but names none")
         self._tokens = list(tokens)
         # llama.cpp gives a type it does not know no text and never parses it: as unused.
-        self._types = [TokenType(t) if t in _KNOWN_TYPES else TokenType.UNUSED for t in types]
+        self._types = [_TYPE_OF.get(t, TokenType.UNUSED) for t in types]
         self._model = model
         self.bos_id, self.eos_id, self.unk_id, self.pad_id = bos_id, eos_id, unk_id, pad_id
         self.add_bos, self.add_eos, self.add_space_prefix = add_bos, add_eos, add_space_prefix
