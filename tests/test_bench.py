@@ -90,6 +90,15 @@ def test_cpu_ceilings_are_measured_cached_and_reused(tmp_path, monkeypatch):
     assert ceilings.ceilings_for(["cpu"], notify=notes.append)["cpu"] == first and len(notes) == 1
 
 
+@pytest.mark.parametrize(("free_pages", "want_gib"), [(1 << 30, 4.0), (1 << 20, 1.0), (1 << 16, 0.25)])
+def test_the_ram_probe_is_4_gib_or_a_quarter_of_free_memory(monkeypatch, free_pages, want_gib):
+    from llmx.bench import ceilings
+
+    # 4 KiB pages: 4 TiB, 4 GiB and 256 MiB free -> 4 GiB, a quarter (1 GiB), and no less than 256 MiB
+    monkeypatch.setattr(ceilings.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else free_pages)
+    assert ceilings.ram_probe_bytes() == want_gib * (1 << 30)
+
+
 def test_a_corrupt_ceilings_cache_reads_as_empty(tmp_path):
     from llmx.bench.ceilings import load_cache
 
