@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_session.sh check     # GPU tests (+ two-GPU tests on a 2-GPU machine), ~4 min
 #   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
-#   bash bench/gpu_session.sh gemm      # M = 512 for all twelve Triton types: fused GEMM, dequantize + matmul, bf16
+#   bash bench/gpu_session.sh gemm      # M = 512 for all twelve Triton types (GEMM, dequantize + matmul, bf16), ~9 min
 #   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), profiles, load time, ~6 min
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
 #   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
