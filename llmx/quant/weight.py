@@ -193,12 +193,7 @@ def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
         from llmx.quant import triton_ops
 
         return triton_ops.embedding(ids.to(w.raw.device), w)
-    if (
-        w.raw.device.type == "cpu"
-        and w.raw.is_contiguous()
-        and N.supports(w.qtype, w.shape)
-        and N.available()
-    ):
+    if _native_blocks(w):  # a repacked tied table keeps its raw rows for lookups
         flat = ids.reshape(-1).to(device="cpu", dtype=torch.long)
         return N.embedding_rows(w.raw, w.qtype, flat, cols).reshape(*ids.shape, cols)
     return T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
@@ -235,13 +230,13 @@ def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
 
 def _native(w: QWeight) -> bool:
     """A CPU matrix the native kernels multiply as GGUF stores it (`cpu_native`; never repacked)."""
-    return (
-        w.raw.device.type == "cpu"
-        and w.packed is None
-        and N.supports(w.qtype, w.shape)
-        and w.raw.is_contiguous()
-        and N.available()
-    )
+    return w.packed is None and _native_blocks(w)
+
+
+def _native_blocks(w: QWeight) -> bool:
+    """Whether `w.raw` holds GGUF blocks on the CPU that the native kernels read."""
+    cpu_blocks = w.raw.device.type == "cpu" and w.raw.is_contiguous()
+    return cpu_blocks and N.supports(w.qtype, w.shape) and N.available()
 
 
 def _native_call(ws: Sequence[QWeight]) -> N.Gemv | None:
