@@ -138,7 +138,7 @@ ncu)
     grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
-    echo "usage: bash bench/gpu_session.sh check|kernels|gemv-ab|decode-ab|e2e|hybrid|multi|ncu" >&2
+    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|e2e|hybrid|multi|ncu" >&2
     exit 2
     ;;
 esac

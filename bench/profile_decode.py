@@ -83,6 +83,13 @@ def timed_prefills(engine, batch: list[int], runs: int = 8) -> None:
         gc.callbacks.remove(on_gc)
 
 
+def decode_steps(engine, n: int) -> None:
+    """n one-token decode steps, waited for."""
+    for _ in range(n):
+        engine.decode(1)
+    engine.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -105,13 +112,10 @@ def main() -> None:
     executor.use_graphs = False
     engine.reset()
     engine.prefill(prompt)
-    engine.decode(1)  # warm-up: compile and autotune outside the profile
-    engine.synchronize()
+    decode_steps(engine, 1)  # warm-up: compile and autotune outside the profile
     if torch.cuda.is_available():  # without a GPU (an all-CPU run here) only the host's side is seen
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                engine.decode(1)
-            engine.synchronize()
+            decode_steps(engine, args.steps)
         print_kernels(prof, args.steps, "eager decode", "token", args.top)
 
     if args.prefill:
@@ -134,25 +138,18 @@ def main() -> None:
         executor.use_graphs = graphs
         engine.reset()
         engine.prefill(prompt)
-        engine.decode(1)
-        engine.synchronize()
+        decode_steps(engine, 1)
         t0 = time.perf_counter()
-        for _ in range(64):
-            engine.decode(1)
-        engine.synchronize()
+        decode_steps(engine, 64)
         ms = (time.perf_counter() - t0) / 64 * 1000
         print(f"decode step with graphs={graphs}: {ms:.3f} ms/token ({1000 / ms:.1f} t/s)")
     if args.host:  # the steps `llmx bench` times: GPU segments replayed from graphs, CPU ones eager
         with torch.profiler.profile(activities=HOST_AND_GPU) as prof:
-            for _ in range(args.steps):
-                engine.decode(1)
-            engine.synchronize()
+            decode_steps(engine, args.steps)
         print_host_ops(prof, f"{args.steps} decode steps (graphs where they run)", args.top)
     if args.python:
         with cProfile.Profile() as py:
-            for _ in range(args.steps):
-                engine.decode(1)
-            engine.synchronize()
+            decode_steps(engine, args.steps)
         print(f"host time of {args.steps} decode steps by Python function (own time first):")
         pstats.Stats(py).sort_stats("tottime").print_stats(args.top)
 
