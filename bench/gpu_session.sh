@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_session.sh check     # GPU tests (+ two-GPU tests on a 2-GPU machine), ~4 min
 #   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
-#   bash bench/gpu_session.sh gemm      # M = 512 for all twelve Triton types (GEMM, dequantize + matmul, bf16), ~9 min
+#   bash bench/gpu_session.sh gemm      # M = 512 for all twelve types (dequantize + matmul, bf16), dequantize launch shapes, ~9 min
 #   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), profiles, load time, ~6 min
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
 #   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
@@ -58,10 +58,13 @@ kernels)
     timeout 200 $PY bench/kernels.py --types Q4_K --m 1 --sweep Q4_K,Q6_K,Q8_0 | tee "$OUT/sweep.md"
     ;;
 gemm)
-    # the GEMM goal (50% of the bf16 rate at 512 rows) type by type, half the types a command
+    # the issue's GEMM goal (50% of the bf16 rate at 512 rows) type by type: what `linear` runs at
+    # 512 rows (dequantize + matmul) beside a dense bf16 matmul of the same shape, after a sweep of
+    # the dequantize kernel's launch shapes (DEQUANT_SWEEP=0 skips it); half the types a command
     for types in Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS; do
-        timeout 280 $PY bench/kernels.py --types "$types" --m 512 --json "$OUT/gemm-${types%%,*}.json" \
-            | tee "$OUT/gemm-${types%%,*}.md"
+        [ "${DEQUANT_SWEEP:-1}" = 0 ] && sweep="" || sweep="$types"
+        timeout 280 $PY bench/kernels.py --types "$types" --m 512 --kernels dequant,dense \
+            --dequant-sweep "$sweep" --json "$OUT/gemm-${types%%,*}.json" | tee "$OUT/gemm-${types%%,*}.md"
     done
     ;;
 gemv-ab)

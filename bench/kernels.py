@@ -13,9 +13,11 @@ At M <= 8 calls are timed on the GPU alone, replayed from a CUDA graph (as decod
 copies of the weight that together exceed the L2; larger M use triton.testing.do_bench, which
 clears the L2 before every call. Either way each call reads its weight from HBM.
 
-    python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,16,512] [--sweep Q4_K] [--json PATH]
+    python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,16,512] [--kernels dequant,dense]
+                            [--sweep Q4_K] [--dequant-sweep Q4_0] [--json PATH]
 
-`--sweep` also times a grid of GEMV launch shapes at M = 1 (how `default_gemv` was chosen).
+`--sweep` also times a grid of GEMV launch shapes at M = 1 (how `default_dot8` was chosen),
+`--dequant-sweep` one of the dequantize kernel's (`default_dequant`).
 Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT is set.
 """
 
@@ -143,15 +145,19 @@ def measure(w: SimpleNamespace, m: int, kernel: str, ceil: dict[str, float], **e
     return row | {"tflops": tflops, "frac": frac} | extra
 
 
-def run(types: list[str], ms: list[int], ceil: dict[str, float]) -> Iterator[dict]:
-    """Timed rows, yielded as they are measured (a long run that is cut short still reports)."""
+def run(
+    types: list[str], ms: list[int], ceil: dict[str, float], only: set[str] | None = None
+) -> Iterator[dict]:
+    """Timed rows, yielded as they are measured (a long run that is cut short still reports);
+    `only` keeps the kernels named in it (of KERNELS, "read" and "dense")."""
+    wanted = (lambda kernel: True) if only is None else only.__contains__
     for name, (n, k) in itertools.product(types, SHAPES):
         raw = make_weight(name, n, k)
         w = tops.prepare(raw)
         layout = "prepared" if w is not raw else "raw"
-        if 1 in ms:
+        if 1 in ms and wanted("read"):
             yield read_row(w, ceil)
-        if w is not raw:
+        if 1 in ms and w is not raw and wanted("gemv"):
             yield measure(raw, 1, "gemv", ceil, layout="raw")
         for m in ms:
             # GEMM at M <= 8 only at 2 and 8: each M bucket costs an autotuning pass.
@@ -160,13 +166,35 @@ def run(types: list[str], ms: list[int], ceil: dict[str, float]) -> Iterator[dic
             )
             if tops.kernel_for(w, m, "dot8") == "dot8":  # its time includes quantizing x
                 kernels = ("dot8", *kernels)
-            for kern in kernels:
+            for kern in filter(wanted, kernels):
                 yield measure(w, m, kern, ceil, layout=layout)
-            if m >= 512:
+            if m >= 512 and wanted("dense"):
                 dense = SimpleNamespace(raw=torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
                 dense.qtype, dense.shape, dense.name, dense.packed = qtype("BF16"), (n, k), "dense", None
                 yield measure(dense, m, "dense", ceil, layout="bf16") | {"type": name}
         del raw, w
+
+
+def dequant_sweep(types: list[str], ceil: dict[str, float]) -> list[dict]:
+    """GB/s (weight bytes read + bf16 rows written) of the dequantize kernel alone for a grid of
+    launch shapes (rows x weights a program, warps), on prepared weights: how `default_dequant` was chosen."""
+    grid = [
+        tops.LaunchShape(bn, bk, warps)
+        for bn, bk in ((4, 512), (8, 512), (16, 512), (2, 1024), (4, 1024), (8, 1024), (2, 2048), (4, 2048))
+        for warps in (4, 8)
+    ]
+    rows = []
+    for name, (n, k) in itertools.product(types, SHAPES):
+        w = tops.prepare(make_weight(name, n, k))
+        moved = w.raw.numel() + 2 * n * k
+        for cfg in grid:
+            t = bench_ms(partial(tops.dequantize_rows, w, 0, n, torch.bfloat16, cfg))
+            row = {"type": name, "n": n, "k": k, "m": 0, "kernel": "dequant", "ms": t, "gbs": moved / t / 1e6}
+            rows.append(row | cfg.__dict__ | {"frac": row["gbs"] / ceil["copy_gbs"]})
+            print(
+                f"dequant {name} {n}x{k} {cfg.bn}/{cfg.bk}/{cfg.num_warps}: {row['gbs']:.0f} GB/s", flush=True
+            )
+    return rows
 
 
 def sweep(types: list[str]) -> list[dict]:
@@ -182,7 +210,7 @@ def sweep(types: list[str]) -> list[dict]:
             shapes = list(itertools.product((1, 2, 4, 8), steps, (1, 2, 4)))
         else:
             shapes = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4)))
-        grid = [tops.GemvConfig(*c) for c in shapes]
+        grid = [tops.LaunchShape(*c) for c in shapes]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         qx = tops.quantize_x(x) if kernel == "dot8" else None
         ws = copies(w)
@@ -239,6 +267,12 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(tops.GROUP))
     ap.add_argument("--m", default="1,2,4,8,16,512")
     ap.add_argument("--sweep", default="", help="types whose GEMV launch shapes to sweep, e.g. Q4_K,Q8_0")
+    ap.add_argument(
+        "--kernels",
+        default="",
+        help="time only these, e.g. dequant,dense (of dot8, gemv, gemm, dequant, read, dense)",
+    )
+    ap.add_argument("--dequant-sweep", default="", help="types whose dequantize launch shapes to sweep")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     path = args.json or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else None)
@@ -251,9 +285,13 @@ def main() -> None:
     if args.sweep:
         result["sweep"] = sweep(args.sweep.split(","))
         print(sweep_table(result["sweep"]) + "\n", flush=True)
+    if args.dequant_sweep:
+        result["dequant_sweep"] = dequant_sweep(args.dequant_sweep.split(","), ceil)
+        print(sweep_table(result["dequant_sweep"]) + "\n", flush=True)
     print(TABLE_HEAD, flush=True)
     result["rows"] = []
-    for row in run(args.types.split(","), [int(m) for m in args.m.split(",")], ceil):
+    only = set(args.kernels.split(",")) if args.kernels else None
+    for row in run(args.types.split(","), [int(m) for m in args.m.split(",")], ceil, only):
         result["rows"].append(row)
         print(table_row(row), flush=True)
         if path:  # rewritten after every row, so a run that is cut short keeps what it measured

@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="dot8,gemv")
     ap.add_argument("--shapes", default="", help="launch shapes BN/BK/warps (default: each kernel's own)")
     args = ap.parse_args()
-    shapes = [tops.GemvConfig(*map(int, s.split("/"))) for s in args.shapes.split(",") if s] or [None]
+    shapes = [tops.LaunchShape(*map(int, s.split("/"))) for s in args.shapes.split(",") if s] or [None]
     for name in args.types.split(","):
         for n, k in SHAPES:
             w = tops.prepare(make_weight(name, n, k))

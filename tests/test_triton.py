@@ -115,7 +115,7 @@ def check_linear(
     dtype: torch.dtype,
     seed: int,
     kernel: str | None = None,
-    gemv: tops.GemvConfig | None = None,
+    gemv: tops.LaunchShape | None = None,
 ) -> None:
     n, k = w.shape
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -193,7 +193,7 @@ def test_dot8(name: str, shape: tuple[int, int, int]) -> None:
     w, ref = random_weight(name, 9, 1536, seed=60)
     w = laid_out(w, name, "prepared")
     assert tops.kernel_for(w, 1, "dot8") == "dot8" and tops.kernel_for(w, 2, "dot8") == "gemv"
-    check_linear(w, ref, 1, torch.float32, seed=shape[1], kernel="dot8", gemv=tops.GemvConfig(*shape))
+    check_linear(w, ref, 1, torch.float32, seed=shape[1], kernel="dot8", gemv=tops.LaunchShape(*shape))
 
 
 def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:
@@ -235,6 +235,27 @@ def test_dequant_matmul_in_half_precision_chunks(chunk: int, monkeypatch: pytest
     assert out.dtype == torch.float32 and out.shape == (17, 33)
     assert rel_err(out, x.double().numpy() @ ref.T) < GEMM_TOL[torch.float32]
     assert rel_err(out[3:4], x[3:4].double().numpy() @ ref.T) < GEMM_TOL[torch.float32]
+
+
+def test_dequant_matmul_chunks_are_whole_multiples_of_the_row_alignment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 7 rows fit a chunk; with whole multiples of 4 rows, 33 rows take 4 x 8 chunks and a last row.
+    monkeypatch.setattr(tops, "DEQUANT_CHUNK_BYTES", 7 * 512 * 2)
+    monkeypatch.setattr(tops, "DEQUANT_ROW_ALIGN", 4)
+    spans = []
+    dequantize_rows = tops.dequantize_rows
+
+    def recorded(w: object, r0: int, r1: int, *args: object) -> torch.Tensor:
+        spans.append((r0, r1))
+        return dequantize_rows(w, r0, r1, *args)
+
+    monkeypatch.setattr(tops, "dequantize_rows", recorded)
+    w, ref = random_weight("Q8_0", 33, 512, seed=82)
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(83))
+    out = tops.linear(x.to(DEVICE), w, kernel="dequant")
+    assert spans == [(r, min(33, r + 4)) for r in range(0, 33, 4)]
+    assert rel_err(out, x.double().numpy() @ ref.T) < GEMM_TOL[torch.float32]
 
 
 def test_prompt_weights_share_one_half_precision_x(monkeypatch: pytest.MonkeyPatch) -> None:

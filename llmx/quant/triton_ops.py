@@ -67,6 +67,7 @@ DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integ
 DOT8_MAX_WEIGHTS = 3  # weights sharing one integer-dot launch (q/k/v)
 DOT8_BY_DEFAULT = ("Q4_K", "Q6_K", "Q8_0")  # 1.4-1.7x "gemv" in GPU time on an H200 (bench/RESULTS.md)
 DEQUANT_CHUNK_BYTES = 64 << 20  # half-precision weight rows dequantized at a time for "dequant"
+DEQUANT_ROW_ALIGN = 256  # chunks of "dequant" are whole multiples of this many rows where they can be
 DEQUANT_MATMUL_MIN_M = 16
 
 
@@ -96,8 +97,9 @@ HalfX = tuple[torch.Tensor, torch.Tensor]  # float32 x as fp16 rows scaled into 
 
 
 @dataclass(frozen=True)
-class GemvConfig:
-    """Launch shape of the GEMV kernels: BN weight rows per program, BK weights per loop step."""
+class LaunchShape:
+    """Launch shape of a kernel over weight rows: BN rows a program, BK weights a loop step (the
+    GEMVs) or a program (dequantize), and its warps."""
 
     bn: int
     bk: int
@@ -111,7 +113,7 @@ def linear(
     x: torch.Tensor,
     w: QWeight,
     kernel: str | None = None,
-    gemv: GemvConfig | None = None,
+    gemv: LaunchShape | None = None,
     qx: QuantizedX | None = None,
     half: HalfX | None = None,
 ) -> torch.Tensor:
@@ -196,7 +198,7 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: GemvConfig | None) -> None:
+def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: LaunchShape | None) -> None:
     """outs[i] [1, N_i] = x @ ws[i].T on the integer-dot GEMV, one launch for all (up to
     DOT8_MAX_WEIGHTS of one type and row width)."""
     raws = [_raw(w)[0] for w in ws]
@@ -231,6 +233,8 @@ def _dequant_matmul(x2: torch.Tensor, w: QWeight, half: HalfX | None = None) -> 
     else:  # per-row scaling keeps any activation inside fp16's range
         xh, scale = half or _half_rows(x2)
     step = max(1, DEQUANT_CHUNK_BYTES // (2 * k))
+    if step >= DEQUANT_ROW_ALIGN:  # whole tiles of the matmul: 4096 x 14336 took 2340-row chunks
+        step -= step % DEQUANT_ROW_ALIGN
     if step >= n:
         y = xh @ dequantize_rows(w, 0, n, xh.dtype).t()
     else:
@@ -319,11 +323,14 @@ def embedding(ids: torch.Tensor, w: QWeight, dtype: torch.dtype = torch.float32)
     return _dequant(w, flat, 0, flat.numel(), dtype).reshape(*ids.shape, k)
 
 
-def dequantize_rows(w: QWeight, r0: int, r1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows r0..r1 of W [N, K] dequantized, [r1 - r0, K] in `dtype` (float32: bit-exact with gguf-py)."""
+def dequantize_rows(
+    w: QWeight, r0: int, r1: int, dtype: torch.dtype = torch.float32, shape: LaunchShape | None = None
+) -> torch.Tensor:
+    """Rows r0..r1 of W [N, K] dequantized, [r1 - r0, K] in `dtype` (float32: bit-exact with gguf-py).
+    `shape` forces the kernel's launch shape (benchmarks)."""
     if w.qtype.name in FLOAT_TYPES:
         return w.raw[r0:r1].to(dtype)
-    return _dequant(w, None, r0, r1 - r0, dtype)
+    return _dequant(w, None, r0, r1 - r0, dtype, shape)
 
 
 def dequantize(w: QWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -331,19 +338,32 @@ def dequantize(w: QWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return dequantize_rows(w, 0, w.shape[0], dtype)
 
 
-def _dequant(w: QWeight, ids: torch.Tensor | None, r0: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+def _dequant(
+    w: QWeight,
+    ids: torch.Tensor | None,
+    r0: int,
+    rows: int,
+    dtype: torch.dtype,
+    shape: LaunchShape | None = None,
+) -> torch.Tensor:
     """[rows, K] in `dtype`: rows `ids` of W, or when `ids` is None rows r0..r0+rows."""
     n, k = w.shape
     out = torch.empty((rows, k), dtype=dtype, device=w.raw.device)
     if rows:
         raw, name, packed = _raw(w)
-        br, bk = 4, 512
+        cfg = shape or default_dequant(name)
         id_ptr = raw if ids is None else ids  # unread without ids
-        _kernels().dequant_kernel[(_cdiv(rows, br), _cdiv(k, bk))](
+        _kernels().dequant_kernel[(_cdiv(rows, cfg.bn), _cdiv(k, cfg.bk))](
             raw, _lut(raw.device), id_ptr, r0, out, rows, n, k, raw.stride(0), out.stride(0),
-            QT=name, PACKED=packed, G=GROUP[name], BR=br, BK=bk, BY_ID=ids is not None, num_warps=4,
+            QT=name, PACKED=packed, G=GROUP[name], BR=cfg.bn, BK=cfg.bk, BY_ID=ids is not None,
+            num_warps=cfg.num_warps,
         )  # fmt: skip
     return out
+
+
+def default_dequant(name: str) -> LaunchShape:
+    """Dequantize launch shape for type `name`: BN rows x BK weights a program."""
+    return LaunchShape(4, 512, 4)
 
 
 def prepare(w: QWeight) -> QWeight:
@@ -406,10 +426,10 @@ def pick_kernel(name: str, m: int) -> str:
 
 
 # Best M = 1 launch shapes of an H200 sweep (bench/kernels.py --sweep) on both Llama-3-8B FFN shapes.
-_GEMV_M1 = {"Q8_0": GemvConfig(2, 512, 2), "Q6_K": GemvConfig(2, 512, 2), "Q4_K": GemvConfig(8, 1024, 4)}
+_GEMV_M1 = {"Q8_0": LaunchShape(2, 512, 2), "Q6_K": LaunchShape(2, 512, 2), "Q4_K": LaunchShape(8, 1024, 4)}
 
 
-def default_gemv(name: str, bm: int) -> GemvConfig:
+def default_gemv(name: str, bm: int) -> LaunchShape:
     """GEMV launch shape for type `name` and BM input rows.
 
     Two warps over 4 rows x 512 weights give each thread 32 codes a step (fewer and the per-group
@@ -418,7 +438,7 @@ def default_gemv(name: str, bm: int) -> GemvConfig:
     """
     if bm == 1 and name in _GEMV_M1:
         return _GEMV_M1[name]
-    return GemvConfig(bn=4, bk=512 if bm == 1 else 256, num_warps=2)
+    return LaunchShape(bn=4, bk=512 if bm == 1 else 256, num_warps=2)
 
 
 def kernel_for(w: QWeight, m: int, kernel: str | None = None) -> str:
@@ -428,14 +448,14 @@ def kernel_for(w: QWeight, m: int, kernel: str | None = None) -> str:
     return "gemv" if choice == "dot8" and not _dot8_reads(w, m) else choice
 
 
-def default_dot8(name: str) -> GemvConfig:
+def default_dot8(name: str) -> LaunchShape:
     """Integer-dot GEMV launch shape (M = 1): BN rows a program, BK weights a step (a multiple of the
     type's block); the best on both Llama-3-8B FFN shapes in an H200 sweep timed on the GPU alone
     (bench/kernels.py --sweep, bench/RESULTS.md)."""
-    return _DOT8_M1.get(name, GemvConfig(4, 1024, 4))
+    return _DOT8_M1.get(name, LaunchShape(4, 1024, 4))
 
 
-_DOT8_M1 = {"Q8_0": GemvConfig(2, 2048, 2), "Q4_K": GemvConfig(2, 2048, 1), "Q6_K": GemvConfig(2, 2048, 1)}
+_DOT8_M1 = {"Q8_0": LaunchShape(2, 2048, 2), "Q4_K": LaunchShape(2, 2048, 1), "Q6_K": LaunchShape(2, 2048, 1)}
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:
