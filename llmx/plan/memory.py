@@ -22,7 +22,7 @@ F16 = 2
 MiB = 2**20
 # What the runtime allocates (llmx.quant.triton_ops, llmx.quant.weight, llmx.runtime.offload):
 GPU_DEQUANT_MIN_M = 16  # from this many rows a GPU matmul dequantizes the weight for cuBLAS ...
-GPU_DEQUANT_CHUNK_BYTES = 64 * MiB  # ... this much of it at a time
+GPU_DEQUANT_CHUNK_BYTES = 128 * MiB  # ... this much of it at a time
 CPU_DEQUANT_CHUNK_BYTES = 4 * MiB  # the CPU's float32 chunk of weight rows for a prompt matmul
 # cuBLAS takes a workspace per stream it runs on: 32 MiB each on Hopper. Two: the compute stream
 # and the one stream a GPU's CUDA graphs are captured on (`Executor._side_stream`).

@@ -66,7 +66,10 @@ DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # its partial sums a block (see 
 DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integer-dot passes
 DOT8_MAX_WEIGHTS = 3  # weights sharing one integer-dot launch (q/k/v)
 DOT8_BY_DEFAULT = ("Q4_K", "Q6_K", "Q8_0")  # 1.4-1.7x "gemv" in GPU time on an H200 (bench/RESULTS.md)
-DEQUANT_CHUNK_BYTES = 64 << 20  # half-precision weight rows dequantized at a time for "dequant"
+# Half-precision weight rows dequantized at a time for "dequant": Llama-3-8B's FFN matrices (112 MiB)
+# in one piece; 4096 x 14336 in two chunks of rows gave cuBLAS too few output tiles (H200: 148 us
+# against 81 for the matmul alone, bench/RESULTS.md).
+DEQUANT_CHUNK_BYTES = 128 << 20
 DEQUANT_ROW_ALIGN = 256  # chunks of "dequant" are whole multiples of this many rows where they can be
 DEQUANT_MATMUL_MIN_M = 16
 
@@ -362,8 +365,10 @@ def _dequant(
 
 
 def default_dequant(name: str) -> LaunchShape:
-    """Dequantize launch shape for type `name`: BN rows x BK weights a program."""
-    return LaunchShape(4, 512, 4)
+    """Dequantize launch shape for type `name`: BN rows x BK weights a program. 4 x 2048 on four
+    warps was the best or within 5% of it for every type swept on an H200 (bench/kernels.py
+    --dequant-sweep, bench/RESULTS.md); the spread over 16 shapes was 10-20%."""
+    return LaunchShape(4, 2048, 4)
 
 
 def prepare(w: QWeight) -> QWeight:
