@@ -31,7 +31,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmx.quant import triton_ops
 from llmx.quant.triton.dot8 import store_quantized_block
@@ -77,6 +77,7 @@ def decode_attention(
     # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
     # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth).
     stages = 1 if torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
+    pdl = triton_ops.programmatic_launch(q.device)  # after the q/k/v GEMV: resident as it ends
     attention_kernel[(n_kv, splits)](
         q, k, v, cos, sin, positions, k_cache, v_cache, partial, stats,
         q.stride(1), k.stride(1), v.stride(1),
@@ -86,7 +87,7 @@ def decode_attention(
         G=n_head // n_kv, D=d, N_DIMS=n_dims, NEOX=neox, WINDOW=window is not None,
         SOFTCAP=softcap is not None, DOT=_TL_DTYPE[k_cache.dtype] if q.is_cuda else tl.float32,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        num_warps=4, num_stages=stages,
+        WAIT=pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     # The output goes on to the o projection: quantized here for its integer-dot GEMV, by heads.
     qx = triton_ops.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
@@ -138,8 +139,10 @@ def attention_kernel(
     n_read, n_rows, window, scale, softcap, n_splits,
     G: tl.constexpr, D: tl.constexpr, N_DIMS: tl.constexpr, NEOX: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
+    if WAIT:  # launched as a programmatic dependent (norm.rms_norm_kernel's note)
+        gdc_wait()
     kvh, split = tl.program_id(0), tl.program_id(1)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     gmask, dmask = g < G, d < D

@@ -14,6 +14,8 @@ row on a GPU (`triton_ops.wants_quantized`), and attach it to the output: a deco
 spends no launch on quantizing the inputs of its q/k/v, gate/up and down projections. Then, on
 Hopper, they let that GEMV launch as they start (`gdc_launch_dependents`): it loads its first
 weights while they run and waits for them before reading x (`triton_ops.programmatic_launch`).
+They are launched the same way themselves (WAIT): after a GEMV, which lets its successor launch as
+it starts, they are resident when its last wave ends and wait for it before touching memory.
 
 Math is float32; outputs take the input's dtype. Intermediates that eager PyTorch rounds to the
 input's dtype (x + delta, silu(g)) are rounded here too, so f16/bf16 results match it closely.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmx.quant import triton_ops
 from llmx.quant.triton.dot8 import store_quantized_block
@@ -57,10 +59,11 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, quantize: bool | None = None) -> 
     qx = triton_ops.quantized_output(out, quantize)
     if rows:
         grid = (rows, triton.cdiv(f, SILU_BLOCK))
+        pdl = triton_ops.programmatic_launch(out.device)
         silu_mul_kernel[grid](
             g2, u2, out, g2.stride(0), u2.stride(0), f, *triton_ops.quantized_pointers(out, qx),
-            QUANT=qx is not None, TRIGGER=qx is not None and triton_ops.programmatic_launch(out.device),
-            BLOCK=SILU_BLOCK, num_warps=4,
+            QUANT=qx is not None, TRIGGER=qx is not None and pdl, WAIT=pdl,
+            BLOCK=SILU_BLOCK, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return out
 
@@ -79,11 +82,11 @@ def _launch(
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     block = triton.next_power_of_2(e)
     if x2.shape[0]:
+        pdl = triton_ops.programmatic_launch(y.device)
         rms_norm_kernel[(x2.shape[0],)](
             x2, d2, weight, h, y, x2.stride(0), d2.stride(0), e, eps, *triton_ops.quantized_pointers(y, qx),
-            ADD=delta is not None, QUANT=qx is not None,
-            TRIGGER=qx is not None and triton_ops.programmatic_launch(y.device),
-            BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+            ADD=delta is not None, QUANT=qx is not None, TRIGGER=qx is not None and pdl, WAIT=pdl,
+            BLOCK=block, num_warps=min(max(block // 512, 1), 16), launch_pdl=pdl,
         )  # fmt: skip
     return h, y
 
@@ -100,11 +103,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def rms_norm_kernel(
     x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, sx, sd, n, eps, xq_ptr, dx_ptr, xs_ptr,
-    ADD: tl.constexpr, QUANT: tl.constexpr, TRIGGER: tl.constexpr, BLOCK: tl.constexpr,
+    ADD: tl.constexpr, QUANT: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Row r of y = rms_norm(x (+ d)); with ADD the sum also goes to h. h and y are contiguous [rows, n].
     With QUANT, y also goes to xq, dx, xs quantized (`dot8.store_quantized`; n a multiple of 32).
-    TRIGGER: the next kernel (a GEMV launched as a programmatic dependent) may start now."""
+    WAIT: launched as a programmatic dependent, so wait for the kernel before first. TRIGGER: the
+    next kernel (a GEMV launched as a programmatic dependent) may start now."""
+    if WAIT:
+        gdc_wait()
     if TRIGGER:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -127,9 +133,11 @@ def rms_norm_kernel(
 @triton.jit
 def silu_mul_kernel(
     g_ptr, u_ptr, out_ptr, sg, su, n, xq_ptr, dx_ptr, xs_ptr,
-    QUANT: tl.constexpr, TRIGGER: tl.constexpr, BLOCK: tl.constexpr,
+    QUANT: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    if TRIGGER:  # as rms_norm_kernel's
+    if WAIT:  # as rms_norm_kernel's
+        gdc_wait()
+    if TRIGGER:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

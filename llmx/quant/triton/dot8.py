@@ -23,7 +23,7 @@ Under TRITON_INTERPRET=1 (no PTX) `dp4a` is spelled out with shifts, with the sa
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmx.quant.triton.bits import code_f32, int_f32
 from llmx.quant.triton.kquants import paired_scale_min
@@ -302,8 +302,11 @@ def gemv8_kernel(
     at most (a Q6_K row of 4096 weights is 840 words: without the 4, every load took 4 bytes). PDL
     (launched as a programmatic dependent of the kernel that wrote x): the first step's weights are
     loaded before waiting for that kernel, so their latency hides in its tail; x and the output only
-    after.
+    after. It also lets its own successor launch at once: that kernel waits for it to finish before
+    touching memory, and is resident when the last wave ends.
     """
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     w_ptr, out_ptr, N, first = w0, o0, n0, 0
     if NW > 1:  # the programs after weight 0's take weight 1, then weight 2
