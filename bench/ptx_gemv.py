@@ -30,7 +30,7 @@ from llmx.quant.triton import dot8
 
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
 WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
-CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL")
+CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES")
 
 
 def compiled(name: str, bn: int, bk: int, warps: int) -> dict[str, str | bytes]:
@@ -41,8 +41,8 @@ def compiled(name: str, bn: int, bk: int, warps: int) -> dict[str, str | bytes]:
     signature = dict(POINTERS)
     for j in range(tops.DOT8_MAX_WEIGHTS):
         signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
-    signature |= {"K": "i32", "row_units": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
-    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True, True, 4, False)
+    signature |= {"r_ptr": "*bf16", "K": "i32", "row_units": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
+    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True, True, 4, False, False)
     # a row's count of 16-byte units need not be a multiple of 16 (Q6_K's 4096-weight rows: 210)
     aligned = [i for i, (k, v) in enumerate(signature.items()) if v != "constexpr" and k != "row_units"]
     src = ASTSource(

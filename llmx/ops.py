@@ -104,15 +104,20 @@ class PartialSum:
     reduce: Callable[[torch.Tensor], torch.Tensor]
 
 
-def linear(x: torch.Tensor, w: QWeight | RowSplit | PartialSum) -> torch.Tensor:
-    """x [..., in] @ W^T -> [..., out], computed where W lives (only the activation moves)."""
+def linear(
+    x: torch.Tensor, w: QWeight | RowSplit | PartialSum, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., in] @ W^T -> [..., out], computed where W lives (only the activation moves); plus
+    `residual` (on x's device) where given: a decode step's GPU GEMV adds it as it stores."""
+    if isinstance(w, QWeight) and x.device == w.raw.device:
+        return qw.linear(x, w, residual=residual)
     if isinstance(w, PartialSum):
-        return w.reduce(qw.linear(x, w.weight))
-    if isinstance(w, RowSplit):
-        return RowSplit.linear_many(x, [w])[0].to(x.device)
-    if x.device == w.raw.device:
-        return qw.linear(x, w)
-    return qw.linear(x.to(w.raw.device), w).to(x.device)
+        y = w.reduce(qw.linear(x, w.weight))
+    elif isinstance(w, RowSplit):
+        y = RowSplit.linear_many(x, [w])[0].to(x.device)
+    else:
+        y = qw.linear(x.to(w.raw.device), w).to(x.device)
+    return y if residual is None else y + residual
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -178,20 +183,23 @@ def linear_many(x: torch.Tensor, ws: list[QWeight | RowSplit]) -> list[torch.Ten
     return [linear(x, w) for w in ws]
 
 
-def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor:
-    """The gated FFN of Llama-family models: down(silu(gate(x)) * up(x))."""
+def swiglu(
+    x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The gated FFN of Llama-family models: down(silu(gate(x)) * up(x)), plus `residual` where
+    given (the block's residual stream, added by the down projection's GEMV on a GPU)."""
     if (
         all(isinstance(w, QWeight) for w in (gate, up, down))
         and (y := qw.swiglu(x, gate, up, down)) is not None
     ):
-        return y  # a CPU decode step: one native call
+        return y if residual is None else y.add_(residual)  # a CPU decode step: one native call
     g, u = linear_many(x, [gate, up])
     if _fused_rows(g) and u.shape == g.shape and u.dtype == g.dtype and u.device == g.device:
         from llmx.kernels import norm
 
-        return linear(norm.silu_mul(g, u), down)
+        return linear(norm.silu_mul(g, u), down, residual)
     # in place: g is this call's own, and a prompt's gate is -ub x n_ff floats (twice saved)
-    return linear(F.silu(g, inplace=True).mul_(u), down)
+    return linear(F.silu(g, inplace=True).mul_(u), down, residual)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -196,6 +196,17 @@ def test_dot8(name: str, shape: tuple[int, int, int]) -> None:
     check_linear(w, ref, 1, torch.float32, seed=shape[1], kernel="dot8", gemv=tops.LaunchShape(*shape))
 
 
+@pytest.mark.parametrize("kernel", ["dot8", "gemv"])
+def test_a_residual_is_added_to_the_product(kernel: str) -> None:
+    # the integer-dot GEMV adds it as it stores (one float32 add, as torch's), the others after
+    w, _ = random_weight("Q6_K", 9, 512, seed=80)
+    w = laid_out(w, "Q6_K", "prepared")
+    g = torch.Generator().manual_seed(81)
+    x, r = torch.randn(1, 512, generator=g).to(DEVICE), torch.randn(1, 9, generator=g).to(DEVICE)
+    plain = tops.linear(x, w, kernel=kernel)
+    assert torch.equal(tops.linear(x, w, kernel=kernel, residual=r), plain + r)
+
+
 def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:
     w4, ref4 = random_weight("Q4_K", 5, 512, seed=70)
     w6, ref6 = random_weight("Q6_K", 7, 512, seed=71)

@@ -19,7 +19,7 @@ class Llama(Model):
         w, eps = self.layers[i], self.config.norm_eps
         attn = self.self_attention(w, rms_norm(x, w.attn_norm, eps), step, cache_kv)
         h, normed = add_rms_norm(x, linear(attn, w.attn_output), w.ffn_norm, eps)
-        return h + swiglu(normed, w.ffn_gate, w.ffn_up, w.ffn_down)
+        return swiglu(normed, w.ffn_gate, w.ffn_up, w.ffn_down, residual=h)
 
 
 MODEL = Llama

@@ -119,8 +119,11 @@ def linear(
     gemv: LaunchShape | None = None,
     qx: QuantizedX | None = None,
     half: HalfX | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (fp16/bf16/fp32) @ W.T for W [N, K] -> [..., N] in x's dtype.
+    """x [..., K] (fp16/bf16/fp32) @ W.T for W [N, K] -> [..., N] in x's dtype, plus `residual`
+    ([..., N] in x's dtype) where given: the integer-dot GEMV adds it as it stores its output (a
+    block's residual add then costs no kernel of its own), the other paths after.
 
     The kernel is chosen by type and M (the product of x's leading dims), see the module docstring;
     `kernel` (one of KERNELS) forces one and `gemv` the GEMV launch shape, for benchmarks. `qx` is
@@ -130,19 +133,30 @@ def linear(
     n, k = w.shape
     if x.shape[-1] != k:
         raise LlmxError(f"{_label(w)} {tuple(w.shape)} cannot multiply x of shape {tuple(x.shape)}")
-    if w.qtype.name in FLOAT_TYPES:
-        return torch.nn.functional.linear(x, w.raw.to(x.dtype))
     x2 = _unit_rows(x)
     m = x2.shape[0]
-    choice = kernel_for(w, m, kernel)
+    choice = "float" if w.qtype.name in FLOAT_TYPES else kernel_for(w, m, kernel)
+    if choice == "dot8":
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        res = None if residual is None else residual.reshape(m, n).contiguous()
+        _gemv8(qx or attached_quantized(x) or quantize_x(x2), [w], [out], gemv, res)
+        return out.reshape(*x.shape[:-1], n)
+    y = _matmul(x2, w, choice, gemv, half).reshape(*x.shape[:-1], n)
+    return y if residual is None else y.add_(residual)
+
+
+def _matmul(
+    x2: torch.Tensor, w: QWeight, choice: str, gemv: LaunchShape | None, half: HalfX | None
+) -> torch.Tensor:
+    """x2 [M, K] @ W.T -> [M, N] by `choice` (not the integer-dot GEMV), a new tensor."""
+    (n, k), m = w.shape, x2.shape[0]
+    if choice == "float":
+        return torch.nn.functional.linear(x2, w.raw.to(x2.dtype))
     if choice == "dequant":
-        return _dequant_matmul(x2, w, half).reshape(*x.shape[:-1], n)
+        return _dequant_matmul(x2, w, half)
     if choice == "gemv" and m > GEMV_MAX_M:
         raise LlmxError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows of x, got {m}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if choice == "dot8":
-        _gemv8(qx or attached_quantized(x) or quantize_x(x2), [w], [out], gemv)
-        return out.reshape(*x.shape[:-1], n)
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     raw, name, packed = _raw(w)
     lut = _lut(raw.device)
     strides = (x2.stride(0), raw.stride(0), out.stride(0))
@@ -162,7 +176,7 @@ def linear(
         _gemm()[grid](x2, raw, lut, out, m, n, k, *strides, m_bucket, QT=name, PACKED=packed, G=GROUP[name])
     else:
         raise LlmxError(f"unknown kernel {choice!r}; choose one of {', '.join(KERNELS)}")
-    return out.reshape(*x.shape[:-1], n)
+    return out
 
 
 def linear_many(x: torch.Tensor, ws: list[QWeight]) -> list[torch.Tensor]:
@@ -201,9 +215,16 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: LaunchShape | None) -> None:
+def _gemv8(
+    qx: QuantizedX,
+    ws: list[QWeight],
+    outs: list[torch.Tensor],
+    gemv: LaunchShape | None,
+    residual: torch.Tensor | None = None,
+) -> None:
     """outs[i] [1, N_i] = x @ ws[i].T on the integer-dot GEMV, one launch for all (up to
-    DOT8_MAX_WEIGHTS of one type and row width)."""
+    DOT8_MAX_WEIGHTS of one type and row width); with one weight, plus `residual` [1, N_0]."""
+    assert residual is None or (len(ws) == 1 and residual.shape == outs[0].shape)
     raws = [_raw(w)[0] for w in ws]
     name, k = ws[0].qtype.name, ws[0].shape[1]
     cfg = gemv or default_dot8(name)
@@ -214,10 +235,11 @@ def _gemv8(qx: QuantizedX, ws: list[QWeight], outs: list[torch.Tensor], gemv: La
     args += [args[0][:2] + (0,)] * (DOT8_MAX_WEIGHTS - len(args))  # unused slots: no programs
     pdl = programmatic_launch(raws[0].device)
     _dot8().gemv8_kernel[(sum(_cdiv(w.shape[0], cfg.bn) for w in ws),)](
-        qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), k, raws[0].stride(0) // (4 * row_words),
+        qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), outs[0] if residual is None else residual,
+        k, raws[0].stride(0) // (4 * row_words),
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
         ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
-        num_warps=cfg.num_warps, launch_pdl=pdl,
+        RES=residual is not None, num_warps=cfg.num_warps, launch_pdl=pdl,
     )  # fmt: skip
 
 

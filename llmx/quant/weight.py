@@ -85,11 +85,18 @@ class Joined:
     sizes: list[int]
 
 
-def linear(x: torch.Tensor, w: QWeight, kernel: str | None = None) -> torch.Tensor:
-    """x [..., in] float32 @ W^T for W [out, in] -> [..., out] float32, computed on W's device.
+def linear(
+    x: torch.Tensor, w: QWeight, kernel: str | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., in] float32 @ W^T for W [out, in] -> [..., out] float32, computed on W's device;
+    plus `residual` [..., out] where given (on a GPU inside the GEMV where it can be).
 
     `kernel` forces one of KERNELS for this call (tests, benchmarks); None uses LLMX_KERNEL.
     """
+    if residual is not None:
+        if w.raw.is_cuda and (kernel or KERNEL) != "emulated":
+            return _cuda(x, w, residual)
+        return linear(x, w, kernel).add_(residual)
     n, k = w.shape
     if x.shape[-1] != k:
         raise LlmxError(f"{w.name or 'weight'} {w.shape} cannot multiply x of shape {tuple(x.shape)}")
@@ -339,11 +346,12 @@ def _cuda_many(x: torch.Tensor, ws: Sequence[QWeight]) -> list[torch.Tensor]:
     return triton_ops.linear_many(x, list(ws))
 
 
-def _cuda(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+def _cuda(x: torch.Tensor, w: QWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernels, or the emulated path where Triton cannot be imported. x keeps its shape
     (and so any quantized form a kernel attached to it, see `triton_ops.attach_quantized`)."""
     try:
         from llmx.quant import triton_ops
     except ImportError:
-        return x @ dequantize(w).t()
-    return triton_ops.linear(x, w)
+        y = x @ dequantize(w).t()
+        return y if residual is None else y.add_(residual)
+    return triton_ops.linear(x, w, residual=residual)

@@ -277,9 +277,10 @@ def _q6_k(
 
 @triton.jit
 def gemv8_kernel(
-    xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, K, row_units,
+    xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, r_ptr, K, row_units,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
     NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, ROW_WORDS: tl.constexpr, PDL: tl.constexpr,
+    RES: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
     for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
@@ -303,7 +304,8 @@ def gemv8_kernel(
     (launched as a programmatic dependent of the kernel that wrote x): the first step's weights are
     loaded before waiting for that kernel, so their latency hides in its tail; x and the output only
     after. It also lets its own successor launch at once: that kernel waits for it to finish before
-    touching memory, and is resident when the last wave ends.
+    touching memory, and is resident when the last wave ends. RES (one weight): the output is
+    r + x @ W.T, r [N] read at the store (a block's residual add, which took a kernel of its own).
     """
     if PDL:
         gdc_launch_dependents()
@@ -354,4 +356,7 @@ def gemv8_kernel(
         acc += _q6_k(
             ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, last, n_units, K, ASM, EVEN
         )
-    tl.store(out_ptr + rn, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
+    y = tl.sum(acc, axis=1)
+    if RES:
+        y += tl.load(r_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
