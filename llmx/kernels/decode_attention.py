@@ -93,7 +93,7 @@ def decode_attention(
     qx = triton_ops.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
     combine_kernel[(n_head,)](
         partial, stats, out, splits, *triton_ops.quantized_pointers(out, qx),
-        D=d, QUANT=qx is not None, TRIGGER=qx is not None and triton_ops.programmatic_launch(out.device),
+        D=d, QUANT=qx is not None, TRIGGER=qx is not None and pdl,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
