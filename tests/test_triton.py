@@ -28,7 +28,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("LLMX_TRITON_AUTOTUNE", "0")  # one GEMM config: compiling all is minutes
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -37,6 +38,7 @@ from llmx.bench.blocks import SCALE_FIELDS, chunk_rng, random_data  # noqa: E402
 from llmx.errors import LlmxError  # noqa: E402
 from llmx.quant import QType, qtype  # noqa: E402
 from llmx.quant import triton_ops as tops  # noqa: E402
+from llmx.quant.triton.bits import u32, word_bytes  # noqa: E402
 
 TYPES = list(tops.GROUP)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -233,6 +235,28 @@ def test_dot8_serves_up_to_three_weights_a_launch() -> None:
     assert [tuple(y.shape) for y in outs] == [(1, 5), (1, 3), (1, 7), (1, 9), (1, 2)]
     for y, w in zip(outs, ws, strict=True):
         assert torch.equal(y, tops.linear(x, w))
+
+
+@triton.jit
+def words_kernel(src, words_out, bytes_out, N: tl.constexpr):
+    off = 2 * tl.arange(0, N)
+    w = u32(src, off[None, :, None])  # [1, N, 1], as the unpackers shape them
+    tl.store(words_out + tl.arange(0, N), tl.reshape(w, [N]))
+    tl.store(bytes_out + tl.arange(0, 4 * N), tl.reshape(word_bytes(w), [4 * N]))
+
+
+def test_words_load_at_any_two_aligned_offset() -> None:
+    """bits.u32 reads the 4 bytes at every even offset (two words joined where it is not 4-aligned)
+    and word_bytes splits words into their bytes, low one first, as the K-quant unpackers use them."""
+    data = np.random.default_rng(7).integers(0, 256, 80, dtype=np.uint8)
+    src = torch.from_numpy(data).to(DEVICE)
+    words = torch.empty(32, dtype=torch.int32, device=DEVICE)
+    bytes_ = torch.empty(128, dtype=torch.int32, device=DEVICE)
+    words_kernel[(1,)](src, words, bytes_, N=32)
+    starts = 2 * np.arange(32)
+    expected = np.stack([data[s : s + 4] for s in starts])
+    assert np.array_equal(words.cpu().numpy().view(np.uint8).reshape(32, 4), expected)
+    assert np.array_equal(bytes_.cpu().numpy(), expected.reshape(-1))
 
 
 @pytest.mark.parametrize("chunk", [1 << 30, 5 * 512 * 2])

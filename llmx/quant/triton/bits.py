@@ -14,6 +14,26 @@ def u8(w_ptr, off):
 
 
 @triton.jit
+def u32(w_ptr, off):
+    """The 4 bytes at byte offset `off` as one little-endian int32, for any 2-aligned `off` (every
+    block field in GGUF rows is): the aligned word at or below it, and where `off` is 2 past a
+    word boundary the next word too, joined. Unpacking a word's 4 codes at once takes a quarter of
+    the shifts and masks of loading them as bytes."""
+    mis = off & 2
+    word = (w_ptr + (off - mis)).to(tl.pointer_type(tl.uint32))
+    lo = tl.load(word)
+    hi = tl.load(word + 1, mask=mis != 0, other=0)
+    return tl.where(mis != 0, (lo >> 16) | (hi << 16), lo).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def word_bytes(v):
+    """[R, S, W] int32 words -> [R, S, 4 W] int32 bytes (0..255), each word's bytes low one first."""
+    b = (v[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]) & 255
+    return tl.reshape(b, [v.shape[0], v.shape[1], 4 * v.shape[2]])
+
+
+@triton.jit
 def f16(w_ptr, off):
     """The fp16 stored at byte offset `off` (always 2-aligned in GGUF blocks), as float32."""
     return tl.load((w_ptr + off).to(tl.pointer_type(tl.float16))).to(tl.float32)
