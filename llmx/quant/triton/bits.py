@@ -34,6 +34,37 @@ def word_bytes(v):
 
 
 @triton.jit
+def code_bytes(w_ptr, off, WORDS: tl.constexpr):
+    """The 16 bytes from byte offsets `off` [R, S] (2-aligned) on: [R, S, 4] words (`u32`) when
+    WORDS, else [R, S, 16] bytes as int32. An unpacker writes its shifts once for either, with
+    `byte_mask` and `code_values`; words take a quarter of the shift and mask instructions, but
+    their bytes end up spread over lanes, so a kernel that sums codes across a group (the GEMV)
+    would pay shuffles for them."""
+    if WORDS:  # one return for both: the branch is resolved at compile time, the shapes differ
+        v = u32(w_ptr, off[:, :, None] + 4 * tl.arange(0, 4)[None, None, :])
+    else:
+        v = u8(w_ptr, off[:, :, None] + tl.arange(0, 16)[None, None, :])
+    return v
+
+
+@triton.jit
+def byte_mask(v, MASK: tl.constexpr, WORDS: tl.constexpr):
+    """v & MASK in every byte of `code_bytes`' result (shifts by less than 8 - MASK's width keep
+    each byte's bits its own)."""
+    if WORDS:
+        return v & (MASK * 0x01010101)
+    return v & MASK
+
+
+@triton.jit
+def code_values(v, WORDS: tl.constexpr):
+    """`code_bytes`-shaped codes as [R, S, 16], one code a weight."""
+    if WORDS:
+        v = word_bytes(v)
+    return v
+
+
+@triton.jit
 def f16(w_ptr, off):
     """The fp16 stored at byte offset `off` (always 2-aligned in GGUF blocks), as float32."""
     return tl.load((w_ptr + off).to(tl.pointer_type(tl.float16))).to(tl.float32)

@@ -18,8 +18,11 @@ from llmx.quant.triton import iq, kquants, legacy
 
 
 @triton.jit
-def unpack(QT: tl.constexpr, w_ptr, row_off, sb, K, PACKED: tl.constexpr, lut_ptr):
-    """Codes q [R, S, G] and per-group a, b [R, S] (weight = a*q + b) of type QT; see legacy.py."""
+def unpack(
+    QT: tl.constexpr, w_ptr, row_off, sb, K, PACKED: tl.constexpr, lut_ptr, WORDS: tl.constexpr = False
+):
+    """Codes q [R, S, G] and per-group a, b [R, S] (weight = a*q + b) of type QT; see legacy.py.
+    WORDS: the 2- and 3-bit K-quants and Q6_K take their codes apart 4 at a time (`bits.code_bytes`)."""
     if QT == "Q4_0":
         q, a, b = legacy.q4_0(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q4_1":
@@ -31,15 +34,15 @@ def unpack(QT: tl.constexpr, w_ptr, row_off, sb, K, PACKED: tl.constexpr, lut_pt
     elif QT == "Q8_0":
         q, a, b = legacy.q8_0(w_ptr, row_off, sb, K, PACKED)
     elif QT == "Q2_K":
-        q, a, b = kquants.q2_k(w_ptr, row_off, sb, K, PACKED)
+        q, a, b = kquants.q2_k(w_ptr, row_off, sb, K, PACKED, WORDS)
     elif QT == "Q3_K":
-        q, a, b = kquants.q3_k(w_ptr, row_off, sb, K, PACKED)
+        q, a, b = kquants.q3_k(w_ptr, row_off, sb, K, PACKED, WORDS)
     elif QT == "Q4_K":
         q, a, b = kquants.q4_k(w_ptr, row_off, sb, PACKED)
     elif QT == "Q5_K":
         q, a, b = kquants.q5_k(w_ptr, row_off, sb)
     elif QT == "Q6_K":
-        q, a, b = kquants.q6_k(w_ptr, row_off, sb, K, PACKED)
+        q, a, b = kquants.q6_k(w_ptr, row_off, sb, K, PACKED, WORDS)
     elif QT == "IQ4_NL":
         q, a, b = iq.iq4_nl(w_ptr, row_off, sb, K, PACKED, lut_ptr)
     else:
@@ -145,7 +148,8 @@ def dequant_kernel(
     row_off = _row_offsets(ids, N, swn)
     n_groups = K // G
     sb = tl.program_id(1) * S + tl.arange(0, S)
-    q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], K, PACKED, lut_ptr)
+    # codes by words: nothing here sums across a group, so their bytes may sit on any lane
+    q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], K, PACKED, lut_ptr, True)
     w = a[:, :, None] * q + b[:, :, None]
     k = sb[None, :, None] * G + tl.arange(0, G)[None, None, :]
     r3 = r[:, None, None]

@@ -17,17 +17,15 @@ Layouts (ggml-common.h block_q*_K), w = weight j*G + l of the super-block:
 import triton
 import triton.language as tl
 
-from llmx.quant.triton.bits import block_parts, code_f32, f16, nibbles, u8, u32, word_bytes
+from llmx.quant.triton.bits import block_parts, byte_mask, code_bytes, code_f32, code_values, f16, nibbles, u8
 
 
 @triton.jit
-def _two_bit_words(w_ptr, body, j, QS: tl.constexpr):
-    """[R, S, 4] words holding the 16 2-bit codes of groups `j` (0..15, 16 weights) of the
-    super-block bodies at `body`, qs at QS, one code a byte (see `bits.word_bytes`)."""
-    off = body + QS + 32 * (j >> 3) + 16 * (j & 1)
-    return (
-        u32(w_ptr, off[:, :, None] + 4 * tl.arange(0, 4)[None, None, :]) >> (2 * ((j & 7) >> 1))[:, :, None]
-    ) & 0x03030303
+def _two_bit_codes(w_ptr, body, j, QS: tl.constexpr, WORDS: tl.constexpr):
+    """The 16 2-bit codes of groups `j` (0..15, 16 weights) of the super-block bodies at `body`, qs
+    at QS, one a byte (`bits.code_bytes`)."""
+    codes = code_bytes(w_ptr, body + QS + 32 * (j >> 3) + 16 * (j & 1), WORDS)
+    return byte_mask(codes >> (2 * ((j & 7) >> 1))[:, :, None], 3, WORDS)
 
 
 @triton.jit
@@ -62,24 +60,24 @@ def paired_scale_min(lows, highs, odd):
 
 
 @triton.jit
-def q2_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
+def q2_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr, WORDS: tl.constexpr):
     body, fields = block_parts(row_off, sb >> 4, K, 256, 84, 2, False, PACKED)
     j = sb & 15  # sb >= 0: masks and shifts, not signed division
     s = u8(w_ptr, body + j)
     a = f16(w_ptr, fields) * (s & 15).to(tl.float32)
     b = -(f16(w_ptr, fields + 2) * (s >> 4).to(tl.float32))
-    return code_f32(word_bytes(_two_bit_words(w_ptr, body, j, 16)), 0), a, b
+    return code_f32(code_values(_two_bit_codes(w_ptr, body, j, 16, WORDS), WORDS), 0), a, b
 
 
 @triton.jit
-def q3_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
+def q3_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr, WORDS: tl.constexpr):
     body, fields = block_parts(row_off, sb >> 4, K, 256, 110, 1, False, PACKED)
     j = sb & 15
     # The third bit of code l of group j is bit j // 2 of hmask byte 16 (j % 2) + l; a set bit means
     # the code is used as is, a clear one subtracts 4.
-    hmask = u32(w_ptr, (body + 16 * (j & 1))[:, :, None] + 4 * tl.arange(0, 4)[None, None, :])
-    high = ((hmask >> (j >> 1)[:, :, None]) & 0x01010101) << 2
-    q = code_f32(word_bytes(_two_bit_words(w_ptr, body, j, 32) | high), 4)
+    hmask = code_bytes(w_ptr, body + 16 * (j & 1), WORDS) >> (j >> 1)[:, :, None]
+    codes = _two_bit_codes(w_ptr, body, j, 32, WORDS) | (byte_mask(hmask, 1, WORDS) << 2)
+    q = code_f32(code_values(codes, WORDS), 4)
     sc_lo = (u8(w_ptr, body + 96 + (j & 7)) >> (4 * (j >> 3))) & 15
     sc_hi = (u8(w_ptr, body + 104 + (j & 3)) >> (2 * (j >> 2))) & 3
     a = f16(w_ptr, fields) * ((sc_lo | (sc_hi << 4)) - 32).to(tl.float32)
@@ -120,15 +118,15 @@ def q5_k(w_ptr, row_off, sb):
 
 
 @triton.jit
-def q6_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr):
+def q6_k(w_ptr, row_off, sb, K, PACKED: tl.constexpr, WORDS: tl.constexpr):
     body, fields = block_parts(row_off, sb >> 4, K, 256, 210, 1, False, PACKED)
     j = sb & 15
     half, r = j >> 3, j & 7
-    t = 4 * tl.arange(0, 4)[None, None, :]
-    # group j's low 4 bits: ql bytes 64 half + 16 (r % 4) + l, nibble r // 4; high 2: qh bytes
-    # 128 + 32 half + 16 (r % 2) + l, bits 2 (r // 2); 4 codes a word
-    lo = u32(w_ptr, (body + 64 * half + 16 * (r & 3))[:, :, None] + t) >> (4 * (r >> 2))[:, :, None]
-    hi = u32(w_ptr, (body + 128 + 32 * half + 16 * (r & 1))[:, :, None] + t) >> (2 * (r >> 1))[:, :, None]
+    # group j's low 4 bits: ql bytes 64 half + 16 (r % 4) + l, nibble r // 4; its high 2: qh bytes
+    # 128 + 32 half + 16 (r % 2) + l, bits 2 (r // 2)
+    lo = code_bytes(w_ptr, body + 64 * half + 16 * (r & 3), WORDS) >> (4 * (r >> 2))[:, :, None]
+    hi = code_bytes(w_ptr, body + 128 + 32 * half + 16 * (r & 1), WORDS) >> (2 * (r >> 1))[:, :, None]
+    codes = byte_mask(lo, 15, WORDS) | (byte_mask(hi, 3, WORDS) << 4)
     sc = (u8(w_ptr, body + 192 + j) ^ 0x80) - 128  # int8 scale
     a = f16(w_ptr, fields) * sc.to(tl.float32)
-    return code_f32(word_bytes((lo & 0x0F0F0F0F) | ((hi & 0x03030303) << 4)), 32), a, tl.zeros_like(a)
+    return code_f32(code_values(codes, WORDS), 32), a, tl.zeros_like(a)
