@@ -185,17 +185,27 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
         (2, 2048, 1),
         (4, 2048, 1),
         (2, 2048, 2),
+        (4, 2048, 2),
     ],
     ids=str,
 )
 def test_dot8(name: str, shape: tuple[int, int, int]) -> None:
     # 6 super-blocks (48 blocks for Q8_0) leave a partial step at BK = 1024 and 2048; N = 9 a partial
     # program. The launch shapes the H200 sweeps favoured (bench/RESULTS.md), main's defaults
-    # (`triton_ops.default_dot8`) among them.
+    # (`triton_ops.default_dot8`, short and long rows) among them.
     w, ref = random_weight(name, 9, 1536, seed=60)
     w = laid_out(w, name, "prepared")
     assert tops.kernel_for(w, 1, "dot8") == "dot8" and tops.kernel_for(w, 2, "dot8") == "gemv"
     check_linear(w, ref, 1, torch.float32, seed=shape[1], kernel="dot8", gemv=tops.LaunchShape(*shape))
+
+
+def test_dot8_long_rows_take_their_own_launch_shape() -> None:
+    # Q4_K rows of DOT8_LONG_ROW weights and more (a down projection) run on their own default
+    # shape, several steps a row here; the result is held to the same tolerances.
+    short, long = tops.default_dot8("Q4_K", 4096), tops.default_dot8("Q4_K", tops.DOT8_LONG_ROW)
+    assert short != long
+    w, ref = random_weight("Q4_K", 9, tops.DOT8_LONG_ROW + 2048, seed=61)
+    check_linear(laid_out(w, "Q4_K", "prepared"), ref, 1, torch.float32, seed=62, kernel="dot8")
 
 
 @pytest.mark.parametrize("kernel", ["dot8", "gemv"])
@@ -385,14 +395,14 @@ def test_gpu_linear_large(name: str, m: int, dtype: torch.dtype, layout: str) ->
     check_linear(laid_out(w, name, layout), ref, m, dtype, seed=m)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
-def test_dot8_loop_moves_no_data_between_threads(name: str) -> None:
+@pytest.mark.parametrize(("name", "k"), [("Q4_K", 4096), ("Q4_K", 14336), ("Q6_K", 4096), ("Q8_0", 4096)])
+def test_dot8_loop_moves_no_data_between_threads(name: str, k: int) -> None:
     # With [rows, blocks, quads, 4] tensors Triton 3.6 laid the rows out across threads and its loop
     # moved x and the partial sums between them with ~30 shuffles a step (bench/RESULTS.md, session
     # 9); along one axis of words, every row and the x it meets stay in one thread. bench/ptx_gemv.py
     # compiles the default shape for Hopper (no GPU needed; not under the interpreter, hence its own
     # process).
-    cfg = tops.default_dot8(name)
+    cfg = tops.default_dot8(name, k)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     shape = ["--types", name, "--bn", str(cfg.bn), "--bk", str(cfg.bk), "--warps", str(cfg.num_warps)]
     tool = [sys.executable, "bench/ptx_gemv.py", *shape]

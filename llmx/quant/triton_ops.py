@@ -227,7 +227,7 @@ def _gemv8(
     assert residual is None or (len(ws) == 1 and residual.shape == outs[0].shape)
     raws = [_raw(w)[0] for w in ws]
     name, k = ws[0].qtype.name, ws[0].shape[1]
-    cfg = gemv or default_dot8(name)
+    cfg = gemv or default_dot8(name, k)
     unit = DOT8_UNIT[name]
     bu = max(1, cfg.bk // unit)
     row_words = 4 if raws[0].stride(0) % 16 == 0 else 1
@@ -475,14 +475,21 @@ def kernel_for(w: QWeight, m: int, kernel: str | None = None) -> str:
     return "gemv" if choice == "dot8" and not _dot8_reads(w, m) else choice
 
 
-def default_dot8(name: str) -> LaunchShape:
-    """Integer-dot GEMV launch shape (M = 1): BN rows a program, BK weights a step (a multiple of the
-    type's block); the best on both Llama-3-8B FFN shapes in an H200 sweep timed on the GPU alone
-    (bench/kernels.py --sweep, bench/RESULTS.md)."""
+def default_dot8(name: str, k: int) -> LaunchShape:
+    """Integer-dot GEMV launch shape (M = 1) for rows of k weights: BN rows a program, BK weights a
+    step (a multiple of the type's block); the best on both Llama-3-8B FFN shapes in an H200 sweep
+    timed on the GPU alone (bench/kernels.py --sweep, bench/RESULTS.md), except that Q4_K's long
+    rows (the FFN's down projection) run best on 4 rows and 2 warps a program: 3445-3452 GB/s at
+    4096 x 14336 against 3012-3031 for 2 rows on 1 warp, which in turn takes 14336 x 4096 (2825-2904
+    against 2629-2699; five alternating rounds each)."""
+    if k >= DOT8_LONG_ROW and name in _DOT8_M1_LONG_ROWS:
+        return _DOT8_M1_LONG_ROWS[name]
     return _DOT8_M1.get(name, LaunchShape(4, 1024, 4))
 
 
 _DOT8_M1 = {"Q8_0": LaunchShape(2, 2048, 2), "Q4_K": LaunchShape(2, 2048, 1), "Q6_K": LaunchShape(2, 2048, 1)}
+DOT8_LONG_ROW = 8192  # weights a row from which `_DOT8_M1_LONG_ROWS` applies
+_DOT8_M1_LONG_ROWS = {"Q4_K": LaunchShape(4, 2048, 2)}
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:
