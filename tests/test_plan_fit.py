@@ -168,7 +168,7 @@ def test_row_split_counts_the_norms_copied_to_every_gpu() -> None:
         n_vocab=256, ctx_train=4096, rope_base=10000.0, rms_eps=1e-06, tokenizer=("gpt2", "default", 1, 2),
         head_dim=64, tied_embeddings=False,
     )  # fmt: skip
-    gpus = tuple(Device(f"cuda:{i}", 130 * MiB, 130 * MiB) for i in range(2))
+    gpus = tuple(Device(f"cuda:{i}", 194 * MiB, 194 * MiB) for i in range(2))  # +64: 128 MiB chunks
     m = ModelSpec.from_shape(shape, "Q4_0")
     opts = Options(split_mode="row", ctx_size=256, ubatch_size=32, fit=True, fit_margin_mib=0)
     p = plan(m, Inventory(Device("cpu", 64 * MiB, 64 * MiB), gpus), opts)
