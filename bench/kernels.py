@@ -17,7 +17,7 @@ clears the L2 before every call. Either way each call reads its weight from HBM.
                             [--sweep Q4_K] [--dequant-sweep Q4_0] [--json PATH]
 
 `--sweep` also times a grid of GEMV launch shapes at M = 1 (how `default_dot8` was chosen),
-`--dequant-sweep` one of the dequantize kernel's (`default_dequant`).
+`--dequant-sweep` one of the dequantize kernel's (`DEQUANT_SHAPE`).
 Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT is set.
 """
 
@@ -177,7 +177,7 @@ def run(
 
 def dequant_sweep(types: list[str], ceil: dict[str, float]) -> list[dict]:
     """GB/s (weight bytes read + bf16 rows written) of the dequantize kernel alone for a grid of
-    launch shapes (rows x weights a program, warps), on prepared weights: how `default_dequant` was chosen."""
+    launch shapes (rows x weights a program, warps), on prepared weights: how `DEQUANT_SHAPE` was chosen."""
     grid = [
         tops.LaunchShape(bn, bk, warps)
         for bn, bk in ((4, 512), (8, 512), (16, 512), (2, 1024), (4, 1024), (8, 1024), (2, 2048), (4, 2048))

@@ -107,7 +107,7 @@ def rms_norm_kernel(
 ):  # fmt: skip
     """Row r of y = rms_norm(x (+ d)); with ADD the sum also goes to h. h and y are contiguous [rows, n].
     With QUANT, y also goes to xq, dx, xs quantized (`dot8.store_quantized`; n a multiple of 32).
-    WAIT: launched as a programmatic dependent, so wait for the kernel before first. TRIGGER: the
+    WAIT: launched as a programmatic dependent, so first wait for the kernel before it. TRIGGER: the
     next kernel (a GEMV launched as a programmatic dependent) may start now."""
     if WAIT:
         gdc_wait()

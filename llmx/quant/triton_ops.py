@@ -110,6 +110,11 @@ class LaunchShape:
     num_warps: int
 
 
+# The dequantize kernel's launch: 4 rows x 2048 weights a program on 4 warps was the best or within
+# 5% of it for every type swept on an H200 (bench/kernels.py --dequant-sweep; 16 shapes, 10-20% apart).
+DEQUANT_SHAPE = LaunchShape(4, 2048, 4)
+
+
 # --- public API ---------------------------------------------------------------------------------
 
 
@@ -377,7 +382,7 @@ def _dequant(
     out = torch.empty((rows, k), dtype=dtype, device=w.raw.device)
     if rows:
         raw, name, packed = _raw(w)
-        cfg = shape or default_dequant(name)
+        cfg = shape or DEQUANT_SHAPE
         id_ptr = raw if ids is None else ids  # unread without ids
         _kernels().dequant_kernel[(_cdiv(rows, cfg.bn), _cdiv(k, cfg.bk))](
             raw, _lut(raw.device), id_ptr, r0, out, rows, n, k, raw.stride(0), out.stride(0),
@@ -385,13 +390,6 @@ def _dequant(
             num_warps=cfg.num_warps,
         )  # fmt: skip
     return out
-
-
-def default_dequant(name: str) -> LaunchShape:
-    """Dequantize launch shape for type `name`: BN rows x BK weights a program. 4 x 2048 on four
-    warps was the best or within 5% of it for every type swept on an H200 (bench/kernels.py
-    --dequant-sweep, bench/RESULTS.md); the spread over 16 shapes was 10-20%."""
-    return LaunchShape(4, 2048, 4)
 
 
 def prepare(w: QWeight) -> QWeight:

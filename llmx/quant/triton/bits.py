@@ -49,8 +49,8 @@ def code_bytes(w_ptr, off, WORDS: tl.constexpr):
 
 @triton.jit
 def byte_mask(v, MASK: tl.constexpr, WORDS: tl.constexpr):
-    """v & MASK in every byte of `code_bytes`' result (shifts by less than 8 - MASK's width keep
-    each byte's bits its own)."""
+    """v & MASK in every byte of `code_bytes`' result (words shifted right by at most 8 minus
+    MASK's width keep each byte's bits its own)."""
     if WORDS:
         return v & (MASK * 0x01010101)
     return v & MASK
