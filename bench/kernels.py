@@ -14,7 +14,8 @@ copies of the weight that together exceed the L2; larger M use triton.testing.do
 clears the L2 before every call. Either way each call reads its weight from HBM.
 
     python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,16,512] [--kernels dequant,dense]
-                            [--sweep Q4_K] [--dequant-sweep Q4_0] [--json PATH]
+                            [--sweep Q4_K [--shapes 2/2048/1,4/2048/2/late]] [--dequant-sweep Q4_0]
+                            [--json PATH]
 
 `--sweep` also times a grid of GEMV launch shapes at M = 1 (how `default_dot8` was chosen),
 `--dequant-sweep` one of the dequantize kernel's (`DEQUANT_SHAPE`).
@@ -197,9 +198,9 @@ def dequant_sweep(types: list[str], ceil: dict[str, float]) -> list[dict]:
     return rows
 
 
-def sweep(types: list[str]) -> list[dict]:
-    """Time at M = 1 of the integer-dot GEMV (the float one for types it cannot read) for a grid of
-    launch shapes, on prepared weights."""
+def sweep(types: list[str], given: list[tops.LaunchShape]) -> list[dict]:
+    """Time at M = 1 of the integer-dot GEMV (the float one for types it cannot read) for the
+    `given` launch shapes, else a grid of them, on prepared weights."""
     rows = []
     for name, (n, k) in itertools.product(types, SHAPES):
         w = tops.prepare(make_weight(name, n, k))
@@ -210,7 +211,7 @@ def sweep(types: list[str]) -> list[dict]:
             shapes = list(itertools.product((1, 2, 4, 8), steps, (1, 2, 4)))
         else:
             shapes = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4)))
-        grid = [tops.LaunchShape(*c) for c in shapes]
+        grid = given or [tops.LaunchShape(*c) for c in shapes]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         qx = tops.quantize_x(x) if kernel == "dot8" else None
         ws = copies(w)
@@ -226,8 +227,7 @@ def sweep(types: list[str]) -> list[dict]:
                 "gbs": w.raw.numel() / t / 1e6,
             }
             rows.append(row | cfg.__dict__)
-            shape = f"{cfg.bn}/{cfg.bk}/{cfg.num_warps}"
-            print(f"sweep {name} {n}x{k} {shape}: {row['gbs']:.0f} GB/s", flush=True)
+            print(f"sweep {name} {n}x{k} {shape_label(cfg)}: {row['gbs']:.0f} GB/s", flush=True)
     return rows
 
 
@@ -245,17 +245,33 @@ def table_row(r: dict) -> str:
     )
 
 
+def parse_shapes(text: str) -> list[tops.LaunchShape]:
+    """Launch shapes from "BN/BK/warps[/late],...", "/late" for `late_headers`."""
+    shapes = []
+    for item in filter(None, text.split(",")):
+        bn, bk, warps, *late = item.split("/")
+        shapes.append(tops.LaunchShape(int(bn), int(bk), int(warps), late == ["late"]))
+    return shapes
+
+
+def shape_label(cfg: tops.LaunchShape) -> str:
+    """`parse_shapes`' spelling of one launch shape."""
+    return f"{cfg.bn}/{cfg.bk}/{cfg.num_warps}" + ("/late" if cfg.late_headers else "")
+
+
 def sweep_table(rows: list[dict]) -> str:
     """The best and the median launch shape per (type, shape, M)."""
     out = [
-        "| type | N x K | M | kernel | best BN/BK/warps | best GB/s | median GB/s |",
+        "| type | N x K | M | kernel | best BN/BK/warps[/late] | best GB/s | median GB/s |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, group in itertools.groupby(rows, lambda r: (r["type"], r["n"], r["k"], r["m"], r["kernel"])):
         group = list(group)
         best = max(group, key=lambda r: r["gbs"])
         med = statistics.median(r["gbs"] for r in group)
-        cfg = f"{best['bn']}/{best['bk']}/{best['num_warps']}"
+        cfg = shape_label(
+            tops.LaunchShape(best["bn"], best["bk"], best["num_warps"], best.get("late_headers", False))
+        )
         out.append(
             f"| {key[0]} | {key[1]}x{key[2]} | {key[3]} | {key[4]} | {cfg} | {best['gbs']:.0f} | {med:.0f} |"
         )
@@ -267,6 +283,7 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(tops.GROUP))
     ap.add_argument("--m", default="1,2,4,8,16,512")
     ap.add_argument("--sweep", default="", help="types whose GEMV launch shapes to sweep, e.g. Q4_K,Q8_0")
+    ap.add_argument("--shapes", default="", help="the sweep's launch shapes BN/BK/warps[/late], else a grid")
     ap.add_argument(
         "--kernels",
         default="",
@@ -283,7 +300,7 @@ def main() -> None:
     print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s (read+write), ", end="")
     print(f"bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s\n")
     if args.sweep:
-        result["sweep"] = sweep(args.sweep.split(","))
+        result["sweep"] = sweep(args.sweep.split(","), parse_shapes(args.shapes))
         print(sweep_table(result["sweep"]) + "\n", flush=True)
     if args.dequant_sweep:
         result["dequant_sweep"] = dequant_sweep(args.dequant_sweep.split(","), ceil)

@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from bench.kernels import SHAPES, make_weight
+from bench.kernels import SHAPES, make_weight, parse_shapes
 from llmx.quant import triton_ops as tops
 
 
@@ -22,9 +22,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--kernels", default="dot8,gemv")
-    ap.add_argument("--shapes", default="", help="launch shapes BN/BK/warps (default: each kernel's own)")
+    ap.add_argument(
+        "--shapes", default="", help="launch shapes BN/BK/warps[/late] (default: each kernel's own)"
+    )
     args = ap.parse_args()
-    shapes = [tops.LaunchShape(*map(int, s.split("/"))) for s in args.shapes.split(",") if s] or [None]
+    shapes = parse_shapes(args.shapes) or [None]
     for name in args.types.split(","):
         for n, k in SHAPES:
             w = tops.prepare(make_weight(name, n, k))

@@ -10,6 +10,7 @@ to see another version's code, put its wheel's package first on PYTHONPATH (e.g.
 `pip install --target DIR triton==3.6.0`; no GPU needed).
 
     python bench/ptx_gemv.py [--types Q4_K,Q6_K,Q8_0] [--bn 2,4,8,16] [--bk 1024,2048,4096] [--warps 1,2,4]
+        [--late 0,1]
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from llmx.quant.triton import dot8
 
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
 WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
-CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES")
+CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES", "LATE")
 
 
-def compiled(name: str, bn: int, bk: int, warps: int) -> dict[str, str | bytes]:
+def compiled(name: str, bn: int, bk: int, warps: int, late: bool = False) -> dict[str, str | bytes]:
     """The PTX and cubin of one launch shape: one weight a launch, rows whole 16-byte units, every
     pointer and integer but the row length a multiple of 16 (as Triton specializes them for
     Llama-shaped matrices)."""
@@ -42,7 +43,7 @@ def compiled(name: str, bn: int, bk: int, warps: int) -> dict[str, str | bytes]:
     for j in range(tops.DOT8_MAX_WEIGHTS):
         signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
     signature |= {"r_ptr": "*bf16", "K": "i32", "row_units": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
-    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True, True, 4, False, False)
+    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True, True, 4, False, False, late)
     # a row's count of 16-byte units need not be a multiple of 16 (Q6_K's 4096-weight rows: 210)
     aligned = [i for i, (k, v) in enumerate(signature.items()) if v != "constexpr" and k != "row_units"]
     src = ASTSource(
@@ -98,20 +99,30 @@ def main() -> None:
     ap.add_argument("--bn", default="2,4,8,16")
     ap.add_argument("--bk", default="1024,2048,4096")
     ap.add_argument("--warps", default="1,2,4")
+    ap.add_argument(
+        "--late", default="0", help="Q4_K's headers loaded late (1), a step ahead (0), or both (0,1)"
+    )
     args = ap.parse_args()
-    ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps)]
+    ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps, args.late)]
     print(f"Triton {triton.__version__}")
     print("| type | BN/BK/warps | loads a step (16-byte) | shuffles | barriers | registers | SASS a step |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, bn, bk, warps in itertools.product(args.types.split(","), *ints):
-        asm = compiled(name, bn, bk, warps)
+    for name, bn, bk, warps, late in itertools.product(args.types.split(","), *ints):
+        asm = compiled(name, bn, bk, warps, bool(late))
         body = loop_body(asm["ptx"])
         loads = sum("ld.global" in line for line in body)
         vectors = sum("ld.global" in line and ".v4." in line for line in body)
         shuffles = sum("shfl.sync" in line for line in body)
         barriers = sum("bar.sync" in line for line in body)
         regs, sass = registers(asm["cubin"]), sass_loop(asm["cubin"])
-        cells = (f"{bn}/{bk}/{warps}", f"{loads} ({vectors})", shuffles, barriers, regs, sass)
+        cells = (
+            f"{bn}/{bk}/{warps}" + ("/late" if late else ""),
+            f"{loads} ({vectors})",
+            shuffles,
+            barriers,
+            regs,
+            sass,
+        )
         print(f"| {name} | " + " | ".join(map(str, cells)) + " |", flush=True)
 
 

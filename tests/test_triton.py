@@ -186,10 +186,12 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
         (4, 2048, 1),
         (2, 2048, 2),
         (4, 2048, 2),
+        (2, 2048, 1, True),
+        (4, 2048, 2, True),
     ],
     ids=str,
 )
-def test_dot8(name: str, shape: tuple[int, int, int]) -> None:
+def test_dot8(name: str, shape: tuple[int, int, int] | tuple[int, int, int, bool]) -> None:
     # 6 super-blocks (48 blocks for Q8_0) leave a partial step at BK = 1024 and 2048; N = 9 a partial
     # program. The launch shapes the H200 sweeps favoured (bench/RESULTS.md), main's defaults
     # (`triton_ops.default_dot8`, short and long rows) among them.
@@ -405,6 +407,7 @@ def test_dot8_loop_moves_no_data_between_threads(name: str, k: int) -> None:
     cfg = tops.default_dot8(name, k)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     shape = ["--types", name, "--bn", str(cfg.bn), "--bk", str(cfg.bk), "--warps", str(cfg.num_warps)]
+    shape += ["--late", str(int(cfg.late_headers))]
     tool = [sys.executable, "bench/ptx_gemv.py", *shape]
     out = subprocess.run(tool, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -103,11 +103,14 @@ HalfX = tuple[torch.Tensor, torch.Tensor]  # float32 x as fp16 rows scaled into 
 @dataclass(frozen=True)
 class LaunchShape:
     """Launch shape of a kernel over weight rows: BN rows a program, BK weights a loop step (the
-    GEMVs) or a program (dequantize), and its warps."""
+    GEMVs) or a program (dequantize), and its warps. `late_headers` (the integer-dot GEMV, Q4_K):
+    a step's block headers are loaded as it is computed, from the L1 lines its codes brought in,
+    not a step ahead with the codes: half the registers a thread, so twice the warps an SM."""
 
     bn: int
     bk: int
     num_warps: int
+    late_headers: bool = False
 
 
 # The dequantize kernel's launch: 4 rows x 2048 weights a program on 4 warps was the best or within
@@ -245,7 +248,7 @@ def _gemv8(
         k, raws[0].stride(0) // (4 * row_words),
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
         ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
-        RES=residual is not None, num_warps=cfg.num_warps, launch_pdl=pdl,
+        RES=residual is not None, LATE=cfg.late_headers, num_warps=cfg.num_warps, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -477,16 +480,21 @@ def kernel_for(w: QWeight, m: int, kernel: str | None = None) -> str:
 def default_dot8(name: str, k: int) -> LaunchShape:
     """Integer-dot GEMV launch shape (M = 1) for rows of k weights: BN rows a program, BK weights a
     step (a multiple of the type's block); the best on both Llama-3-8B FFN shapes in an H200 sweep
-    timed on the GPU alone (bench/kernels.py --sweep, bench/RESULTS.md), except that Q4_K's long
-    rows (the FFN's down projection) run best on 4 rows and 2 warps a program: 3445-3452 GB/s at
-    4096 x 14336 against 3012-3031 for 2 rows on 1 warp, which in turn takes 14336 x 4096 (2825-2904
-    against 2629-2699; five alternating rounds each)."""
+    timed on the GPU alone (bench/kernels.py --sweep, bench/RESULTS.md). Q4_K runs 4 rows on 2
+    warps a program, its headers loaded late on short rows (14336 x 4096: 3240-3273 GB/s against
+    2785-2794 for session 12's 2 rows on 1 warp, 2677-2690 with the headers a step ahead) but not
+    on long ones (the FFN's down projection, 4096 x 14336: 3404-3426 against 2655-2666 late), where
+    a program's 7 steps keep enough loads in flight and the late loads would wait on the L1."""
     if k >= DOT8_LONG_ROW and name in _DOT8_M1_LONG_ROWS:
         return _DOT8_M1_LONG_ROWS[name]
     return _DOT8_M1.get(name, LaunchShape(4, 1024, 4))
 
 
-_DOT8_M1 = {"Q8_0": LaunchShape(2, 2048, 2), "Q4_K": LaunchShape(2, 2048, 1), "Q6_K": LaunchShape(2, 2048, 1)}
+_DOT8_M1 = {
+    "Q8_0": LaunchShape(2, 2048, 2),
+    "Q4_K": LaunchShape(4, 2048, 2, late_headers=True),
+    "Q6_K": LaunchShape(2, 2048, 1),
+}
 DOT8_LONG_ROW = 8192  # weights a row from which `_DOT8_M1_LONG_ROWS` applies
 _DOT8_M1_LONG_ROWS = {"Q4_K": LaunchShape(4, 2048, 2)}
 

@@ -175,15 +175,22 @@ def _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM: tl.constexpr
 
 
 @triton.jit
-def _q4_k_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr, EVEN: tl.constexpr):
+def _q4_k_codes(w_ptr, row_w, u0, n_units, BU: tl.constexpr, EVEN: tl.constexpr):
     """Q4_K super-blocks u0.. (144 bytes: d, dmin, 12 scale bytes, 128 code bytes): [BN, 32 BU] code
-    words, and for each quad its block's 16-byte header, loaded as one vector (one L1 request for
-    all of a block's quads, where byte-wise loads made ten) and taken apart in registers."""
+    words."""
     w = tl.arange(0, BU * 32)
     blk = (u0 + w // 32)[None, :]
-    base = row_w[:, None] + blk * 36
-    codes = _words(w_ptr, base + 4 + (w % 32)[None, :], blk, n_units, EVEN)
-    return codes, _words(w_ptr, base + (w % 4)[None, :], blk, n_units, EVEN)
+    return _words(w_ptr, row_w[:, None] + blk * 36 + 4 + (w % 32)[None, :], blk, n_units, EVEN)
+
+
+@triton.jit
+def _q4_k_headers(w_ptr, row_w, u0, n_units, BU: tl.constexpr, EVEN: tl.constexpr):
+    """For each quad of Q4_K super-blocks u0.. its block's 16-byte header, [BN, 32 BU] words: loaded
+    as one vector (one L1 request for all of a block's quads, where byte-wise loads made ten) and
+    taken apart in registers."""
+    w = tl.arange(0, BU * 32)
+    blk = (u0 + w // 32)[None, :]
+    return _words(w_ptr, row_w[:, None] + blk * 36 + (w % 4)[None, :], blk, n_units, EVEN)
 
 
 @triton.jit
@@ -280,7 +287,7 @@ def gemv8_kernel(
     xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, r_ptr, K, row_units,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
     NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, ROW_WORDS: tl.constexpr, PDL: tl.constexpr,
-    RES: tl.constexpr,
+    RES: tl.constexpr, LATE: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
     for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
@@ -306,6 +313,11 @@ def gemv8_kernel(
     after. It also lets its own successor launch at once: that kernel waits for it to finish before
     touching memory, and is resident when the last wave ends. RES (one weight): the output is
     r + x @ W.T, r [N] read at the store (a block's residual add, which took a kernel of its own).
+    LATE (Q4_K): a step's block headers are loaded when it is computed instead of a step ahead with
+    its codes. Each header shares a 32-byte sector with its block's first codes, which are in the
+    L1 by then, so the load waits on the L1 only; a thread holds half the registers (Q4_K 4/2048/2:
+    63 against 121), so an SM holds twice the warps, which short rows (a few steps a program) need
+    to keep enough loads in flight.
     """
     if PDL:
         gdc_launch_dependents()
@@ -334,13 +346,23 @@ def gemv8_kernel(
             codes = codes_next
         acc += _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, last, n_units, K, ASM, EVEN)
     elif QT == "Q4_K":
-        codes, hdr = _q4_k_load(w_ptr, row_w, 0, n_units, BU, EVEN)
+        codes = _q4_k_codes(w_ptr, row_w, 0, n_units, BU, EVEN)
+        if not LATE:
+            hdr = _q4_k_headers(w_ptr, row_w, 0, n_units, BU, EVEN)
         if PDL:
             gdc_wait()
         for u0 in range(0, last, BU):
-            codes_next, hdr_next = _q4_k_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
+            codes_next = _q4_k_codes(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
+            if LATE:  # this step's, from the L1: its codes' first sector holds them
+                hdr = _q4_k_headers(w_ptr, row_w, u0, n_units, BU, EVEN)
+            else:
+                hdr_next = _q4_k_headers(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
             acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM, EVEN)
-            codes, hdr = codes_next, hdr_next
+            codes = codes_next
+            if not LATE:
+                hdr = hdr_next
+        if LATE:
+            hdr = _q4_k_headers(w_ptr, row_w, last, n_units, BU, EVEN)
         acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, last, n_units, ASM, EVEN)
     else:
         tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
