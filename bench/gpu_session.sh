@@ -3,7 +3,7 @@
 # repository root with the package importable (PYTHONPATH=repo[:gguf wheel]).
 #
 #   bash bench/gpu_session.sh check     # GPU tests (+ two-GPU tests on a 2-GPU machine), ~4 min
-#   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~4 min
+#   bash bench/gpu_session.sh kernels   # kernel table and launch-shape sweep, ~6 min
 #   bash bench/gpu_session.sh gemm      # M = 512 for all twelve types (dequantize + matmul, bf16), dequantize launch shapes, ~9 min
 #   bash bench/gpu_session.sh e2e       # synthetic Llama-3-8B: -ngl 99 (Q4_K_M, Q8_0), profiles, load time, ~6 min
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
@@ -55,7 +55,7 @@ check)
 kernels)
     timeout 230 $PY bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 1,2,16,512 --json "$OUT/kernels.json" \
         | tee "$OUT/kernels.md"
-    timeout 200 $PY bench/kernels.py --types Q4_K --m 1 --sweep Q4_K,Q6_K,Q8_0 | tee "$OUT/sweep.md"
+    timeout 330 $PY bench/kernels.py --types Q4_K --m 1 --sweep Q4_K,Q6_K,Q8_0 | tee "$OUT/sweep.md"
     ;;
 gemm)
     # the issue's GEMM goal (50% of the bf16 rate at 512 rows) type by type: what `linear` runs at
