@@ -192,9 +192,7 @@ def dequant_sweep(types: list[str], ceil: dict[str, float]) -> list[dict]:
             t = bench_ms(partial(tops.dequantize_rows, w, 0, n, torch.bfloat16, cfg))
             row = {"type": name, "n": n, "k": k, "m": 0, "kernel": "dequant", "ms": t, "gbs": moved / t / 1e6}
             rows.append(row | cfg.__dict__ | {"frac": row["gbs"] / ceil["copy_gbs"]})
-            print(
-                f"dequant {name} {n}x{k} {cfg.bn}/{cfg.bk}/{cfg.num_warps}: {row['gbs']:.0f} GB/s", flush=True
-            )
+            print(f"dequant {name} {n}x{k} {shape_label(cfg)}: {row['gbs']:.0f} GB/s", flush=True)
     return rows
 
 
