@@ -484,7 +484,9 @@ def default_dot8(name: str, k: int) -> LaunchShape:
     warps a program, its headers loaded late on short rows (14336 x 4096: 3240-3273 GB/s against
     2785-2794 for session 12's 2 rows on 1 warp, 2677-2690 with the headers a step ahead) but not
     on long ones (the FFN's down projection, 4096 x 14336: 3404-3426 against 2655-2666 late), where
-    a program's 7 steps keep enough loads in flight and the late loads would wait on the L1."""
+    a program's 7 steps keep enough loads in flight and the late loads would wait on the L1. Q6_K
+    runs 4 rows a program on short rows (3081-3147 against 2998-3047 for 2) and 2 on long ones
+    (3324-3390 against 2527-2598 for 4), one warp either way."""
     if k >= DOT8_LONG_ROW and name in _DOT8_M1_LONG_ROWS:
         return _DOT8_M1_LONG_ROWS[name]
     return _DOT8_M1.get(name, LaunchShape(4, 1024, 4))
@@ -493,10 +495,10 @@ def default_dot8(name: str, k: int) -> LaunchShape:
 _DOT8_M1 = {
     "Q8_0": LaunchShape(2, 2048, 2),
     "Q4_K": LaunchShape(4, 2048, 2, late_headers=True),
-    "Q6_K": LaunchShape(2, 2048, 1),
+    "Q6_K": LaunchShape(4, 2048, 1),
 }
 DOT8_LONG_ROW = 8192  # weights a row from which `_DOT8_M1_LONG_ROWS` applies
-_DOT8_M1_LONG_ROWS = {"Q4_K": LaunchShape(4, 2048, 2)}
+_DOT8_M1_LONG_ROWS = {"Q4_K": LaunchShape(4, 2048, 2), "Q6_K": LaunchShape(2, 2048, 1)}
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:

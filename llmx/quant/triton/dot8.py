@@ -69,8 +69,8 @@ def quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, K, sxm, NG: tl.constexpr):
 def store_quantized(x, g, ok, m, K, xq_ptr, dx_ptr, xs_ptr):
     """Groups g [NG] (those `ok`) of row m of x, given as float32 [NG, 32], stored quantized: xq
     [M, K] int8 = round(x / dx) (half away from zero), dx [M, K/32] float32 = max|x| / 127, and xs
-    [M, K/16] float32 = dx * (the sums of xq per 16), for the types whose codes carry an offset
-    or a min. Kernels that produce an activation call this too, sparing a launch per GEMV input."""
+    [M, K/16] float32 = dx * (the sums of xq per 16), for Q4_K's mins. Kernels that produce an
+    activation call this too, sparing a launch per GEMV input."""
     NG: tl.constexpr = x.shape[0]
     amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
@@ -252,8 +252,8 @@ def _q6_k_load(w_ptr, row_w, u0, n_units, BU: tl.constexpr, EVEN: tl.constexpr):
 
 @triton.jit
 def _q6_k(
-    ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_units, K,
-    ASM: tl.constexpr, EVEN: tl.constexpr,
+    ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM: tl.constexpr,
+    EVEN: tl.constexpr,
 ):  # fmt: skip
     """[BN, Q] partial dots of loaded Q6_K super-blocks (4 quads a block, see `_q6_k_load`)."""
     quarters = (
@@ -270,15 +270,20 @@ def _q6_k(
     blk = u0 + q // 4
     h = ((q % 4) // 2)[None, :, None]
     words = (_lane(scales, 2 * h), _lane(scales, 2 * h + 1))
+    thirty_two = tl.full([1, 4 * Q], 0x20202020, tl.int32)
     acc = tl.zeros([qh.shape[0], Q], tl.float32)
     for kq in tl.static_range(4):
-        s = _quads(dp4a(quarters[kq], _words(xq_ptr, x0 + 8 * kq, x_blk, n_units, EVEN)[None, :], False, ASM))
+        xw = _words(xq_ptr, x0 + 8 * kq, x_blk, n_units, EVEN)[None, :]
+        # The integer sum of (q - 32) x: the offset's part is 32 times the sum of x's codes, taken
+        # from the words already loaded (a dp4a each) where loading `store_quantized`'s x sums
+        # cost 4 loads a quad and 3-5% of the time (bench/RESULTS.md, session 14).
+        s = _quads(dp4a(quarters[kq], xw, False, ASM) - dp4a(thirty_two, xw, False, ASM))
         byte = (2 * (kq % 2) + q % 2)[None, :]
-        sc = int_f32((words[kq // 2] << (24 - 8 * byte)) >> 24)  # the int8 scale
+        sc = (words[kq // 2] << (24 - 8 * byte)) >> 24  # the int8 scale
         row16 = blk * 16 + 8 * ((q % 4) // 2) + 2 * kq + q % 2
         dx = _load(dx_ptr + row16 // 2, blk, n_units, EVEN)[None, :]
-        xsum = _load(xs_ptr + row16, blk, n_units, EVEN)[None, :]
-        acc += sc * (dx * int_f32(s) - 32.0 * xsum)
+        # exact: |sc * s| <= 128 * 16 * 32 * 127 < 2**24, but past int_f32's 2**22
+        acc += dx * (sc * s).to(tl.float32)
     return _block_d(w_ptr, row_w, (K // 256) * 52, blk, n_units, EVEN) * acc
 
 
@@ -371,13 +376,9 @@ def gemv8_kernel(
             gdc_wait()
         for u0 in range(0, last, BU):
             na, nb, nh, ns = _q6_k_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
-            acc += _q6_k(
-                ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, u0, n_units, K, ASM, EVEN
-            )
+            acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
             ql_a, ql_b, qh, scales = na, nb, nh, ns
-        acc += _q6_k(
-            ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, xs_ptr, row_w, last, n_units, K, ASM, EVEN
-        )
+        acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, row_w, last, n_units, K, ASM, EVEN)
     y = tl.sum(acc, axis=1)
     if RES:
         y += tl.load(r_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
