@@ -287,7 +287,8 @@ def main() -> None:
     ap.add_argument(
         "--kernels",
         default="",
-        help="time only these, e.g. dequant,dense (of dot8, gemv, gemm, dequant, read, dense)",
+        help="time only these, e.g. dequant,dense (of dot8, gemv, gemm, dequant, read, dense; none: a sweep "
+        "alone)",
     )
     ap.add_argument("--dequant-sweep", default="", help="types whose dequantize launch shapes to sweep")
     ap.add_argument("--json", default=None)

@@ -485,8 +485,8 @@ def default_dot8(name: str, k: int) -> LaunchShape:
     2785-2794 for session 12's 2 rows on 1 warp, 2677-2690 with the headers a step ahead) but not
     on long ones (the FFN's down projection, 4096 x 14336: 3404-3426 against 2655-2666 late), where
     a program's 7 steps keep enough loads in flight and the late loads would wait on the L1. Q6_K
-    runs 4 rows a program on short rows (3081-3147 against 2998-3047 for 2) and 2 on long ones
-    (3324-3390 against 2527-2598 for 4), one warp either way."""
+    runs 4 rows a program on short rows (3122-3149 against 3008-3057 for 2) and 2 on long ones
+    (3318-3363 against 2605-2636 for 4), one warp either way."""
     if k >= DOT8_LONG_ROW and name in _DOT8_M1_LONG_ROWS:
         return _DOT8_M1_LONG_ROWS[name]
     return _DOT8_M1.get(name, LaunchShape(4, 1024, 4))
