@@ -246,32 +246,36 @@ def table_row(r: dict) -> str:
 
 
 def parse_shapes(text: str) -> list[tops.LaunchShape]:
-    """Launch shapes from "BN/BK/warps[/late],...", "/late" for `late_headers`."""
+    """Launch shapes from "BN/BK/warps[/late][/rN],...": "/late" for `late_headers`, "/r128" for
+    `max_registers` 128."""
     shapes = []
     for item in filter(None, text.split(",")):
-        bn, bk, warps, *late = item.split("/")
-        shapes.append(tops.LaunchShape(int(bn), int(bk), int(warps), late == ["late"]))
+        bn, bk, warps, *extra = item.split("/")
+        regs = next((int(e[1:]) for e in extra if e.startswith("r")), None)
+        shapes.append(tops.LaunchShape(int(bn), int(bk), int(warps), "late" in extra, regs))
     return shapes
 
 
 def shape_label(cfg: tops.LaunchShape) -> str:
     """`parse_shapes`' spelling of one launch shape."""
-    return f"{cfg.bn}/{cfg.bk}/{cfg.num_warps}" + ("/late" if cfg.late_headers else "")
+    late = "/late" if cfg.late_headers else ""
+    return f"{cfg.bn}/{cfg.bk}/{cfg.num_warps}{late}" + (
+        f"/r{cfg.max_registers}" if cfg.max_registers else ""
+    )
 
 
 def sweep_table(rows: list[dict]) -> str:
     """The best and the median launch shape per (type, shape, M)."""
     out = [
-        "| type | N x K | M | kernel | best BN/BK/warps[/late] | best GB/s | median GB/s |",
+        "| type | N x K | M | kernel | best BN/BK/warps[/late][/rN] | best GB/s | median GB/s |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, group in itertools.groupby(rows, lambda r: (r["type"], r["n"], r["k"], r["m"], r["kernel"])):
         group = list(group)
         best = max(group, key=lambda r: r["gbs"])
         med = statistics.median(r["gbs"] for r in group)
-        cfg = shape_label(
-            tops.LaunchShape(best["bn"], best["bk"], best["num_warps"], best.get("late_headers", False))
-        )
+        keys = ("bn", "bk", "num_warps", "late_headers", "max_registers")
+        cfg = shape_label(tops.LaunchShape(**{k: best[k] for k in keys if k in best}))
         out.append(
             f"| {key[0]} | {key[1]}x{key[2]} | {key[3]} | {key[4]} | {cfg} | {best['gbs']:.0f} | {med:.0f} |"
         )
@@ -283,7 +287,9 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(tops.GROUP))
     ap.add_argument("--m", default="1,2,4,8,16,512")
     ap.add_argument("--sweep", default="", help="types whose GEMV launch shapes to sweep, e.g. Q4_K,Q8_0")
-    ap.add_argument("--shapes", default="", help="the sweep's launch shapes BN/BK/warps[/late], else a grid")
+    ap.add_argument(
+        "--shapes", default="", help="the sweep's launch shapes BN/BK/warps[/late][/rN], else a grid"
+    )
     ap.add_argument(
         "--kernels",
         default="",

@@ -10,7 +10,7 @@ to see another version's code, put its wheel's package first on PYTHONPATH (e.g.
 `pip install --target DIR triton==3.6.0`; no GPU needed).
 
     python bench/ptx_gemv.py [--types Q4_K,Q6_K,Q8_0] [--bn 2,4,8,16] [--bk 1024,2048,4096] [--warps 1,2,4]
-        [--late 0,1]
+        [--late 0,1] [--maxnreg 0,128]
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
 CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES", "LATE")
 
 
-def compiled(name: str, bn: int, bk: int, warps: int, late: bool = False) -> dict[str, str | bytes]:
+def compiled(
+    name: str, bn: int, bk: int, warps: int, late: bool = False, maxnreg: int | None = None
+) -> dict[str, str | bytes]:
     """The PTX and cubin of one launch shape: one weight a launch, rows whole 16-byte units, every
     pointer and integer but the row length a multiple of 16 (as Triton specializes them for
     Llama-shaped matrices)."""
@@ -52,7 +54,8 @@ def compiled(name: str, bn: int, bk: int, warps: int, late: bool = False) -> dic
         constexprs=dict(zip(CONSTANTS, values, strict=True)),
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm
+    options = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
 
 
 def cuobjdump(cubin: bytes, option: str) -> str:
@@ -102,13 +105,14 @@ def main() -> None:
     ap.add_argument(
         "--late", default="0", help="Q4_K's headers loaded late (1), a step ahead (0), or both (0,1)"
     )
+    ap.add_argument("--maxnreg", default="0", help="caps on a thread's registers (0: none), e.g. 0,128")
     args = ap.parse_args()
-    ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps, args.late)]
+    ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps, args.late, args.maxnreg)]
     print(f"Triton {triton.__version__}")
     print("| type | BN/BK/warps | loads a step (16-byte) | shuffles | barriers | registers | SASS a step |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, bn, bk, warps, late in itertools.product(args.types.split(","), *ints):
-        asm = compiled(name, bn, bk, warps, bool(late))
+    for name, bn, bk, warps, late, maxnreg in itertools.product(args.types.split(","), *ints):
+        asm = compiled(name, bn, bk, warps, bool(late), maxnreg or None)
         body = loop_body(asm["ptx"])
         loads = sum("ld.global" in line for line in body)
         vectors = sum("ld.global" in line and ".v4." in line for line in body)
@@ -116,7 +120,7 @@ def main() -> None:
         barriers = sum("bar.sync" in line for line in body)
         regs, sass = registers(asm["cubin"]), sass_loop(asm["cubin"])
         cells = (
-            f"{bn}/{bk}/{warps}" + ("/late" if late else ""),
+            f"{bn}/{bk}/{warps}" + ("/late" if late else "") + (f"/r{maxnreg}" if maxnreg else ""),
             f"{loads} ({vectors})",
             shuffles,
             barriers,

@@ -105,12 +105,14 @@ class LaunchShape:
     """Launch shape of a kernel over weight rows: BN rows a program, BK weights a loop step (the
     GEMVs) or a program (dequantize), and its warps. `late_headers` (the integer-dot GEMV, Q4_K):
     a step's block headers are loaded as it is computed, from the L1 lines its codes brought in,
-    not a step ahead with the codes: half the registers a thread, so twice the warps an SM."""
+    not a step ahead with the codes: half the registers a thread, so twice the warps an SM.
+    `max_registers` caps a thread's registers (ptxas' maxnreg; None: its own choice)."""
 
     bn: int
     bk: int
     num_warps: int
     late_headers: bool = False
+    max_registers: int | None = None
 
 
 # The dequantize kernel's launch: 4 rows x 2048 weights a program on 4 warps was the best or within
@@ -249,6 +251,7 @@ def _gemv8(
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
         ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
         RES=residual is not None, LATE=cfg.late_headers, num_warps=cfg.num_warps, launch_pdl=pdl,
+        maxnreg=cfg.max_registers,
     )  # fmt: skip
 
 
@@ -485,8 +488,10 @@ def default_dot8(name: str, k: int) -> LaunchShape:
     2785-2794 for session 12's 2 rows on 1 warp, 2677-2690 with the headers a step ahead) but not
     on long ones (the FFN's down projection, 4096 x 14336: 3404-3426 against 2655-2666 late), where
     a program's 7 steps keep enough loads in flight and the late loads would wait on the L1. Q6_K
-    runs 4 rows a program on short rows (3122-3149 against 3008-3057 for 2) and 2 on long ones
-    (3318-3363 against 2605-2636 for 4), one warp either way."""
+    runs 2 rows on one warp, its registers capped at 128 (ptxas takes 123 instead of 126 and
+    schedules the loop in 307 instructions instead of 318): 4096 x 14336 3415-3519 GB/s against
+    3257-3342, 14336 x 4096 3129-3309 against 3084-3320. 4 rows a program were 3% faster on short
+    rows on one machine and 10% slower on another."""
     if k >= DOT8_LONG_ROW and name in _DOT8_M1_LONG_ROWS:
         return _DOT8_M1_LONG_ROWS[name]
     return _DOT8_M1.get(name, LaunchShape(4, 1024, 4))
@@ -495,10 +500,10 @@ def default_dot8(name: str, k: int) -> LaunchShape:
 _DOT8_M1 = {
     "Q8_0": LaunchShape(2, 2048, 2),
     "Q4_K": LaunchShape(4, 2048, 2, late_headers=True),
-    "Q6_K": LaunchShape(4, 2048, 1),
+    "Q6_K": LaunchShape(2, 2048, 1, max_registers=128),
 }
 DOT8_LONG_ROW = 8192  # weights a row from which `_DOT8_M1_LONG_ROWS` applies
-_DOT8_M1_LONG_ROWS = {"Q4_K": LaunchShape(4, 2048, 2), "Q6_K": LaunchShape(2, 2048, 1)}
+_DOT8_M1_LONG_ROWS = {"Q4_K": LaunchShape(4, 2048, 2)}
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:
