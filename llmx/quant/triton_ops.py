@@ -490,8 +490,8 @@ def default_dot8(name: str, k: int) -> LaunchShape:
     a program's 7 steps keep enough loads in flight and the late loads would wait on the L1. Q6_K
     runs 2 rows on one warp, its registers capped at 128 (ptxas takes 123 instead of 126 and
     schedules the loop in 307 instructions instead of 318): 4096 x 14336 3415-3519 GB/s against
-    3257-3342, 14336 x 4096 3129-3309 against 3084-3320. 4 rows a program were 3% faster on short
-    rows on one machine and 10% slower on another."""
+    3257-3342, 14336 x 4096 3129-3335 against 3046-3320. 4 rows a program were 3% faster on short
+    rows on one machine and up to 10% slower on another."""
     if k >= DOT8_LONG_ROW and name in _DOT8_M1_LONG_ROWS:
         return _DOT8_M1_LONG_ROWS[name]
     return _DOT8_M1.get(name, LaunchShape(4, 1024, 4))

@@ -276,7 +276,7 @@ def _q6_k(
         xw = _words(xq_ptr, x0 + 8 * kq, x_blk, n_units, EVEN)[None, :]
         # The integer sum of (q - 32) x: the offset's part is 32 times the sum of x's codes, taken
         # from the words already loaded (a dp4a each) where loading `store_quantized`'s x sums
-        # cost 4 loads a quad and 3-5% of the time (bench/RESULTS.md, session 14).
+        # cost 4 loads a quad and 1-5% of the time (bench/RESULTS.md, session 14).
         s = _quads(dp4a(quarters[kq], xw, False, ASM) - dp4a(thirty_two, xw, False, ASM))
         byte = (2 * (kq % 2) + q % 2)[None, :]
         sc = (words[kq // 2] << (24 - 8 * byte)) >> 24  # the int8 scale
