@@ -35,9 +35,7 @@ def slots(name: str) -> int:
     """Programs the GPU holds at once at `name`'s default short-row launch shape: SMs times what one
     SM holds at the kernel's registers (compiled for Hopper by `bench/ptx_gemv.py`) and warps."""
     cfg = tops.default_dot8(name, K)
-    regs = registers(
-        compiled(name, cfg.bn, cfg.bk, cfg.num_warps, cfg.late_headers, cfg.max_registers)["cubin"]
-    )
+    regs = registers(compiled(name, cfg)["cubin"])
     props = torch.cuda.get_device_properties(0)
     by_regs = props.regs_per_multiprocessor // (regs * 32 * cfg.num_warps)
     by_warps = props.max_threads_per_multi_processor // (32 * cfg.num_warps)

@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--kernels", default="dot8,gemv")
     ap.add_argument(
-        "--shapes", default="", help="launch shapes BN/BK/warps[/late] (default: each kernel's own)"
+        "--shapes", default="", help="launch shapes BN/BK/warps[/late][/rN] (default: each kernel's own)"
     )
     args = ap.parse_args()
     shapes = parse_shapes(args.shapes) or [None]

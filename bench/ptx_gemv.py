@@ -34,9 +34,7 @@ WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
 CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES", "LATE")
 
 
-def compiled(
-    name: str, bn: int, bk: int, warps: int, late: bool = False, maxnreg: int | None = None
-) -> dict[str, str | bytes]:
+def compiled(name: str, cfg: tops.LaunchShape) -> dict[str, str | bytes]:
     """The PTX and cubin of one launch shape: one weight a launch, rows whole 16-byte units, every
     pointer and integer but the row length a multiple of 16 (as Triton specializes them for
     Llama-shaped matrices)."""
@@ -45,7 +43,8 @@ def compiled(
     for j in range(tops.DOT8_MAX_WEIGHTS):
         signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
     signature |= {"r_ptr": "*bf16", "K": "i32", "row_units": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
-    values = (name, unit, tops.DOT8_QUADS[name], bn, max(1, bk // unit), 1, True, True, 4, False, False, late)
+    bu = max(1, cfg.bk // unit)
+    values = (name, unit, tops.DOT8_QUADS[name], cfg.bn, bu, 1, True, True, 4, False, False, cfg.late_headers)
     # a row's count of 16-byte units need not be a multiple of 16 (Q6_K's 4096-weight rows: 210)
     aligned = [i for i, (k, v) in enumerate(signature.items()) if v != "constexpr" and k != "row_units"]
     src = ASTSource(
@@ -54,7 +53,7 @@ def compiled(
         constexprs=dict(zip(CONSTANTS, values, strict=True)),
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
-    options = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    options = {"num_warps": cfg.num_warps, "maxnreg": cfg.max_registers}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
 
 
@@ -112,7 +111,7 @@ def main() -> None:
     print("| type | BN/BK/warps | loads a step (16-byte) | shuffles | barriers | registers | SASS a step |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, bn, bk, warps, late, maxnreg in itertools.product(args.types.split(","), *ints):
-        asm = compiled(name, bn, bk, warps, bool(late), maxnreg or None)
+        asm = compiled(name, tops.LaunchShape(bn, bk, warps, bool(late), maxnreg or None))
         body = loop_body(asm["ptx"])
         loads = sum("ld.global" in line for line in body)
         vectors = sum("ld.global" in line and ".v4." in line for line in body)

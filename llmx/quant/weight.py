@@ -93,10 +93,6 @@ def linear(
 
     `kernel` forces one of KERNELS for this call (tests, benchmarks); None uses LLMX_KERNEL.
     """
-    if residual is not None:
-        if w.raw.is_cuda and (kernel or KERNEL) != "emulated":
-            return _cuda(x, w, residual)
-        return linear(x, w, kernel).add_(residual)
     n, k = w.shape
     if x.shape[-1] != k:
         raise LlmxError(f"{w.name or 'weight'} {w.shape} cannot multiply x of shape {tuple(x.shape)}")
@@ -105,8 +101,8 @@ def linear(
     x2 = x if flat else x.reshape(-1, k)
     if choice == "emulated":
         y = x2 @ dequantize(w).t()
-    elif w.raw.is_cuda:
-        y = _cuda(x, w)
+    elif w.raw.is_cuda:  # x keeps its shape; the integer-dot GEMV adds the residual as it stores
+        return _cuda(x, w, residual)
     elif (
         choice in ("auto", "packed")
         and x2.shape[0] <= N.MAX_ROWS
@@ -121,7 +117,8 @@ def linear(
         raise LlmxError(f"{w.name or 'weight'} ({w.qtype.name}) has no packed CPU form; see prepare_cpu")
     else:
         y = _dequant_matmul(x2, w)
-    return y if flat else y.reshape(*x.shape[:-1], n)
+    y = y if flat else y.reshape(*x.shape[:-1], n)
+    return y if residual is None else y.add_(residual)
 
 
 def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = None) -> list[torch.Tensor]:
