@@ -189,6 +189,7 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
         (2, 2048, 1, True),
         (4, 2048, 2, True),
         (2, 2048, 1, False, 128),
+        (4, 4096, 4, True),
     ],
     ids=str,
 )
@@ -219,12 +220,14 @@ def test_dot8_q6_k_extreme_blocks() -> None:
     assert rel_err(out, quantized_x_ref(x.numpy()) @ ref.T) < TOL[torch.float32]
 
 
-def test_dot8_long_rows_take_their_own_launch_shape() -> None:
-    # Q4_K rows of DOT8_LONG_ROW weights and more (a down projection) run on their own default
-    # shape, several steps a row here; the result is held to the same tolerances.
-    short, long = tops.default_dot8("Q4_K", 4096), tops.default_dot8("Q4_K", tops.DOT8_LONG_ROW)
-    assert short != long
-    w, ref = random_weight("Q4_K", 9, tops.DOT8_LONG_ROW + 2048, seed=61)
+@pytest.mark.parametrize("k", [4096, tops.DOT8_LONG_ROW + 2048])
+def test_dot8_row_length_picks_the_launch_shape(k: int) -> None:
+    # Q4_K rows of exactly 4096 weights (Llama-3-8B's q/k/v, gate and up) run as one step a
+    # program, rows of DOT8_LONG_ROW weights and more (a down projection) on their own shape of
+    # several steps, other rows on the default; the results are held to the same tolerances.
+    shapes = {tops.default_dot8("Q4_K", n) for n in (2048, 4096, tops.DOT8_LONG_ROW)}
+    assert len(shapes) == 3 and tops.default_dot8("Q4_K", 4096).bk == 4096
+    w, ref = random_weight("Q4_K", 9, k, seed=61)
     check_linear(laid_out(w, "Q4_K", "prepared"), ref, 1, torch.float32, seed=62, kernel="dot8")
 
 

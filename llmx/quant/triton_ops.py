@@ -483,17 +483,27 @@ def kernel_for(w: QWeight, m: int, kernel: str | None = None) -> str:
 def default_dot8(name: str, k: int) -> LaunchShape:
     """Integer-dot GEMV launch shape (M = 1) for rows of k weights: BN rows a program, BK weights a
     step (a multiple of the type's block); the best on both Llama-3-8B FFN shapes in an H200 sweep
-    timed on the GPU alone (bench/kernels.py --sweep, bench/RESULTS.md). Q4_K runs 4 rows on 2
-    warps a program, its headers loaded late on short rows (14336 x 4096: 3240-3273 GB/s against
-    2785-2794 for session 12's 2 rows on 1 warp, 2677-2690 with the headers a step ahead) but not
-    on long ones (the FFN's down projection, 4096 x 14336: 3404-3426 against 2655-2666 late), where
-    a program's 7 steps keep enough loads in flight and the late loads would wait on the L1. Q6_K
-    runs 2 rows on one warp, its registers capped at 128 (ptxas takes 123 instead of 126 and
+    timed on the GPU alone (bench/kernels.py --sweep, bench/RESULTS.md).
+
+    Q4_K runs 4 rows a program, its headers loaded late on short rows (a step's headers from the L1
+    lines its codes brought in: half the registers) but not on long ones (the FFN's down
+    projection, 4096 x 14336: 3404-3426 GB/s against 2655-2666 late), where a program's 7 steps keep
+    enough loads in flight and the late loads would wait on the L1. Rows of exactly 4096 weights
+    (Llama-3-8B's q/k/v, gate and up) are one step on 4 warps: a program loads its whole rows at
+    once, where 2 steps on 2 warps (the same registers and instructions a thread) computed the
+    first step before the second's loads were in flight; 14336 x 4096: 3266-3289 GB/s against
+    3017-3036, a decode step's GEMVs 1553 against 1601 us. Other short rows take 2 steps of 2048 on
+    2 warps (3240-3273 GB/s against 2785-2794 for 2 rows on 1 warp, on another machine).
+
+    Q6_K runs 2 rows on one warp, its registers capped at 128 (ptxas takes 123 instead of 126 and
     schedules the loop in 307 instructions instead of 318): 4096 x 14336 3415-3519 GB/s against
     3257-3342, 14336 x 4096 3129-3335 against 3046-3320. 4 rows a program were 3% faster on short
-    rows on one machine and up to 10% slower on another."""
+    rows on one machine and up to 10% slower on another; one step of 4096 on 2-8 warps was slower."""
     if k >= DOT8_LONG_ROW and name in _DOT8_M1_LONG_ROWS:
         return _DOT8_M1_LONG_ROWS[name]
+    one_step = _DOT8_M1_ONE_STEP.get(name)
+    if one_step is not None and k == one_step.bk:
+        return one_step
     return _DOT8_M1.get(name, LaunchShape(4, 1024, 4))
 
 
@@ -502,6 +512,7 @@ _DOT8_M1 = {
     "Q4_K": LaunchShape(4, 2048, 2, late_headers=True),
     "Q6_K": LaunchShape(2, 2048, 1, max_registers=128),
 }
+_DOT8_M1_ONE_STEP = {"Q4_K": LaunchShape(4, 4096, 4, late_headers=True)}  # for rows of exactly bk weights
 DOT8_LONG_ROW = 8192  # weights a row from which `_DOT8_M1_LONG_ROWS` applies
 _DOT8_M1_LONG_ROWS = {"Q4_K": LaunchShape(4, 2048, 2)}
 
