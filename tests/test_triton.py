@@ -222,7 +222,7 @@ def test_dot8_q6_k_extreme_blocks() -> None:
 
 @pytest.mark.parametrize("k", [4096, tops.DOT8_LONG_ROW + 2048])
 def test_dot8_row_length_picks_the_launch_shape(k: int) -> None:
-    # Q4_K rows of exactly 4096 weights (Llama-3-8B's q/k/v, gate and up) run as one step a
+    # Q4_K rows of exactly 4096 weights (Llama-3-8B's attention projections, gate and up) run as one step a
     # program, rows of DOT8_LONG_ROW weights and more (a down projection) on their own shape of
     # several steps, other rows on the default; the results are held to the same tolerances.
     shapes = {tops.default_dot8("Q4_K", n) for n in (2048, 4096, tops.DOT8_LONG_ROW)}
