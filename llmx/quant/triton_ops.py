@@ -489,11 +489,12 @@ def default_dot8(name: str, k: int) -> LaunchShape:
     lines its codes brought in: half the registers) but not on long ones (the FFN's down
     projection, 4096 x 14336: 3404-3426 GB/s against 2655-2666 late), where a program's 7 steps keep
     enough loads in flight and the late loads would wait on the L1. Rows of exactly 4096 weights
-    (Llama-3-8B's attention projections, gate and up) are one step on 4 warps: a program loads its
-    whole rows at once, where 2 steps on 2 warps (the same registers and instructions a thread)
-    computed the first step before the second's loads were in flight; 14336 x 4096: 3266-3289 GB/s
-    against 3017-3036, a decode step's GEMVs 1553 against 1601 us. Other short rows take 2 steps of
-    2048 on 2 warps (3240-3273 GB/s against 2785-2794 for 2 rows on 1 warp, on another machine).
+    (Llama-3-8B's attention projections, gate and up) are one step on 4 warps: each warp computes
+    one slice of the program's rows once, where 2 steps on 2 warps (the same registers and
+    instructions a thread) computed two slices in turn, and all of a program's loads go out before
+    it waits on x's kernel (PDL), not half; 14336 x 4096: 3266-3289 GB/s against 3017-3036, a decode
+    step's GEMVs 1553 against 1601 us. Other short rows take 2 steps of 2048 on 2 warps (3240-3273
+    GB/s against 2785-2794 for 2 rows on 1 warp, on another machine).
 
     Q6_K runs 2 rows on one warp, its registers capped at 128 (ptxas takes 123 instead of 126 and
     schedules the loop in 307 instructions instead of 318): 4096 x 14336 3415-3519 GB/s against
