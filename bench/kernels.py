@@ -25,6 +25,7 @@ Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -192,7 +193,7 @@ def dequant_sweep(types: list[str], ceil: dict[str, float]) -> list[dict]:
             t = bench_ms(partial(tops.dequantize_rows, w, 0, n, torch.bfloat16, cfg))
             row = {"type": name, "n": n, "k": k, "m": 0, "kernel": "dequant", "ms": t, "gbs": moved / t / 1e6}
             rows.append(row | cfg.__dict__ | {"frac": row["gbs"] / ceil["copy_gbs"]})
-            print(f"dequant {name} {n}x{k} {shape_label(cfg)}: {row['gbs']:.0f} GB/s", flush=True)
+            print(f"dequant {name} {n}x{k} {cfg}: {row['gbs']:.0f} GB/s", flush=True)
     return rows
 
 
@@ -227,7 +228,7 @@ def sweep(types: list[str], given: list[tops.LaunchShape]) -> list[dict]:
                 "gbs": w.raw.numel() / t / 1e6,
             }
             rows.append(row | cfg.__dict__)
-            print(f"sweep {name} {n}x{k} {shape_label(cfg)}: {row['gbs']:.0f} GB/s", flush=True)
+            print(f"sweep {name} {n}x{k} {cfg}: {row['gbs']:.0f} GB/s", flush=True)
     return rows
 
 
@@ -246,22 +247,14 @@ def table_row(r: dict) -> str:
 
 
 def parse_shapes(text: str) -> list[tops.LaunchShape]:
-    """Launch shapes from "BN/BK/warps[/late][/rN],...": "/late" for `late_headers`, "/r128" for
-    `max_registers` 128."""
+    """Launch shapes from "BN/BK/warps[/late][/rN],..." (as `str(LaunchShape)` spells them): "/late"
+    for `late_headers`, "/r128" for `max_registers` 128."""
     shapes = []
     for item in filter(None, text.split(",")):
         bn, bk, warps, *extra = item.split("/")
         regs = next((int(e[1:]) for e in extra if e.startswith("r")), None)
         shapes.append(tops.LaunchShape(int(bn), int(bk), int(warps), "late" in extra, regs))
     return shapes
-
-
-def shape_label(cfg: tops.LaunchShape) -> str:
-    """`parse_shapes`' spelling of one launch shape."""
-    late = "/late" if cfg.late_headers else ""
-    return f"{cfg.bn}/{cfg.bk}/{cfg.num_warps}{late}" + (
-        f"/r{cfg.max_registers}" if cfg.max_registers else ""
-    )
 
 
 def sweep_table(rows: list[dict]) -> str:
@@ -274,8 +267,7 @@ def sweep_table(rows: list[dict]) -> str:
         group = list(group)
         best = max(group, key=lambda r: r["gbs"])
         med = statistics.median(r["gbs"] for r in group)
-        keys = ("bn", "bk", "num_warps", "late_headers", "max_registers")
-        cfg = shape_label(tops.LaunchShape(**{k: best[k] for k in keys if k in best}))
+        cfg = tops.LaunchShape(**{f.name: best[f.name] for f in dataclasses.fields(tops.LaunchShape)})
         out.append(
             f"| {key[0]} | {key[1]}x{key[2]} | {key[3]} | {key[4]} | {cfg} | {best['gbs']:.0f} | {med:.0f} |"
         )

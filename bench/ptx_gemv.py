@@ -111,21 +111,15 @@ def main() -> None:
     print("| type | BN/BK/warps | loads a step (16-byte) | shuffles | barriers | registers | SASS a step |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, bn, bk, warps, late, maxnreg in itertools.product(args.types.split(","), *ints):
-        asm = compiled(name, tops.LaunchShape(bn, bk, warps, bool(late), maxnreg or None))
+        cfg = tops.LaunchShape(bn, bk, warps, bool(late), maxnreg or None)
+        asm = compiled(name, cfg)
         body = loop_body(asm["ptx"])
         loads = sum("ld.global" in line for line in body)
         vectors = sum("ld.global" in line and ".v4." in line for line in body)
         shuffles = sum("shfl.sync" in line for line in body)
         barriers = sum("bar.sync" in line for line in body)
         regs, sass = registers(asm["cubin"]), sass_loop(asm["cubin"])
-        cells = (
-            f"{bn}/{bk}/{warps}" + ("/late" if late else "") + (f"/r{maxnreg}" if maxnreg else ""),
-            f"{loads} ({vectors})",
-            shuffles,
-            barriers,
-            regs,
-            sass,
-        )
+        cells = (cfg, f"{loads} ({vectors})", shuffles, barriers, regs, sass)
         print(f"| {name} | " + " | ".join(map(str, cells)) + " |", flush=True)
 
 

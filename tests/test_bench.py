@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.kernels import parse_shapes, shape_label
+from bench.kernels import parse_shapes
 from llmx import cli
 from llmx.bench.floor import Roofline, floor_seconds, mean_depth, plan_token_bytes, roofline, token_bytes
 from llmx.bench.grid import expand, int_list, option_grid
@@ -412,6 +412,6 @@ def test_sweep_bench_table_with_memory_columns(tiny_model, quick_ceilings, capsy
 def test_kernel_sweep_shapes_round_trip() -> None:
     text = "2/2048/1,4/2048/2/late,2/2048/1/r128,4/2048/2/late/r72"
     shapes = parse_shapes(text)
-    assert [shape_label(c) for c in shapes] == text.split(",")
+    assert [str(c) for c in shapes] == text.split(",")
     assert shapes[1].late_headers and not shapes[2].late_headers
     assert [c.max_registers for c in shapes] == [None, None, 128, 72]

@@ -114,6 +114,13 @@ class LaunchShape:
     late_headers: bool = False
     max_registers: int | None = None
 
+    def __str__(self) -> str:
+        """BN/BK/warps, then /late and /rN where set: the benchmarks' name for a shape, which
+        `bench/kernels.py --shapes` reads back."""
+        late = "/late" if self.late_headers else ""
+        regs = f"/r{self.max_registers}" if self.max_registers else ""
+        return f"{self.bn}/{self.bk}/{self.num_warps}{late}{regs}"
+
 
 # The dequantize kernel's launch: 4 rows x 2048 weights a program on 4 warps was the best or within
 # 5% of it for every type swept on an H200 (bench/kernels.py --dequant-sweep; 16 shapes, 10-20% apart).
