@@ -15,10 +15,12 @@ clears the L2 before every call. Either way each call reads its weight from HBM.
 
     python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,16,512] [--kernels dequant,dense]
                             [--sweep Q4_K [--shapes 2/2048/1,4/2048/2/late]] [--dequant-sweep Q4_0]
-                            [--json PATH]
+                            [--sustain SECONDS] [--json PATH]
 
 `--sweep` also times a grid of GEMV launch shapes at M = 1 (how `default_dot8` was chosen),
-`--dequant-sweep` one of the dequantize kernel's (`DEQUANT_SHAPE`).
+`--dequant-sweep` one of the dequantize kernel's (`DEQUANT_SHAPE`). `--sustain S` times the rows
+at M <= 8 after S seconds of back-to-back calls and notes the SM clock and power they left: a
+GEMV that keeps the SMs busy issuing can hold an H200 at its power cap, at lower clocks.
 Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT is set.
 """
 
@@ -30,6 +32,8 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from types import SimpleNamespace
@@ -51,9 +55,12 @@ def bench_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
-def graph_ms(calls: list[Callable[[], object]], rounds: int = 4) -> float:
+def graph_ms(calls: list[Callable[[], object]], rounds: int = 4, sustain_s: float = 0.0) -> float:
     """Median GPU milliseconds of one of `calls`, replayed from a CUDA graph of `rounds` passes
-    over all of them: no launch or Python time, which at M <= 8 would otherwise exceed the kernel's."""
+    over all of them: no launch or Python time, which at M <= 8 would otherwise exceed the kernel's.
+    With `sustain_s`, the graph first replays back to back for that long: a GEMV that keeps the SMs
+    issuing can draw the GPU to its power cap, which lowers its clocks after a fraction of a second
+    (bench/RESULTS.md, session 16), so a short burst and a sustained stream differ."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and tune outside the capture
@@ -66,6 +73,10 @@ def graph_ms(calls: list[Callable[[], object]], rounds: int = 4) -> float:
             for call in calls:
                 call()
     graph.replay()
+    start = time.perf_counter()
+    while time.perf_counter() - start < sustain_s:
+        graph.replay()
+        torch.cuda.synchronize()
     times = []
     for _ in range(10):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -82,6 +93,17 @@ def copies(w: SimpleNamespace) -> list[SimpleNamespace]:
     calls taking them in turn each read their weight from HBM."""
     n = max(1, -(-(128 << 20) // (w.raw.numel() * w.raw.element_size())))
     return [w] + [SimpleNamespace(**(vars(w) | {"raw": w.raw.clone()})) for _ in range(n - 1)]
+
+
+def gpu_state() -> dict[str, float]:
+    """The GPU's SM clock (MHz) and power draw (W) now, from nvidia-smi; empty where it cannot say."""
+    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-i", "0"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+        mhz, watts = (float(v) for v in out.splitlines()[0].split(","))
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return {}
+    return {"sm_mhz": mhz, "watts": watts}
 
 
 def ceilings() -> dict[str, float]:
@@ -104,7 +126,7 @@ def _read_kernel(p, out, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     tl.store(out + tl.program_id(0), tl.sum(acc))
 
 
-def read_row(w: SimpleNamespace, ceil: dict[str, float]) -> dict:
+def read_row(w: SimpleNamespace, ceil: dict[str, float], sustain_s: float = 0.0) -> dict:
     """GB/s of the fastest plain read of w's bytes (a few launch shapes) timed like the GEMVs: the
     ceiling at this size, where a kernel's start and its last wave weigh more than in a 4 GB copy."""
     n, k = w.shape
@@ -117,10 +139,17 @@ def read_row(w: SimpleNamespace, ceil: dict[str, float]) -> dict:
         def read(v: torch.Tensor, out=out, grid=grid, block=block, steps=steps, warps=warps) -> None:
             _read_kernel[grid](v, out, v.numel(), BLOCK=block, STEPS=steps, num_warps=warps)
 
-        best = min(best, graph_ms([partial(read, v) for v in words]))
+        best = min(best, graph_ms([partial(read, v) for v in words], sustain_s=sustain_s))
     gbs = w.raw.numel() * w.raw.element_size() / best / 1e6
     row = {"type": w.qtype.name, "n": n, "k": k, "m": 1, "kernel": "read", "ms": best, "gbs": gbs}
-    return row | {"tflops": 0.0, "frac": gbs / ceil["copy_gbs"], "layout": "prepared"}
+    row |= {"tflops": 0.0, "frac": gbs / ceil["copy_gbs"], "layout": "prepared"}
+    return row | sustained(sustain_s)
+
+
+def sustained(sustain_s: float) -> dict:
+    """What a row measured after `sustain_s` seconds of back-to-back calls adds: those seconds and
+    the clock and power they left the GPU at."""
+    return {"sustain_s": sustain_s} | gpu_state() if sustain_s else {}
 
 
 def make_weight(name: str, n: int, k: int) -> SimpleNamespace:
@@ -131,14 +160,19 @@ def make_weight(name: str, n: int, k: int) -> SimpleNamespace:
     return SimpleNamespace(raw=raw, qtype=qt, shape=(n, k), name=f"{name} {n}x{k}", packed=None)
 
 
-def measure(w: SimpleNamespace, m: int, kernel: str, ceil: dict[str, float], **extra: object) -> dict:
-    """One timed row: kernel `kernel` on weight `w` with M = m bf16 inputs."""
+def measure(
+    w: SimpleNamespace, m: int, kernel: str, ceil: dict[str, float], sustain_s: float = 0.0, **extra: object
+) -> dict:
+    """One timed row: kernel `kernel` on weight `w` with M = m bf16 inputs (at M <= 8 after
+    `sustain_s` seconds of them, see `graph_ms`)."""
     n, k = w.shape
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     # x quantized beforehand, as decode's norm and gate kernels write it (the GEMV's time alone)
     qx = tops.quantize_x(x) if kernel == "dot8" else None
     if m <= tops.GEMV_MAX_M:
-        t = graph_ms([partial(tops.linear, x, c, kernel=kernel, qx=qx) for c in copies(w)])
+        calls = [partial(tops.linear, x, c, kernel=kernel, qx=qx) for c in copies(w)]
+        t = graph_ms(calls, sustain_s=sustain_s)
+        extra |= sustained(sustain_s)
     else:
         t = bench_ms(partial(tops.linear, x, w, kernel=kernel))
     gbs, tflops = w.raw.numel() * w.raw.element_size() / t / 1e6, 2 * m * n * k / t / 1e9
@@ -148,19 +182,24 @@ def measure(w: SimpleNamespace, m: int, kernel: str, ceil: dict[str, float], **e
 
 
 def run(
-    types: list[str], ms: list[int], ceil: dict[str, float], only: set[str] | None = None
+    types: list[str],
+    ms: list[int],
+    ceil: dict[str, float],
+    only: set[str] | None = None,
+    sustain_s: float = 0.0,
 ) -> Iterator[dict]:
     """Timed rows, yielded as they are measured (a long run that is cut short still reports);
-    `only` keeps the kernels named in it (of KERNELS, "read" and "dense")."""
+    `only` keeps the kernels named in it (of KERNELS, "read" and "dense"); rows at M <= 8 are timed
+    after `sustain_s` seconds of back-to-back calls."""
     wanted = (lambda kernel: True) if only is None else only.__contains__
     for name, (n, k) in itertools.product(types, SHAPES):
         raw = make_weight(name, n, k)
         w = tops.prepare(raw)
         layout = "prepared" if w is not raw else "raw"
         if 1 in ms and wanted("read"):
-            yield read_row(w, ceil)
+            yield read_row(w, ceil, sustain_s)
         if 1 in ms and w is not raw and wanted("gemv"):
-            yield measure(raw, 1, "gemv", ceil, layout="raw")
+            yield measure(raw, 1, "gemv", ceil, sustain_s, layout="raw")
         for m in ms:
             # GEMM at M <= 8 only at 2 and 8: each M bucket costs an autotuning pass.
             kernels = (
@@ -169,7 +208,7 @@ def run(
             if tops.kernel_for(w, m, "dot8") == "dot8":  # its time includes quantizing x
                 kernels = ("dot8", *kernels)
             for kern in filter(wanted, kernels):
-                yield measure(w, m, kern, ceil, layout=layout)
+                yield measure(w, m, kern, ceil, sustain_s, layout=layout)
             if m >= 512 and wanted("dense"):
                 dense = SimpleNamespace(raw=torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
                 dense.qtype, dense.shape, dense.name, dense.packed = qtype("BF16"), (n, k), "dense", None
@@ -240,8 +279,11 @@ TABLE_HEAD = (
 
 def table_row(r: dict) -> str:
     ceiling = "copy" if r["m"] <= tops.GEMV_MAX_M else "bf16"
+    state = ""
+    if "sustain_s" in r:  # the clock and power the sustained calls left
+        state = f" ({r['sustain_s']:g} s on: {r.get('sm_mhz', '?')} MHz, {r.get('watts', '?')} W)"
     return (
-        f"| {r['type']} | {r['n']}x{r['k']} | {r['m']} | {r['kernel']} | {r['layout']} | "
+        f"| {r['type']} | {r['n']}x{r['k']} | {r['m']} | {r['kernel']}{state} | {r['layout']} | "
         f"{r['ms'] * 1e3:.1f} | {r['gbs']:.0f} | {r['tflops']:.1f} | {r['frac']:.0%} of {ceiling} |"
     )
 
@@ -289,6 +331,12 @@ def main() -> None:
         "alone)",
     )
     ap.add_argument("--dequant-sweep", default="", help="types whose dequantize launch shapes to sweep")
+    ap.add_argument(
+        "--sustain",
+        type=float,
+        default=0.0,
+        help="seconds of back-to-back calls before timing each M <= 8 row (default 0: a short burst)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     path = args.json or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else None)
@@ -307,7 +355,7 @@ def main() -> None:
     print(TABLE_HEAD, flush=True)
     result["rows"] = []
     only = set(args.kernels.split(",")) if args.kernels else None
-    for row in run(args.types.split(","), [int(m) for m in args.m.split(",")], ceil, only):
+    for row in run(args.types.split(","), [int(m) for m in args.m.split(",")], ceil, only, args.sustain):
         result["rows"].append(row)
         print(table_row(row), flush=True)
         if path:  # rewritten after every row, so a run that is cut short keeps what it measured

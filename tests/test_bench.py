@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.kernels import parse_shapes
+from bench.kernels import gpu_state, parse_shapes, sustained, table_row
 from llmx import cli
 from llmx.bench.floor import Roofline, floor_seconds, mean_depth, plan_token_bytes, roofline, token_bytes
 from llmx.bench.grid import expand, int_list, option_grid
@@ -415,3 +415,15 @@ def test_kernel_sweep_shapes_round_trip() -> None:
     assert [str(c) for c in shapes] == text.split(",")
     assert shapes[1].late_headers and not shapes[2].late_headers
     assert [c.max_registers for c in shapes] == [None, None, 128, 72]
+
+
+def test_kernel_rows_name_how_long_they_were_sustained_and_the_clocks_it_left(monkeypatch) -> None:
+    row = {"type": "Q4_K", "n": 14336, "k": 4096, "m": 1, "kernel": "dot8", "layout": "prepared"}
+    row |= {"ms": 0.0101, "gbs": 3272.0, "tflops": 0.0, "frac": 0.764}
+    assert sustained(0.0) == {} and "s on" not in table_row(row)
+    monkeypatch.setenv("PATH", "")  # no nvidia-smi: the state is unknown, not an error
+    assert gpu_state() == {}
+    line = table_row(row | sustained(1.0))
+    assert "| dot8 (1 s on: ? MHz, ? W) |" in line and "| 76% of copy |" in line
+    line = table_row(row | {"sustain_s": 1.0, "sm_mhz": 1485.0, "watts": 713.9})
+    assert "dot8 (1 s on: 1485.0 MHz, 713.9 W)" in line
