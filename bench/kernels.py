@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmx.bench.blocks import chunk_rng, random_data
 from llmx.quant import qtype
@@ -116,28 +117,39 @@ def ceilings() -> dict[str, float]:
 
 
 @triton.jit
-def _read_kernel(p, out, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-    """Sum STEPS * BLOCK int32 words from program_id * STEPS * BLOCK: a read of the bytes, nothing else."""
+def _read_kernel(p, out, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr):
+    """Sum STEPS * BLOCK int32 words from program_id * STEPS * BLOCK: a read of the bytes, nothing
+    else. PDL: as the GEMVs do (`dot8.gemv8_kernel`), let the next launch start at once and issue
+    every load before waiting for the previous one, so that back-to-back reads overlap like them."""
+    if PDL:
+        gdc_launch_dependents()
     base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
     acc = tl.zeros([BLOCK], tl.int32)
-    for s in range(STEPS):
+    for s in tl.static_range(STEPS):
         off = base + s * BLOCK + tl.arange(0, BLOCK)
         acc += tl.load(p + off, mask=off < n_words, other=0)
+    if PDL:
+        gdc_wait()
     tl.store(out + tl.program_id(0), tl.sum(acc))
 
 
 def read_row(w: SimpleNamespace, ceil: dict[str, float], sustain_s: float = 0.0) -> dict:
-    """GB/s of the fastest plain read of w's bytes (a few launch shapes) timed like the GEMVs: the
-    ceiling at this size, where a kernel's start and its last wave weigh more than in a 4 GB copy."""
+    """GB/s of the fastest plain read of w's bytes (a few launch shapes) timed like the GEMVs, and
+    overlapping its neighbours as they do (PDL, where the GPU has it): the ceiling at this size for
+    a kernel that reads and barely computes. Without PDL a read of the 33 MB FFN matrices reached
+    79-83% of the copy, with it 94-102% (bench/RESULTS.md, session 16)."""
     n, k = w.shape
     words = [c.raw.view(-1).view(torch.int32) for c in copies(w)]
+    pdl = tops.programmatic_launch(w.raw.device)
     best = float("inf")
     for block, steps, warps in ((1024, 4, 4), (2048, 4, 8), (4096, 2, 8), (2048, 8, 4)):
         grid = (-(-words[0].numel() // (block * steps)),)
         out = torch.empty(grid[0], dtype=torch.int32, device="cuda")
 
         def read(v: torch.Tensor, out=out, grid=grid, block=block, steps=steps, warps=warps) -> None:
-            _read_kernel[grid](v, out, v.numel(), BLOCK=block, STEPS=steps, num_warps=warps)
+            _read_kernel[grid](
+                v, out, v.numel(), BLOCK=block, STEPS=steps, PDL=pdl, num_warps=warps, launch_pdl=pdl
+            )
 
         best = min(best, graph_ms([partial(read, v) for v in words], sustain_s=sustain_s))
     gbs = w.raw.numel() * w.raw.element_size() / best / 1e6
