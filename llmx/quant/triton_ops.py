@@ -506,7 +506,12 @@ def default_dot8(name: str, k: int) -> LaunchShape:
     Q6_K runs 2 rows on one warp, its registers capped at 128 (ptxas takes 123 instead of 126 and
     schedules the loop in 307 instructions instead of 318): 4096 x 14336 3415-3519 GB/s against
     3257-3342, 14336 x 4096 3129-3335 against 3046-3320. 4 rows a program were 3% faster on short
-    rows on one machine and up to 10% slower on another; one step of 4096 on 2-8 warps was slower."""
+    rows on one machine and up to 10% slower on another; one step of 4096 on 2-8 warps was slower.
+
+    Q8_0 runs 2 rows a program: rows of 4096 weights as one step on 2 warps, long rows in steps of
+    2048 on one warp capped at 128 registers, other rows 2 steps of 2048 on 2 warps. Trees
+    alternating on one machine: 14336 x 4096 3908-3946 GB/s against 3823-3836, 4096 x 14336
+    3915-3964 against 3608-3637 (91-93% of the copy against 84-85%)."""
     if k >= DOT8_LONG_ROW and name in _DOT8_M1_LONG_ROWS:
         return _DOT8_M1_LONG_ROWS[name]
     one_step = _DOT8_M1_ONE_STEP.get(name)
@@ -520,9 +525,12 @@ _DOT8_M1 = {
     "Q4_K": LaunchShape(4, 2048, 2, late_headers=True),
     "Q6_K": LaunchShape(2, 2048, 1, max_registers=128),
 }
-_DOT8_M1_ONE_STEP = {"Q4_K": LaunchShape(4, 4096, 4, late_headers=True)}  # for rows of exactly bk weights
+_DOT8_M1_ONE_STEP = {  # for rows of exactly bk weights
+    "Q4_K": LaunchShape(4, 4096, 4, late_headers=True),
+    "Q8_0": LaunchShape(2, 4096, 2),
+}
 DOT8_LONG_ROW = 8192  # weights a row from which `_DOT8_M1_LONG_ROWS` applies
-_DOT8_M1_LONG_ROWS = {"Q4_K": LaunchShape(4, 2048, 2)}
+_DOT8_M1_LONG_ROWS = {"Q4_K": LaunchShape(4, 2048, 2), "Q8_0": LaunchShape(2, 2048, 1, max_registers=128)}
 
 
 def _dot8_reads(w: QWeight, m: int) -> bool:
