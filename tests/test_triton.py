@@ -220,15 +220,16 @@ def test_dot8_q6_k_extreme_blocks() -> None:
     assert rel_err(out, quantized_x_ref(x.numpy()) @ ref.T) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
 @pytest.mark.parametrize("k", [4096, tops.DOT8_LONG_ROW + 2048])
-def test_dot8_row_length_picks_the_launch_shape(k: int) -> None:
-    # Q4_K rows of exactly 4096 weights (Llama-3-8B's attention projections, gate and up) run as one step a
-    # program, rows of DOT8_LONG_ROW weights and more (a down projection) on their own shape of
-    # several steps, other rows on the default; the results are held to the same tolerances.
-    shapes = {tops.default_dot8("Q4_K", n) for n in (2048, 4096, tops.DOT8_LONG_ROW)}
-    assert len(shapes) == 3 and tops.default_dot8("Q4_K", 4096).bk == 4096
-    w, ref = random_weight("Q4_K", 9, k, seed=61)
-    check_linear(laid_out(w, "Q4_K", "prepared"), ref, 1, torch.float32, seed=62, kernel="dot8")
+def test_dot8_row_length_picks_the_launch_shape(name: str, k: int) -> None:
+    # Q4_K and Q8_0 rows of exactly 4096 weights (Llama-3-8B's attention projections, gate and up) run
+    # as one step a program, rows of DOT8_LONG_ROW weights and more (a down projection) on their own
+    # shape of several steps, other rows on the default; the results are held to the same tolerances.
+    shapes = {tops.default_dot8(name, n) for n in (2048, 4096, tops.DOT8_LONG_ROW)}
+    assert len(shapes) == 3 and tops.default_dot8(name, 4096).bk == 4096
+    w, ref = random_weight(name, 9, k, seed=61)
+    check_linear(laid_out(w, name, "prepared"), ref, 1, torch.float32, seed=62, kernel="dot8")
 
 
 @pytest.mark.parametrize("kernel", ["dot8", "gemv"])
@@ -418,7 +419,9 @@ def test_gpu_linear_large(name: str, m: int, dtype: torch.dtype, layout: str) ->
     check_linear(laid_out(w, name, layout), ref, m, dtype, seed=m)
 
 
-@pytest.mark.parametrize(("name", "k"), [("Q4_K", 4096), ("Q4_K", 14336), ("Q6_K", 4096), ("Q8_0", 4096)])
+@pytest.mark.parametrize(
+    ("name", "k"), [("Q4_K", 4096), ("Q4_K", 14336), ("Q6_K", 4096), ("Q8_0", 4096), ("Q8_0", 14336)]
+)
 def test_dot8_loop_moves_no_data_between_threads(name: str, k: int) -> None:
     # With [rows, blocks, quads, 4] tensors Triton 3.6 laid the rows out across threads and its loop
     # moved x and the partial sums between them with ~30 shuffles a step (bench/RESULTS.md, session
