@@ -1,8 +1,8 @@
 """Decode GEMV speed by matrix size: what a launch's start and end cost at a few tens of MB.
 
-`bench/kernels.py` times the issue's two FFN shapes alone, 33-48 MB a launch, where even a plain
-read of the bytes reaches only 79-86% of a 4 GB copy. This times the integer-dot GEMV (its default
-launch shape) and a plain read of the same bytes on matrices of K = 4096 whose row counts give a
+`bench/kernels.py` times the issue's two FFN shapes alone, 33-62 MB a launch, where the GEMVs reach
+76-93% of a 4 GB copy and a read of the same bytes that overlaps its neighbours as they do (PDL)
+100-104%. This times the integer-dot GEMV (its default launch shape) and that read on matrices of K = 4096 whose row counts give a
 chosen number of waves of programs, from about one to seven (the slots: SMs times the programs an
 SM holds at the kernel's registers, measured here), then a decode step's largest launches: gate
 and up in one launch (`triton_ops.linear_many`, 2 x 14336 x 4096) and the output matrix (128256 x
