@@ -136,8 +136,8 @@ def _read_kernel(p, out, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr, PDL:
 def read_row(w: SimpleNamespace, ceil: dict[str, float], sustain_s: float = 0.0) -> dict:
     """GB/s of the fastest plain read of w's bytes (a few launch shapes) timed like the GEMVs, and
     overlapping its neighbours as they do (PDL, where the GPU has it): the ceiling at this size for
-    a kernel that reads and barely computes. Without PDL a read of the 33 MB FFN matrices reached
-    79-83% of the copy, with it 94-102% (bench/RESULTS.md, session 16)."""
+    a kernel that reads and barely computes. Without PDL a read of the 33-62 MB FFN matrices
+    reached 79-91% of the copy, with it 100-104% (bench/RESULTS.md, session 16)."""
     n, k = w.shape
     words = [c.raw.view(-1).view(torch.int32) for c in copies(w)]
     pdl = tops.programmatic_launch(w.raw.device)
