@@ -32,7 +32,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -45,6 +44,7 @@ import triton.testing
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmx.bench.blocks import chunk_rng, random_data
+from llmx.bench.results import tool_output
 from llmx.quant import qtype
 from llmx.quant import triton_ops as tops
 
@@ -99,10 +99,10 @@ def copies(w: SimpleNamespace) -> list[SimpleNamespace]:
 def gpu_state() -> dict[str, float]:
     """The GPU's SM clock (MHz) and power draw (W) now, from nvidia-smi; empty where it cannot say."""
     query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-i", "0"]
+    out = tool_output(query)
     try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
-        mhz, watts = (float(v) for v in out.splitlines()[0].split(","))
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        mhz, watts = (float(v) for v in (out or "").splitlines()[0].split(","))
+    except (ValueError, IndexError):
         return {}
     return {"sm_mhz": mhz, "watts": watts}
 

@@ -26,7 +26,7 @@ from llmx.errors import LlmxError
 from llmx.gguf import ModelFile
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
+def tool_output(cmd: list[str], cwd: Path | None = None) -> str | None:
     """stdout of a helper program, or None when it is missing or fails (results stay writable)."""
     try:
         done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10, check=True)
@@ -38,10 +38,10 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 def git_commit() -> str | None:
     """The commit llmx runs from, with '+dirty' when tracked files changed; None outside a checkout."""
     src = Path(__file__).resolve().parent
-    commit = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=src)
+    commit = tool_output(["git", "rev-parse", "--short=12", "HEAD"], cwd=src)
     if commit is None:
         return None
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src)
+    dirty = tool_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src)
     return commit + ("+dirty" if dirty else "")
 
 
@@ -64,7 +64,8 @@ def environment() -> dict[str, Any]:
         gpus.append(
             {"index": i, "name": props.name, "memory_bytes": props.total_memory, "uuid": str(props.uuid)}
         )
-    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if gpus else None
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    driver = tool_output(query) if gpus else None
     return {
         "llmx_version": _version("llmx"),
         "llmx_commit": git_commit(),
