@@ -86,12 +86,13 @@ def sass_loop(cubin: bytes) -> int:
 
 
 def loop_body(code: str) -> list[str]:
-    """The lines of the innermost loop (LLVM marks its header), up to its backward branch."""
+    """The lines of the innermost loop (LLVM marks its header), up to its backward branch (conditional,
+    or `bra.uni` where LLVM rotated the loop)."""
     lines = code.splitlines()
     head = next(i for i, line in enumerate(lines) if "Inner Loop Header" in line)
     labels = (re.match(r"(\$L__BB\d+_\d+):", line) for line in lines[head - 1 : head + 1])
     label = next(m.group(1) for m in labels if m)
-    end = max(i for i, line in enumerate(lines) if re.search(rf"bra\s+{re.escape(label)};", line))
+    end = max(i for i, line in enumerate(lines) if re.search(rf"bra(\.uni)?\s+{re.escape(label)};", line))
     return lines[head - 1 : end + 1]
 
 
