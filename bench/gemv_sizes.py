@@ -1,7 +1,7 @@
 """Decode GEMV speed by matrix size: what a launch's start and end cost at a few tens of MB.
 
 `bench/kernels.py` times the issue's two FFN shapes alone, 33-62 MB a launch, where the GEMVs reach
-71-94% of a 4 GB copy and a read of the same bytes that overlaps its neighbours as they do (PDL)
+68-94% of a 4 GB copy and a read of the same bytes that overlaps its neighbours as they do (PDL)
 100-104%. This times the integer-dot GEMV (its default launch shape) and that read on matrices of
 K = 4096 whose row counts give a chosen number of waves of programs, from about one to seven (the
 slots: SMs times the programs an SM holds at the kernel's registers, measured here), then a
