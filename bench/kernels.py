@@ -56,37 +56,56 @@ def bench_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
+SPIN_CYCLES = 600_000  # ~0.3 ms at an H200's clock: longer than the CPU takes to queue a replay
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, times: int = 10) -> float:
+    """Median GPU milliseconds of a replay of `graph`. Each waits behind a spin kernel, so that the
+    CPU has queued it before the GPU reaches the start event: otherwise the time of the CPU's
+    submission, during which the GPU idles, is counted too."""
+    out = []
+    for _ in range(times):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return statistics.median(out)
+
+
 def graph_ms(calls: list[Callable[[], object]], rounds: int = 4, sustain_s: float = 0.0) -> float:
-    """Median GPU milliseconds of one of `calls`, replayed from a CUDA graph of `rounds` passes
-    over all of them: no launch or Python time, which at M <= 8 would otherwise exceed the kernel's.
-    With `sustain_s`, the graph first replays back to back for that long: a GEMV that keeps the SMs
-    issuing can draw the GPU to its power cap, which lowers its clocks after a fraction of a second
-    (bench/RESULTS.md, session 16), so a short burst and a sustained stream differ."""
+    """GPU milliseconds one of `calls` adds to a stream of them, from CUDA graphs of `rounds` and of
+    4 x `rounds` passes over all of them: no launch or Python time, which at M <= 8 would otherwise
+    exceed the kernel's. The difference of the two graphs' median replays, over the calls between
+    them, leaves out what a replay costs once: the GPU starting it, its first call with no kernel
+    before it to overlap (the GEMVs load their weights while their predecessor ends), its last
+    call's drain. That was 3-9 µs a replay on an H200, which divided among 16 GEMVs read 2-5% slow
+    (bench/RESULTS.md, session 23). With `sustain_s`, the long graph first replays back to back for
+    that long: a GEMV that keeps the SMs issuing can draw the GPU to its power cap, which lowers its
+    clocks after a fraction of a second (session 16), so a short burst and a sustained stream differ."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and tune outside the capture
         for call in calls:
             call()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for call in calls:
-                call()
-    graph.replay()
+    graphs = []
+    for passes in (rounds, 4 * rounds):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(passes):
+                for call in calls:
+                    call()
+        graph.replay()
+        graphs.append(graph)
+    short, long = graphs
     start = time.perf_counter()
     while time.perf_counter() - start < sustain_s:
-        graph.replay()
+        long.replay()
         torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / (rounds * len(calls))
+    return (replay_ms(long) - replay_ms(short)) / (3 * rounds * len(calls))
 
 
 def copies(w: SimpleNamespace) -> list[SimpleNamespace]:
