@@ -320,13 +320,14 @@ def table_row(r: dict) -> str:
 
 
 def parse_shapes(text: str) -> list[tops.LaunchShape]:
-    """Launch shapes from "BN/BK/warps[/late][/rN],..." (as `str(LaunchShape)` spells them): "/late"
-    for `late_headers`, "/r128" for `max_registers` 128."""
+    """Launch shapes from "BN/BK/warps[/late][/rN][/sN],..." (as `str(LaunchShape)` spells them):
+    "/late" for `late_headers`, "/r128" for `max_registers` 128, "/s4" for `stagger` 4."""
     shapes = []
     for item in filter(None, text.split(",")):
         bn, bk, warps, *extra = item.split("/")
         regs = next((int(e[1:]) for e in extra if e.startswith("r")), None)
-        shapes.append(tops.LaunchShape(int(bn), int(bk), int(warps), "late" in extra, regs))
+        stagger = next((int(e[1:]) for e in extra if e.startswith("s")), 1)
+        shapes.append(tops.LaunchShape(int(bn), int(bk), int(warps), "late" in extra, regs, stagger))
     return shapes
 
 

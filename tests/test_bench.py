@@ -410,11 +410,12 @@ def test_sweep_bench_table_with_memory_columns(tiny_model, quick_ceilings, capsy
 
 
 def test_kernel_sweep_shapes_round_trip() -> None:
-    text = "2/2048/1,4/2048/2/late,2/2048/1/r128,4/2048/2/late/r72"
+    text = "2/2048/1,4/2048/2/late,2/2048/1/r128,4/2048/2/late/r72,2/2048/1/r128/s4"
     shapes = parse_shapes(text)
     assert [str(c) for c in shapes] == text.split(",")
     assert shapes[1].late_headers and not shapes[2].late_headers
-    assert [c.max_registers for c in shapes] == [None, None, 128, 72]
+    assert [c.max_registers for c in shapes] == [None, None, 128, 72, 128]
+    assert [c.stagger for c in shapes] == [1, 1, 1, 1, 4]
 
 
 def test_kernel_rows_name_how_long_they_were_sustained_and_the_clocks_it_left(monkeypatch) -> None:

@@ -189,6 +189,7 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
         (2, 2048, 1, True),
         (4, 2048, 2, True),
         (2, 2048, 1, False, 128),
+        (2, 2048, 1, False, 128, 4),
         (4, 4096, 4, True),
     ],
     ids=str,

@@ -106,20 +106,26 @@ class LaunchShape:
     GEMVs) or a program (dequantize), and its warps. `late_headers` (the integer-dot GEMV, Q4_K):
     a step's block headers are loaded as it is computed, from the L1 lines its codes brought in,
     not a step ahead with the codes: half the registers a thread, so twice the warps an SM.
-    `max_registers` caps a thread's registers (ptxas' maxnreg; None: its own choice)."""
+    `max_registers` caps a thread's registers (ptxas' maxnreg; None: its own choice). `stagger`
+    (the integer-dot GEMV, launched as a programmatic dependent): one program in `stagger` waits for
+    the kernel before it and only then loads its weights, where the others load theirs first; when
+    the wait ends, those programs' loads keep the memory busy while the rest compute what they
+    loaded ahead (1: none waits first)."""
 
     bn: int
     bk: int
     num_warps: int
     late_headers: bool = False
     max_registers: int | None = None
+    stagger: int = 1
 
     def __str__(self) -> str:
-        """BN/BK/warps, then /late and /rN where set: the benchmarks' name for a shape, which
+        """BN/BK/warps, then /late, /rN and /sN where set: the benchmarks' name for a shape, which
         `bench/kernels.py --shapes` reads back."""
         late = "/late" if self.late_headers else ""
         regs = f"/r{self.max_registers}" if self.max_registers else ""
-        return f"{self.bn}/{self.bk}/{self.num_warps}{late}{regs}"
+        stagger = f"/s{self.stagger}" if self.stagger > 1 else ""
+        return f"{self.bn}/{self.bk}/{self.num_warps}{late}{regs}{stagger}"
 
 
 # The dequantize kernel's launch: 4 rows x 2048 weights a program on 4 warps was the best or within
@@ -257,7 +263,8 @@ def _gemv8(
         k, raws[0].stride(0) // (4 * row_words),
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
         ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
-        RES=residual is not None, LATE=cfg.late_headers, num_warps=cfg.num_warps, launch_pdl=pdl,
+        RES=residual is not None, LATE=cfg.late_headers, STAGGER=cfg.stagger, num_warps=cfg.num_warps,
+        launch_pdl=pdl,
         maxnreg=cfg.max_registers,
     )  # fmt: skip
 
@@ -507,6 +514,9 @@ def default_dot8(name: str, k: int) -> LaunchShape:
     schedules the loop in 307 instructions instead of 318): 4096 x 14336 3415-3519 GB/s against
     3257-3342, 14336 x 4096 3129-3335 against 3046-3320. 4 rows a program were 3% faster on short
     rows on one machine and up to 10% slower on another; one step of 4096 on 2-8 warps was slower.
+    One program in 4 waits for the kernel before it ahead of its loads (`LaunchShape.stagger`):
+    14336 x 4096 3437-3462 GB/s against 3390-3406, 4096 x 14336 3672-3686 against 3645-3660 (one
+    in 2 or 3 lost on the long rows; Q4_K's one-step rows lost 2-4% at every stagger tried).
 
     Q8_0 runs 2 rows a program: rows of 4096 weights as one step on 2 warps, long rows in steps of
     2048 on one warp capped at 128 registers, other rows 2 steps of 2048 on 2 warps. Trees
@@ -523,7 +533,7 @@ def default_dot8(name: str, k: int) -> LaunchShape:
 _DOT8_M1 = {
     "Q8_0": LaunchShape(2, 2048, 2),
     "Q4_K": LaunchShape(4, 2048, 2, late_headers=True),
-    "Q6_K": LaunchShape(2, 2048, 1, max_registers=128),
+    "Q6_K": LaunchShape(2, 2048, 1, max_registers=128, stagger=4),
 }
 _DOT8_M1_ONE_STEP = {  # for rows of exactly bk weights
     "Q4_K": LaunchShape(4, 4096, 4, late_headers=True),

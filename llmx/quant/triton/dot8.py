@@ -292,7 +292,7 @@ def gemv8_kernel(
     xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, r_ptr, K, row_units,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
     NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, ROW_WORDS: tl.constexpr, PDL: tl.constexpr,
-    RES: tl.constexpr, LATE: tl.constexpr,
+    RES: tl.constexpr, LATE: tl.constexpr, STAGGER: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
     for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
@@ -322,7 +322,9 @@ def gemv8_kernel(
     its codes. Each header shares a 32-byte sector with its block's first codes, which are in the
     L1 by then, so the load waits on the L1 only; a thread holds half the registers (Q4_K 4/2048/2:
     63 against 121), so an SM holds twice the warps, which short rows (a few steps a program) need
-    to keep enough loads in flight.
+    to keep enough loads in flight. STAGGER (with PDL): programs whose id is a multiple of it wait
+    before loading their first step, so that some loads go out as the wait ends, while the programs
+    that loaded ahead compute (Q6_K's short rows +1.5%, bench/RESULTS.md, session 23).
     """
     if PDL:
         gdc_launch_dependents()
@@ -341,9 +343,14 @@ def gemv8_kernel(
     n_units = K // UNIT
     last = (n_units - 1) // BU * BU  # the last step's first block
     acc = tl.zeros([BN, BU * QUADS], tl.float32)
+    waits_first = False
+    if PDL and STAGGER > 1:
+        waits_first = pid % STAGGER == 0
+        if waits_first:
+            gdc_wait()
     if QT == "Q8_0":
         codes = _q8_0_load(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if PDL:
+        if PDL and not waits_first:
             gdc_wait()
         for u0 in range(0, last, BU):
             codes_next = _q8_0_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
@@ -354,7 +361,7 @@ def gemv8_kernel(
         codes = _q4_k_codes(w_ptr, row_w, 0, n_units, BU, EVEN)
         if not LATE:
             hdr = _q4_k_headers(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if PDL:
+        if PDL and not waits_first:
             gdc_wait()
         for u0 in range(0, last, BU):
             codes_next = _q4_k_codes(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
@@ -372,7 +379,7 @@ def gemv8_kernel(
     else:
         tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
         ql_a, ql_b, qh, scales = _q6_k_load(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if PDL:
+        if PDL and not waits_first:
             gdc_wait()
         for u0 in range(0, last, BU):
             na, nb, nh, ns = _q6_k_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
