@@ -343,14 +343,12 @@ def gemv8_kernel(
     n_units = K // UNIT
     last = (n_units - 1) // BU * BU  # the last step's first block
     acc = tl.zeros([BN, BU * QUADS], tl.float32)
-    waits_first = False
-    if PDL and STAGGER > 1:
-        waits_first = pid % STAGGER == 0
-        if waits_first:
-            gdc_wait()
+    if PDL and STAGGER > 1:  # noqa: SIM102 (at compile time: no test at all in the other kernels)
+        if pid % STAGGER == 0:
+            gdc_wait()  # the wait after the loads below then returns at once
     if QT == "Q8_0":
         codes = _q8_0_load(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if PDL and not waits_first:
+        if PDL:
             gdc_wait()
         for u0 in range(0, last, BU):
             codes_next = _q8_0_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
@@ -361,7 +359,7 @@ def gemv8_kernel(
         codes = _q4_k_codes(w_ptr, row_w, 0, n_units, BU, EVEN)
         if not LATE:
             hdr = _q4_k_headers(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if PDL and not waits_first:
+        if PDL:
             gdc_wait()
         for u0 in range(0, last, BU):
             codes_next = _q4_k_codes(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
@@ -379,7 +377,7 @@ def gemv8_kernel(
     else:
         tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
         ql_a, ql_b, qh, scales = _q6_k_load(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if PDL and not waits_first:
+        if PDL:
             gdc_wait()
         for u0 in range(0, last, BU):
             na, nb, nh, ns = _q6_k_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
