@@ -1,13 +1,13 @@
 """Decode GEMV speed by matrix size: what a launch's start and end cost at a few tens of MB.
 
 `bench/kernels.py` times the issue's two FFN shapes alone, 33-62 MB a launch, where the GEMVs reach
-68-94% of a 4 GB copy and a read of the same bytes that overlaps its neighbours as they do (PDL)
-100-104%. This times the integer-dot GEMV (its default launch shape) and that read on matrices of
-K = 4096 whose row counts give a chosen number of waves of programs, from about one to seven (the
-slots: SMs times the programs an SM holds at the kernel's registers, measured here), then a
-decode step's largest launches: gate and up in one launch (`triton_ops.linear_many`, 2 x 14336 x
-4096) and the output matrix (128256 x 4096). GB/s of weight bytes, as fractions of the copy and
-of the read; CUDA graph replay as in `bench/kernels.py`.
+78-98% of a 4 GB copy and a read of the same bytes that overlaps its neighbours as they do (PDL)
+107-111% (bench/RESULTS.md, session 23). This times the integer-dot GEMV (its default launch
+shape) and that read on matrices of K = 4096 whose row counts give a chosen number of waves of
+programs, from about one to seven (the slots: SMs times the programs an SM holds at the kernel's
+registers, measured here), then a decode step's largest launches: gate and up in one launch
+(`triton_ops.linear_many`, 2 x 14336 x 4096) and the output matrix (128256 x 4096). GB/s of weight
+bytes, as fractions of the copy and of the read; CUDA graph replay as in `bench/kernels.py`.
 
     PYTHONPATH=. python bench/gemv_sizes.py [--types Q4_K,Q6_K,Q8_0] [--waves 1,1.5,2,3,4,7]
 """

@@ -9,9 +9,10 @@ shape is timed too, and at M = 1 the GEMV on raw (not prepared) rows and a plain
 bytes ("read": what any kernel reading them at this size can reach). The integer-dot GEMV ("dot8")
 takes x already quantized, as decode's norm and gate kernels write it. The ceilings are measured in
 the same run: a copy of a 4 GB buffer (bytes read + written) and an 8192^3 bf16 matmul.
-At M <= 8 calls are timed on the GPU alone, replayed from a CUDA graph (as decode runs them), over
-copies of the weight that together exceed the L2; larger M use triton.testing.do_bench, which
-clears the L2 before every call. Either way each call reads its weight from HBM.
+At M <= 8 calls are timed on the GPU alone, replayed from CUDA graphs (as decode runs them) as what
+one call adds to a stream of them (`graph_ms`), over copies of the weight that together exceed the
+L2; larger M use triton.testing.do_bench, which clears the L2 before every call. Either way each
+call reads its weight from HBM.
 
     python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,16,512] [--kernels dequant,dense]
                             [--sweep Q4_K [--shapes 2/2048/1,4/2048/2/late]] [--dequant-sweep Q4_0]
@@ -81,7 +82,7 @@ def graph_ms(calls: list[Callable[[], object]], rounds: int = 4, sustain_s: floa
     exceed the kernel's. The difference of the two graphs' median replays, over the calls between
     them, leaves out what a replay costs once: the GPU starting it, its first call with no kernel
     before it to overlap (the GEMVs load their weights while their predecessor ends), its last
-    call's drain. That was 3-9 µs a replay on an H200, which divided among 16 GEMVs read 2-5% slow
+    call's drain. That was 3-9 µs a replay on an H200, which divided among 16 GEMVs read 2-6% slow
     (bench/RESULTS.md, session 23). With `sustain_s`, the long graph first replays back to back for
     that long: a GEMV that keeps the SMs issuing can draw the GPU to its power cap, which lowers its
     clocks after a fraction of a second (session 16), so a short burst and a sustained stream differ."""

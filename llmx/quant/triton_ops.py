@@ -514,9 +514,10 @@ def default_dot8(name: str, k: int) -> LaunchShape:
     schedules the loop in 307 instructions instead of 318): 4096 x 14336 3415-3519 GB/s against
     3257-3342, 14336 x 4096 3129-3335 against 3046-3320. 4 rows a program were 3% faster on short
     rows on one machine and up to 10% slower on another; one step of 4096 on 2-8 warps was slower.
-    One program in 4 waits for the kernel before it ahead of its loads (`LaunchShape.stagger`):
-    14336 x 4096 3437-3462 GB/s against 3390-3406, 4096 x 14336 3672-3686 against 3645-3660 (one
-    in 2 or 3 lost on the long rows; Q4_K's one-step rows lost 2-4% at every stagger tried).
+    One program in 4 waits for the kernel before it ahead of its loads (`LaunchShape.stagger`; one
+    process timing both): 14336 x 4096 3488-3494 GB/s against 3445, 4096 x 14336 3755-3756 against
+    3688-3703 (one in 2 or 3 lost on the long rows; Q4_K's one-step rows lost 2-4% at every stagger
+    tried).
 
     Q8_0 runs 2 rows a program: rows of 4096 weights as one step on 2 warps, long rows in steps of
     2048 on one warp capped at 128 registers, other rows 2 steps of 2048 on 2 warps. Trees
