@@ -264,8 +264,7 @@ def _gemv8(
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
         ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
         RES=residual is not None, LATE=cfg.late_headers, STAGGER=cfg.stagger, num_warps=cfg.num_warps,
-        launch_pdl=pdl,
-        maxnreg=cfg.max_registers,
+        launch_pdl=pdl, maxnreg=cfg.max_registers,
     )  # fmt: skip
 
 

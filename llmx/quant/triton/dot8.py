@@ -343,7 +343,7 @@ def gemv8_kernel(
     n_units = K // UNIT
     last = (n_units - 1) // BU * BU  # the last step's first block
     acc = tl.zeros([BN, BU * QUADS], tl.float32)
-    if PDL and STAGGER > 1:  # noqa: SIM102 (at compile time: no test at all in the other kernels)
+    if PDL and STAGGER > 1:  # noqa: SIM102 (decided at compile time: unstaggered kernels carry no test)
         if pid % STAGGER == 0:
             gdc_wait()  # the wait after the loads below then returns at once
     if QT == "Q8_0":
