@@ -76,16 +76,24 @@ def replay_ms(graph: torch.cuda.CUDAGraph, times: int = 10) -> float:
     return statistics.median(out)
 
 
-def graph_ms(calls: list[Callable[[], object]], rounds: int = 4, sustain_s: float = 0.0) -> float:
-    """GPU milliseconds one of `calls` adds to a stream of them, from CUDA graphs of `rounds` and of
-    4 x `rounds` passes over all of them: no launch or Python time, which at M <= 8 would otherwise
-    exceed the kernel's. The difference of the two graphs' median replays, over the calls between
-    them, leaves out what a replay costs once: the GPU starting it, its first call with no kernel
-    before it to overlap (the GEMVs load their weights while their predecessor ends), its last
-    call's drain. That was 3-9 µs a replay on an H200, which divided among 16 GEMVs read 2-6% slow
-    (bench/RESULTS.md, session 23). With `sustain_s`, the long graph first replays back to back for
-    that long: a GEMV that keeps the SMs issuing can draw the GPU to its power cap, which lowers its
-    clocks after a fraction of a second (session 16), so a short burst and a sustained stream differ."""
+@dataclasses.dataclass
+class StreamGraphs:
+    """CUDA graphs of `rounds` and of 4 x `rounds` passes over a list of calls (`stream_graphs`)."""
+
+    short: torch.cuda.CUDAGraph
+    long: torch.cuda.CUDAGraph
+    calls_between: int  # the calls the long graph makes beyond the short one's
+    calls: list[Callable[[], object]]  # held: the graphs read their tensors, which a graph does not keep
+
+    def call_ms(self) -> float:
+        """GPU milliseconds one call adds to a stream of them: the difference of the two graphs'
+        median replays over the calls between them (see `graph_ms`)."""
+        return (replay_ms(self.long) - replay_ms(self.short)) / self.calls_between
+
+
+def stream_graphs(calls: list[Callable[[], object]], rounds: int = 4) -> StreamGraphs:
+    """The calls run once outside any capture (compiling and tuning them), then captured as
+    `StreamGraphs` and each graph replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and tune outside the capture
@@ -101,12 +109,29 @@ def graph_ms(calls: list[Callable[[], object]], rounds: int = 4, sustain_s: floa
                     call()
         graph.replay()
         graphs.append(graph)
-    short, long = graphs
+    return StreamGraphs(*graphs, calls_between=3 * rounds * len(calls), calls=calls)
+
+
+def graph_ms(calls: list[Callable[[], object]], rounds: int = 4, sustain_s: float = 0.0) -> float:
+    """GPU milliseconds one of `calls` adds to a stream of them, from CUDA graphs of `rounds` and of
+    4 x `rounds` passes over all of them: no launch or Python time, which at M <= 8 would otherwise
+    exceed the kernel's. The difference of the two graphs' median replays, over the calls between
+    them, leaves out what a replay costs once: the GPU starting it, its first call with no kernel
+    before it to overlap (the GEMVs load their weights while their predecessor ends), its last
+    call's drain. That was 3-9 µs a replay on an H200, which divided among 16 GEMVs read 2-6% slow
+    (bench/RESULTS.md, session 23). With `sustain_s`, the long graph first replays back to back for
+    that long: a GEMV that keeps the SMs issuing can draw the GPU to its power cap, which lowers its
+    clocks after a fraction of a second (session 16), so a short burst and a sustained stream differ.
+
+    A process's first three CUDA graphs replay GEMVs 1-2% faster than any after the fourth capture
+    (session 24, `bench/graph_state.py`), so the first timing of a process, the only one with its
+    graphs among the first three, reads high: compare timings from the second on."""
+    graphs = stream_graphs(calls, rounds)
     start = time.perf_counter()
     while time.perf_counter() - start < sustain_s:
-        long.replay()
+        graphs.long.replay()
         torch.cuda.synchronize()
-    return (replay_ms(long) - replay_ms(short)) / (3 * rounds * len(calls))
+    return graphs.call_ms()
 
 
 def copies(w: SimpleNamespace) -> list[SimpleNamespace]:
