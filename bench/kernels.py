@@ -123,9 +123,9 @@ def graph_ms(calls: list[Callable[[], object]], rounds: int = 4, sustain_s: floa
     that long: a GEMV that keeps the SMs issuing can draw the GPU to its power cap, which lowers its
     clocks after a fraction of a second (session 16), so a short burst and a sustained stream differ.
 
-    A process's first three CUDA graphs replay GEMVs 1-2% faster than any after the fourth capture
-    (session 24, `bench/graph_state.py`), so the first timing of a process, the only one with its
-    graphs among the first three, reads high: compare timings from the second on."""
+    A process's GEMV graphs replay 1-2% faster until it captures its fourth graph (session 24,
+    `bench/graph_state.py`), so a process's first timing, made before its third and fourth
+    captures, reads high: compare timings from the second on."""
     graphs = stream_graphs(calls, rounds)
     start = time.perf_counter()
     while time.perf_counter() - start < sustain_s:
