@@ -3,8 +3,13 @@
 On an H200 (torch 2.11, bench/RESULTS.md, session 24) a stream of integer-dot GEMVs replayed from a
 process's first graphs ran 1-2% faster than the same graphs once the process had captured a fourth
 graph, of any content, kept or freed, and stayed so: this is why a process's first `graph_ms`
-timing reads high. This times one type's 14336 x 4096 GEMV stream (`kernels.stream_graphs`, graphs
-1 and 2), then again after each further capture of a one-kernel graph.
+timing reads high. What switches it is not the graphs (session 25): before each capture torch runs
+two small kernels eagerly on its capture stream, and two such bursts of eager work on a stream
+other than the replays' switched it with no capture at all, where captures made through the CUDA
+runtime or driver directly did not. A process that issued all its work on one stream stayed at the
+faster rate through captures and bursts; the engine's decode graph replayed no faster in that state.
+This times one type's 14336 x 4096 GEMV stream (`kernels.stream_graphs`, graphs 1 and 2), then
+again after each further capture of a one-kernel graph.
 
     python bench/graph_state.py [--type Q4_K] [--graphs 5]
 

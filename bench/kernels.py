@@ -123,9 +123,11 @@ def graph_ms(calls: list[Callable[[], object]], rounds: int = 4, sustain_s: floa
     that long: a GEMV that keeps the SMs issuing can draw the GPU to its power cap, which lowers its
     clocks after a fraction of a second (session 16), so a short burst and a sustained stream differ.
 
-    A process's GEMV graphs replay 1-2% faster until it captures its fourth graph (session 24,
-    `bench/graph_state.py`), so a process's first timing, made before its third and fourth
-    captures, reads high: compare timings from the second on."""
+    A process's GEMV graphs replay 1-2% faster until it has run a few bursts of eager work on
+    streams other than the one replaying them, as `stream_graphs` does (its calls' first run on a
+    side stream, and torch's two small kernels on its capture stream before each capture; sessions
+    24-25, `bench/graph_state.py`), so a process's first timing reads high: compare timings from
+    the second on."""
     graphs = stream_graphs(calls, rounds)
     start = time.perf_counter()
     while time.perf_counter() - start < sustain_s:
