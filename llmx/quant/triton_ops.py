@@ -263,9 +263,22 @@ def _gemv8(
         k, raws[0].stride(0) // (4 * row_words),
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
         ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
-        RES=residual is not None, LATE=cfg.late_headers, STAGGER=cfg.stagger, num_warps=cfg.num_warps,
-        launch_pdl=pdl, maxnreg=cfg.max_registers,
+        RES=residual is not None, LATE=cfg.late_headers, STAGGER=cfg.stagger, END4=_end4(name, cfg, bu),
+        num_warps=cfg.num_warps, launch_pdl=pdl, maxnreg=cfg.max_registers,
     )  # fmt: skip
+
+
+def _end4(name: str, cfg: LaunchShape, bu: int) -> bool:
+    """Experiment (LLMX_END4=1): the reduce-scatter end where a program is 4 rows on 4 warps with one
+    column of partial sums a thread (Q4_K's one-step shape), compiled (not interpreted)."""
+    one_column = bu * DOT8_QUADS[name] == 32 * cfg.num_warps
+    return (
+        os.environ.get("LLMX_END4") == "1"
+        and not _interpreting()
+        and cfg.bn == 4
+        and cfg.num_warps == 4
+        and one_column
+    )
 
 
 def _dequant_matmul(x2: torch.Tensor, w: QWeight, half: HalfX | None = None) -> torch.Tensor:

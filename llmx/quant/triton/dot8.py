@@ -31,6 +31,61 @@ from llmx.quant.triton.kquants import paired_scale_min
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
 HIGH_PAIRS = tl.constexpr(0x30303030)  # bits 4-5 of each byte: where Q6_K's 2 high bits go
 
+# A reduce-scatter of 4 rows' partial sums over a 4-warp program, one column a thread ($1-$4: the
+# thread's partials of rows 0-3, $5: its column c), giving each thread row c % 4's total ($0).
+# Lanes pair at distance 1 (each keeps two rows and sends two), then 2 (keeps one, sends one),
+# then sum one value over distances 4, 8, 16: 6 shuffles where tl.sum takes 20; lanes 0-3 of each
+# warp leave their row's warp sum in shared memory, one barrier, each thread adds its row's four.
+END4_ASM = tl.constexpr("""{
+.reg .pred b0, b1, lead;
+.reg .u32 t, lane, w, a, base, row;
+.reg .f32 sa, sb, ka, kb, ra, rb, s, k, r, y;
+.shared .align 16 .f32 red[16];
+mov.u32 t, %tid.x;
+and.b32 lane, t, 31;
+shr.u32 w, t, 5;
+and.b32 a, lane, 1;
+setp.ne.u32 b0, a, 0;
+and.b32 a, lane, 2;
+setp.ne.u32 b1, a, 0;
+selp.f32 sa, $1, $3, b0;
+selp.f32 sb, $2, $4, b0;
+selp.f32 ka, $3, $1, b0;
+selp.f32 kb, $4, $2, b0;
+shfl.sync.bfly.b32 ra, sa, 1, 31, 0xffffffff;
+shfl.sync.bfly.b32 rb, sb, 1, 31, 0xffffffff;
+add.f32 ka, ka, ra;
+add.f32 kb, kb, rb;
+selp.f32 s, ka, kb, b1;
+selp.f32 k, kb, ka, b1;
+shfl.sync.bfly.b32 r, s, 2, 31, 0xffffffff;
+add.f32 k, k, r;
+shfl.sync.bfly.b32 r, k, 4, 31, 0xffffffff;
+add.f32 k, k, r;
+shfl.sync.bfly.b32 r, k, 8, 31, 0xffffffff;
+add.f32 k, k, r;
+shfl.sync.bfly.b32 r, k, 16, 31, 0xffffffff;
+add.f32 k, k, r;
+and.b32 a, lane, 1;
+shl.b32 row, a, 1;
+bfe.u32 a, lane, 1, 1;
+or.b32 row, row, a;
+mov.u32 base, red;
+mad.lo.u32 a, row, 4, w;
+shl.b32 a, a, 2;
+add.u32 a, base, a;
+setp.lt.u32 lead, lane, 4;
+@lead st.shared.f32 [a], k;
+bar.sync 1, 128;
+and.b32 a, $5, 3;
+shl.b32 a, a, 4;
+add.u32 a, base, a;
+ld.shared.v4.f32 {sa, sb, ka, kb}, [a];
+add.f32 y, sa, sb;
+add.f32 r, ka, kb;
+add.f32 $0, y, r;
+}""")
+
 
 @triton.jit
 def dp4a(a, b, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
@@ -292,7 +347,7 @@ def gemv8_kernel(
     xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, r_ptr, K, row_units,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
     NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, ROW_WORDS: tl.constexpr, PDL: tl.constexpr,
-    RES: tl.constexpr, LATE: tl.constexpr, STAGGER: tl.constexpr,
+    RES: tl.constexpr, LATE: tl.constexpr, STAGGER: tl.constexpr, END4: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
     for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
@@ -384,7 +439,23 @@ def gemv8_kernel(
             acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
             ql_a, ql_b, qh, scales = na, nb, nh, ns
         acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, row_w, last, n_units, K, ASM, EVEN)
-    y = tl.sum(acc, axis=1)
-    if RES:
-        y += tl.load(r_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+    if END4:  # 4 rows, 4 warps, one column a thread (experiment)
+        c = tl.arange(0, BU * QUADS)
+        rows = tl.arange(0, BN)[:, None]
+        v0 = tl.sum(tl.where(rows == 0, acc, 0.0), axis=0)
+        v1 = tl.sum(tl.where(rows == 1, acc, 0.0), axis=0)
+        v2 = tl.sum(tl.where(rows == 2, acc, 0.0), axis=0)
+        v3 = tl.sum(tl.where(rows == 3, acc, 0.0), axis=0)
+        yc = tl.inline_asm_elementwise(
+            END4_ASM, "=f,f,f,f,f,r", [v0, v1, v2, v3, c], dtype=tl.float32, is_pure=False, pack=1
+        )
+        rc = (pid - first) * BN + c
+        ok = (c < BN) & (rc < N)
+        if RES:
+            yc += tl.load(r_ptr + rc, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rc, yc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        y = tl.sum(acc, axis=1)
+        if RES:
+            y += tl.load(r_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
