@@ -32,7 +32,7 @@ from llmx.quant.triton import dot8
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
 WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
 CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES", "LATE")
-CONSTANTS += ("STAGGER", "END4")
+CONSTANTS += ("STAGGER", "SCATTER4")
 
 
 def compiled(name: str, cfg: tops.LaunchShape) -> dict[str, str | bytes]:
@@ -46,7 +46,7 @@ def compiled(name: str, cfg: tops.LaunchShape) -> dict[str, str | bytes]:
     signature |= {"r_ptr": "*bf16", "K": "i32", "row_units": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
     bu = max(1, cfg.bk // unit)
     values = (name, unit, tops.DOT8_QUADS[name], cfg.bn, bu, 1, True, True, 4, False, False, cfg.late_headers)
-    values += (cfg.stagger, False)  # compiled without PDL, where it changes nothing
+    values += (cfg.stagger, tops.scatter_end(name, cfg))  # compiled without PDL: stagger changes nothing
     # a row's count of 16-byte units need not be a multiple of 16 (Q6_K's 4096-weight rows: 210)
     aligned = [i for i, (k, v) in enumerate(signature.items()) if v != "constexpr" and k != "row_units"]
     src = ASTSource(

@@ -191,6 +191,7 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
         (2, 2048, 1, False, 128),
         (2, 2048, 1, False, 128, 4),
         (4, 4096, 4, True),
+        (4, 4096, 4, True, 64),
     ],
     ids=str,
 )
@@ -233,15 +234,19 @@ def test_dot8_row_length_picks_the_launch_shape(name: str, k: int) -> None:
     check_linear(laid_out(w, name, "prepared"), ref, 1, torch.float32, seed=62, kernel="dot8")
 
 
-@pytest.mark.parametrize("kernel", ["dot8", "gemv"])
-def test_a_residual_is_added_to_the_product(kernel: str) -> None:
-    # the integer-dot GEMV adds it as it stores (one float32 add, as torch's), the others after
-    w, _ = random_weight("Q6_K", 9, 512, seed=80)
-    w = laid_out(w, "Q6_K", "prepared")
+@pytest.mark.parametrize(
+    ("kernel", "name", "k"), [("dot8", "Q6_K", 512), ("gemv", "Q6_K", 512), ("dot8", "Q4_K", 1536)]
+)
+def test_a_residual_is_added_to_the_product(kernel: str, name: str, k: int) -> None:
+    # the integer-dot GEMV adds it as it stores (one float32 add, as torch's), the others after; Q4_K
+    # at its one-step shape, whose programs end in a reduce-scatter on a GPU (N = 9: a partial program)
+    w, _ = random_weight(name, 9, k, seed=80)
+    w = laid_out(w, name, "prepared")
+    gemv = tops.default_dot8(name, 4096) if name == "Q4_K" else None
     g = torch.Generator().manual_seed(81)
-    x, r = torch.randn(1, 512, generator=g).to(DEVICE), torch.randn(1, 9, generator=g).to(DEVICE)
-    plain = tops.linear(x, w, kernel=kernel)
-    assert torch.equal(tops.linear(x, w, kernel=kernel, residual=r), plain + r)
+    x, r = torch.randn(1, k, generator=g).to(DEVICE), torch.randn(1, 9, generator=g).to(DEVICE)
+    plain = tops.linear(x, w, kernel=kernel, gemv=gemv)
+    assert torch.equal(tops.linear(x, w, kernel=kernel, gemv=gemv, residual=r), plain + r)
 
 
 def test_dot8_shares_quantized_x_and_needs_aligned_rows() -> None:

@@ -263,22 +263,17 @@ def _gemv8(
         k, raws[0].stride(0) // (4 * row_words),
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
         ASM=not _interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
-        RES=residual is not None, LATE=cfg.late_headers, STAGGER=cfg.stagger, END4=_end4(name, cfg, bu),
+        RES=residual is not None, LATE=cfg.late_headers, STAGGER=cfg.stagger, SCATTER4=scatter_end(name, cfg),
         num_warps=cfg.num_warps, launch_pdl=pdl, maxnreg=cfg.max_registers,
     )  # fmt: skip
 
 
-def _end4(name: str, cfg: LaunchShape, bu: int) -> bool:
-    """Experiment (LLMX_END4=1): the reduce-scatter end where a program is 4 rows on 4 warps with one
-    column of partial sums a thread (Q4_K's one-step shape), compiled (not interpreted)."""
-    one_column = bu * DOT8_QUADS[name] == 32 * cfg.num_warps
-    return (
-        os.environ.get("LLMX_END4") == "1"
-        and not _interpreting()
-        and cfg.bn == 4
-        and cfg.num_warps == 4
-        and one_column
-    )
+def scatter_end(name: str, cfg: LaunchShape) -> bool:
+    """Whether the integer-dot GEMV at `cfg` ends in `dot8.SCATTER4_ASM`'s reduce-scatter: programs
+    of 4 rows on 4 warps whose step gives each thread one column of partial sums (Q4_K's one-step
+    shape), compiled (inline PTX, which the interpreter cannot run: it takes tl.sum's end)."""
+    columns = max(1, cfg.bk // DOT8_UNIT[name]) * DOT8_QUADS[name]
+    return cfg.bn == 4 and cfg.num_warps == 4 and columns == 32 * cfg.num_warps and not _interpreting()
 
 
 def _dequant_matmul(x2: torch.Tensor, w: QWeight, half: HalfX | None = None) -> torch.Tensor:
@@ -549,7 +544,7 @@ _DOT8_M1 = {
     "Q6_K": LaunchShape(2, 2048, 1, max_registers=128, stagger=4),
 }
 _DOT8_M1_ONE_STEP = {  # for rows of exactly bk weights
-    "Q4_K": LaunchShape(4, 4096, 4, late_headers=True),
+    "Q4_K": LaunchShape(4, 4096, 4, late_headers=True, max_registers=64),
     "Q8_0": LaunchShape(2, 4096, 2),
 }
 DOT8_LONG_ROW = 8192  # weights a row from which `_DOT8_M1_LONG_ROWS` applies

@@ -31,12 +31,14 @@ from llmx.quant.triton.kquants import paired_scale_min
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
 HIGH_PAIRS = tl.constexpr(0x30303030)  # bits 4-5 of each byte: where Q6_K's 2 high bits go
 
-# A reduce-scatter of 4 rows' partial sums over a 4-warp program, one column a thread ($1-$4: the
-# thread's partials of rows 0-3, $5: its column c), giving each thread row c % 4's total ($0).
-# Lanes pair at distance 1 (each keeps two rows and sends two), then 2 (keeps one, sends one),
-# then sum one value over distances 4, 8, 16: 6 shuffles where tl.sum takes 20; lanes 0-3 of each
-# warp leave their row's warp sum in shared memory, one barrier, each thread adds its row's four.
-END4_ASM = tl.constexpr("""{
+# The end of a program of 4 rows on 4 warps with one column of partial sums a thread (Q4_K's
+# one-step shape): a reduce-scatter in place of tl.sum's all-reduce, after which thread c holds row
+# c % 4's total ($1-$4: the thread's partials of rows 0-3, $5: its column c, $0: the total). Lanes
+# pair at distance 1 (each keeps two rows and sends two), then 2 (keeps one, sends one), then sum
+# one value over distances 4, 8 and 16; lanes 0-3 of each warp leave their row's warp sum in shared
+# memory, one named barrier, and each thread adds its row's four: 6 shuffles, 1 barrier and 1 vector
+# load where tl.sum takes 22 shuffles and 4 barriers, all of it after the last load has waited.
+SCATTER4_ASM = tl.constexpr("""{
 .reg .pred b0, b1, lead;
 .reg .u32 t, lane, w, a, base, row;
 .reg .f32 sa, sb, ka, kb, ra, rb, s, k, r, y;
@@ -347,7 +349,7 @@ def gemv8_kernel(
     xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, r_ptr, K, row_units,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
     NW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, ROW_WORDS: tl.constexpr, PDL: tl.constexpr,
-    RES: tl.constexpr, LATE: tl.constexpr, STAGGER: tl.constexpr, END4: tl.constexpr = False,
+    RES: tl.constexpr, LATE: tl.constexpr, STAGGER: tl.constexpr, SCATTER4: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of one quantized x row, BU blocks of UNIT weights a step (UNIT = 32
     for Q8_0, 256 for the K-quants; QUADS: partial sums a block).
@@ -379,7 +381,10 @@ def gemv8_kernel(
     63 against 121), so an SM holds twice the warps, which short rows (a few steps a program) need
     to keep enough loads in flight. STAGGER (with PDL): programs whose id is a multiple of it wait
     before loading their first step, so that some loads go out as the wait ends, while the programs
-    that loaded ahead compute (Q6_K's short rows +1.5%, bench/RESULTS.md, session 23).
+    that loaded ahead compute (Q6_K's short rows +1.5%, bench/RESULTS.md, session 23). SCATTER4
+    (compiled, 4 rows on 4 warps, one column of partial sums a thread): the sums end in
+    `SCATTER4_ASM`'s reduce-scatter instead of tl.sum's all-reduce, which the interpreter cannot run
+    (Q4_K's 14336 x 4096 +2.7% at /r64, bench/RESULTS.md, session 26).
     """
     if PDL:
         gdc_launch_dependents()
@@ -439,15 +444,15 @@ def gemv8_kernel(
             acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
             ql_a, ql_b, qh, scales = na, nb, nh, ns
         acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, row_w, last, n_units, K, ASM, EVEN)
-    if END4:  # 4 rows, 4 warps, one column a thread (experiment)
+    if SCATTER4:  # thread c gets row c % 4's total from SCATTER4_ASM; threads 0-3 store the 4 rows
         c = tl.arange(0, BU * QUADS)
-        rows = tl.arange(0, BN)[:, None]
+        rows = tl.arange(0, BN)[:, None]  # a column's 4 rows are in one thread: no shuffles here
         v0 = tl.sum(tl.where(rows == 0, acc, 0.0), axis=0)
         v1 = tl.sum(tl.where(rows == 1, acc, 0.0), axis=0)
         v2 = tl.sum(tl.where(rows == 2, acc, 0.0), axis=0)
         v3 = tl.sum(tl.where(rows == 3, acc, 0.0), axis=0)
         yc = tl.inline_asm_elementwise(
-            END4_ASM, "=f,f,f,f,f,r", [v0, v1, v2, v3, c], dtype=tl.float32, is_pure=False, pack=1
+            SCATTER4_ASM, "=f,f,f,f,f,r", [v0, v1, v2, v3, c], dtype=tl.float32, is_pure=False, pack=1
         )
         rc = (pid - first) * BN + c
         ok = (c < BN) & (rc < N)
