@@ -4,10 +4,12 @@ Triton compiles `dot8.gemv8_kernel` for sm_90 here (PTX needs no device); for ea
 counts, inside the loop over K, the global loads a thread issues, the warp shuffles and the barriers
 (`shfl.sync`, `bar.sync`: layout conversions between threads, through the L1's data path like the
 loads), and the registers a thread uses (from the cubin: they bound the warps an SM holds, e.g. 80
-allow 24 of 64). Device time is scarce; this shows before a run whether a change removed loads or
-added shuffles (bench/RESULTS.md, sessions 6 and 9). Triton versions lay the same kernel out differently:
-to see another version's code, put its wheel's package first on PYTHONPATH (e.g. the device's 3.6,
-`pip install --target DIR triton==3.6.0`; no GPU needed).
+allow 24 of 64); then, as "end", the shuffles/barriers outside the loop (the partial sums'
+reduction, which runs after the last load has waited). Device time is scarce; this shows before a
+run whether a change removed loads or added shuffles (bench/RESULTS.md, sessions 6, 9 and 26).
+Triton versions lay the same kernel out differently: to see another version's code, put its wheel's
+package first on PYTHONPATH (e.g. the device's 3.6, `pip install --target DIR triton==3.6.0`; no GPU
+needed).
 
     python bench/ptx_gemv.py [--types Q4_K,Q6_K,Q8_0] [--bn 2,4,8,16] [--bk 1024,2048,4096] [--warps 1,2,4]
         [--late 0,1] [--maxnreg 0,128]
@@ -111,8 +113,9 @@ def main() -> None:
     args = ap.parse_args()
     ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps, args.late, args.maxnreg)]
     print(f"Triton {triton.__version__}")
-    print("| type | BN/BK/warps | loads a step (16-byte) | shuffles | barriers | registers | SASS a step |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    columns = "loads a step (16-byte) | shuffles | barriers | registers | SASS a step | end"
+    print(f"| type | BN/BK/warps | {columns} |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, bn, bk, warps, late, maxnreg in itertools.product(args.types.split(","), *ints):
         cfg = tops.LaunchShape(bn, bk, warps, bool(late), maxnreg or None)
         asm = compiled(name, cfg)
@@ -122,7 +125,8 @@ def main() -> None:
         shuffles = sum("shfl.sync" in line for line in body)
         barriers = sum("bar.sync" in line for line in body)
         regs, sass = registers(asm["cubin"]), sass_loop(asm["cubin"])
-        cells = (cfg, f"{loads} ({vectors})", shuffles, barriers, regs, sass)
+        end = f"{asm['ptx'].count('shfl.sync') - shuffles}/{asm['ptx'].count('bar.sync') - barriers}"
+        cells = (cfg, f"{loads} ({vectors})", shuffles, barriers, regs, sass, end)
         print(f"| {name} | " + " | ".join(map(str, cells)) + " |", flush=True)
 
 

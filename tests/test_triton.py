@@ -442,6 +442,10 @@ def test_dot8_loop_moves_no_data_between_threads(name: str, k: int) -> None:
     out = subprocess.run(tool, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     row = next(line for line in out.stdout.splitlines() if line.startswith(f"| {name} |"))
-    loads, shuffles, barriers = row.strip("| ").split(" | ")[2:5]
+    cells = row.strip("| ").split(" | ")
+    loads, shuffles, barriers, end = *cells[2:5], cells[-1]
     vectors = int(loads.split("(")[1].rstrip(")"))  # 16-byte loads: the codes at least
     assert vectors > 0 and int(shuffles) == 0 and int(barriers) == 0, row
+    # Q4_K's one-step rows end in the reduce-scatter (dot8.SCATTER4_ASM: 6 shuffles, 1 barrier, no
+    # layout conversion before it), the others in tl.sum's
+    assert (end == "6/1") == (name == "Q4_K" and k == 4096), row

@@ -514,8 +514,12 @@ def default_dot8(name: str, k: int) -> LaunchShape:
     one slice of the program's rows once, where 2 steps on 2 warps (the same registers and
     instructions a thread) computed two slices in turn, and all of a program's loads go out before
     it waits on x's kernel (PDL), not half; 14336 x 4096: 3266-3289 GB/s against 3017-3036, a decode
-    step's GEMVs 1553 against 1601 us. Other short rows take 2 steps of 2048 on 2 warps (3240-3273
-    GB/s against 2785-2794 for 2 rows on 1 warp, on another machine).
+    step's GEMVs 1553 against 1601 us. Those programs end in a reduce-scatter (`scatter_end`),
+    capped at 64 registers (Triton 3.6 takes 71 with it, and an SM holds 7 programs instead of 8;
+    uncapped, one probe process: 3374-3388 GB/s against 3449-3465 with tl.sum's end): trees
+    alternating, 14336 x 4096 3442-3449 GB/s against 3363-3364 with tl.sum's end, the decode step's
+    graph 1.842-1.847 ms against 1.891-1.900. Other short rows take 2 steps of 2048 on 2 warps
+    (3240-3273 GB/s against 2785-2794 for 2 rows on 1 warp, on another machine).
 
     Q6_K runs 2 rows on one warp, its registers capped at 128 (ptxas takes 123 instead of 126 and
     schedules the loop in 307 instructions instead of 318): 4096 x 14336 3415-3519 GB/s against
