@@ -37,7 +37,8 @@ HIGH_PAIRS = tl.constexpr(0x30303030)  # bits 4-5 of each byte: where Q6_K's 2 h
 # pair at distance 1 (each keeps two rows and sends two), then 2 (keeps one, sends one), then sum
 # one value over distances 4, 8 and 16; lanes 0-3 of each warp leave their row's warp sum in shared
 # memory, one named barrier, and each thread adds its row's four: 6 shuffles, 1 barrier and 1 vector
-# load where tl.sum takes 22 shuffles and 4 barriers, all of it after the last load has waited.
+# load where tl.sum's all-reduce takes 22-28 shuffles and 3-4 barriers (Triton 3.6-3.9), all of it
+# after the last load has waited.
 SCATTER4_ASM = tl.constexpr("""{
 .reg .pred b0, b1, lead;
 .reg .u32 t, lane, w, a, base, row;
