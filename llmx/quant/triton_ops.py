@@ -269,11 +269,11 @@ def _gemv8(
 
 
 def scatter_end(name: str, cfg: LaunchShape) -> bool:
-    """Whether the integer-dot GEMV at `cfg` ends in `dot8.SCATTER4_ASM`'s reduce-scatter: programs
-    of 4 rows on 4 warps whose step gives each thread one column of partial sums (Q4_K's one-step
-    shape), compiled (inline PTX, which the interpreter cannot run: it takes tl.sum's end)."""
-    columns = max(1, cfg.bk // DOT8_UNIT[name]) * DOT8_QUADS[name]
-    return cfg.bn == 4 and cfg.num_warps == 4 and columns == 32 * cfg.num_warps and not _interpreting()
+    """Whether the integer-dot GEMV at `cfg` ends in `dot8.SCATTER4_ASM`'s reduce-scatter: Q4_K's
+    programs of 4 rows and one 4096-weight step on 4 warps, whose threads hold one column of partial
+    sums each (other types' 128-column shapes lay them out otherwise: `bench/ptx_gemv.py`'s end
+    column), compiled (inline PTX, which the interpreter cannot run: it takes tl.sum's end)."""
+    return name == "Q4_K" and (cfg.bn, cfg.bk, cfg.num_warps) == (4, 4096, 4) and not _interpreting()
 
 
 def _dequant_matmul(x2: torch.Tensor, w: QWeight, half: HalfX | None = None) -> torch.Tensor:
