@@ -452,16 +452,14 @@ def gemv8_kernel(
         v1 = tl.sum(tl.where(rows == 1, acc, 0.0), axis=0)
         v2 = tl.sum(tl.where(rows == 2, acc, 0.0), axis=0)
         v3 = tl.sum(tl.where(rows == 3, acc, 0.0), axis=0)
-        yc = tl.inline_asm_elementwise(
+        y = tl.inline_asm_elementwise(
             SCATTER4_ASM, "=f,f,f,f,f,r", [v0, v1, v2, v3, c], dtype=tl.float32, is_pure=False, pack=1
         )
-        rc = (pid - first) * BN + c
-        ok = (c < BN) & (rc < N)
-        if RES:
-            yc += tl.load(r_ptr + rc, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rc, yc.to(out_ptr.dtype.element_ty), mask=ok)
+        rn = (pid - first) * BN + c  # each thread's row from here on, stored by threads 0-3
+        ok = (c < BN) & (rn < N)
     else:
         y = tl.sum(acc, axis=1)
-        if RES:
-            y += tl.load(r_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+        ok = rn < N
+    if RES:
+        y += tl.load(r_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=ok)
