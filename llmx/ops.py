@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -19,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from llmx.errors import LlmxError
+from llmx import settings
 from llmx.quant import cpu_native
 from llmx.quant import weight as qw
 from llmx.quant.weight import QWeight, embedding
@@ -47,15 +46,11 @@ __all__ = [
 # kernel (`llmx.kernels.cpu_attention`); "off" keeps the eager ops everywhere (to compare), "on"
 # takes the Triton kernel on the CPU too (tests, under TRITON_INTERPRET=1).
 # Read once; tests set the module attribute.
-FUSED_ATTENTION = os.environ.get("LLMX_FUSED_ATTENTION", "auto")
-if FUSED_ATTENTION not in ("auto", "on", "off"):
-    raise LlmxError(f"LLMX_FUSED_ATTENTION={FUSED_ATTENTION!r} is not one of auto, on, off")
+FUSED_ATTENTION = settings.fused_attention()
 
 # Likewise for the row ops of a decode step (rms_norm, add_rms_norm, swiglu's silu(g) * u): steps of
 # at most FUSED_NORM_MAX_TOKENS tokens on a GPU take `llmx.kernels.norm` ("auto"), one launch each.
-FUSED_NORM = os.environ.get("LLMX_FUSED_NORM", "auto")
-if FUSED_NORM not in ("auto", "on", "off"):
-    raise LlmxError(f"LLMX_FUSED_NORM={FUSED_NORM!r} is not one of auto, on, off")
+FUSED_NORM = settings.fused_norm()
 FUSED_NORM_MAX_TOKENS = 16
 FUSED_NORM_MAX_WIDTH = 16384  # the widest row the norm kernels hold in registers (norm.MAX_WIDTH)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from llmx.cache_dir import cache_dir
 from llmx.errors import LlmxError
+from llmx.settings import cache_dir
 
 CACHE_VERSION = 2  # 2: the CPU read over 4 GiB (ram_probe_bytes), not 1
 GIB = 1 << 30

@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,9 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmx.cache_dir import cache_dir, cpu_features, read_or_empty
+from llmx.cache_dir import cpu_features, read_or_empty
 from llmx.errors import LlmxError, first_line
 from llmx.quant import QType, qtype
+from llmx.settings import c_compiler, cache_dir, cpu_gemv, cpu_prefetch, pin_threads
 
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
 TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q5_K": 5}  # the C file's type numbers
@@ -54,7 +54,7 @@ def supports(qt: QType, shape: tuple[int, ...]) -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("LLMX_CPU_GEMV") == "eager":
+    if cpu_gemv() == "eager":
         return None
     try:
         return bind(_built())
@@ -100,7 +100,7 @@ def available() -> bool:
 
 
 def _compiler() -> str:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on the PATH")
     return compiler
@@ -164,7 +164,7 @@ def _threads(lib: ctypes.CDLL) -> int:
     if n != _pinned_team:
         _pinned_team = n
         cpus = sorted(os.sched_getaffinity(0))
-        if os.environ.get("LLMX_PIN_THREADS") != "0" and 1 < n <= len(cpus):
+        if pin_threads() and 1 < n <= len(cpus):
             lib.llmx_pin_threads((ctypes.c_int * n)(*cpus[:n]), n)
         lib.llmx_set_prefetch(prefetch_distance(lib, n))
     return n
@@ -175,11 +175,9 @@ def prefetch_distance(lib: ctypes.CDLL, threads: int) -> int:
     choice a decode GEMV ran fastest under on this machine with this many threads, measured once
     (~0.1 s) and kept in the cache directory. The best distance is the machine's (bench/RESULTS.md:
     2 KiB on the H200 host, 4-8 KiB on a Zen 4)."""
-    forced = os.environ.get("LLMX_CPU_PREFETCH")
+    forced = cpu_prefetch()
     if forced is not None:
-        if not forced.isdigit():
-            raise LlmxError(f"LLMX_CPU_PREFETCH={forced!r} is not a number of bytes (e.g. 2048)")
-        return int(forced)
+        return forced
     key = f"{hashlib.sha256(cpu_features().encode()).hexdigest()[:16]}|{threads} threads"
     path = cache_dir() / "cpu-prefetch.json"
     try:

@@ -46,10 +46,11 @@ from pathlib import Path
 
 import torch
 
-from llmx.cache_dir import cache_dir, cpu_features
-from llmx.errors import LlmxError, first_line
+from llmx.cache_dir import cpu_features
+from llmx.errors import first_line
 from llmx.quant import QType
 from llmx.quant import torch_ops as T
+from llmx.settings import cache_dir, cpu_gemv
 
 PACK_ROWS = 1024  # rows unpacked at a time while packing: bounds the temporary memory
 
@@ -168,7 +169,6 @@ def dequantize_into(pk: PackedCodes, out: torch.Tensor) -> torch.Tensor:
 Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 Gemv = Callable[[torch.Tensor], torch.Tensor]
 _VARIANTS = ("u4_offset", "i8", "i8_offset")  # what pack() produces: 4-bit codes always have an offset
-PATHS = ("auto", "aot", "jit", "eager")  # the values of LLMX_CPU_GEMV
 _RUNNERS: list[dict[str, Runner]] = []  # the compiled kernels by variant, once loaded ({}: none)
 
 
@@ -207,9 +207,7 @@ def _load_or_build() -> dict[str, Runner]:
     """The kernels of the path LLMX_CPU_GEMV picks: AOTInductor's packages (built first if missing), else
     torch.compile's; {} (with a warning) when neither works, in which case every batch takes the
     dequantize path."""
-    path = os.environ.get("LLMX_CPU_GEMV", "auto")
-    if path not in PATHS:
-        raise LlmxError(f"LLMX_CPU_GEMV={path!r} is not one of {', '.join(PATHS)}")
+    path = cpu_gemv()
     folder, problems = _cache_dir(), []
     for name, kernels in (("aot", _aot_kernels), ("jit", _jit_kernels)):
         if path in ("auto", name):

@@ -33,13 +33,13 @@ bf16 weight tiles; tf32 for float32 x).
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmx import settings
 from llmx.errors import LlmxError
 
 if TYPE_CHECKING:
@@ -624,7 +624,7 @@ def _gemm() -> Any:
     if _interpreting():
         # The interpreter cannot time configs; small tiles keep it quick.
         configs = [config(16, 32, 64, 4, 1)]
-    elif os.environ.get("LLMX_TRITON_AUTOTUNE", "1") == "0":
+    elif not settings.triton_autotune():
         configs = [config(64, 128, 64, 4, 4)]  # one compile per type: for tests
     else:
         configs = [
@@ -661,7 +661,7 @@ def programmatic_launch(device: torch.device) -> bool:
     launch, Hopper and later): the integer-dot GEMV starts loading its weights while the kernel that
     writes its x finishes, and waits for it (`gdc_wait`) only before reading x. Off under the
     interpreter, and with LLMX_PDL=0."""
-    if _interpreting() or device.type != "cuda" or os.environ.get("LLMX_PDL", "1") == "0":
+    if _interpreting() or device.type != "cuda" or not settings.programmatic_launch():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
@@ -672,4 +672,4 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return settings.triton_interpreting()

@@ -21,23 +21,21 @@ Every CPU path computes in float32 from the exact weights, so they differ only i
 from __future__ import annotations
 
 import operator
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from llmx import settings
 from llmx.errors import LlmxError
 from llmx.quant import QType
 from llmx.quant import cpu_native as N
 from llmx.quant import cpu_pack as P
 from llmx.quant import torch_ops as T
 
-KERNELS = ("auto", "packed", "dequant", "emulated")
-KERNEL = os.environ.get("LLMX_KERNEL", "auto")  # read once; `linear(..., kernel=)` overrides per call
-if KERNEL not in KERNELS:
-    raise LlmxError(f"LLMX_KERNEL={KERNEL!r} is not one of {', '.join(KERNELS)}")
+KERNELS = settings.CPU_KERNELS
+KERNEL = settings.cpu_kernel()  # read once; `linear(..., kernel=)` overrides per call
 GEMV_MAX_M = 8  # rows of x up to which the fused GEMV beats dequantize + dense matmul (bench/cpu_matmul.py)
 DEQUANT_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time: big enough for mm, small enough for L3
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmx.cache_dir import cache_dir
 from llmx.models.common import TensorGroup
 from llmx.quant.weight import QWeight, linear
+from llmx.settings import cache_dir
 
 MEASURE_TOKENS = 64
 NEVER = sys.maxsize  # the threshold where no CPU layer holds a CPU-resident matrix

@@ -1,0 +1,173 @@
+"""Every environment variable llmx reads, read here and nowhere else (a test keeps it so).
+
+Each setting is one entry of `SETTINGS` (name, values, default, what it does: the README's table
+is this table) and one function that reads and checks it. The functions read the environment when
+called, so a test's `monkeypatch.setenv` takes effect; modules that decide once (at import or at
+load) call them once and keep the answer. A value outside a setting's choices is one `LlmxError`
+line naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmx.errors import LlmxError
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    values: str  # as the README's table shows them
+    default: str
+    doc: str
+    user: bool = True  # False: for tests and benchmarks, left out of the README's table
+
+
+SETTINGS = (
+    Setting(
+        "LLMX_CACHE_DIR",
+        "a folder",
+        "~/.cache/llmx",
+        "where compiled kernels and measured ceilings/thresholds are kept",
+    ),
+    Setting(
+        "LLMX_CPU_GEMV",
+        "`auto`, `aot`, `jit`, `eager`",
+        "auto",
+        "the CPU decode kernel of repacked types: AOTInductor packages, else `torch.compile`, else "
+        "dequantize + matmul (`eager` also turns the native C kernels off)",
+    ),
+    Setting(
+        "LLMX_KERNEL",
+        "`auto`, `packed`, `dequant`, `emulated`",
+        "auto",
+        "force one CPU matmul path (`emulated`: the whole weight dequantized, the numerics reference)",
+    ),
+    Setting(
+        "LLMX_PDL",
+        "`1`, `0`",
+        "1",
+        "on Hopper GPUs, let each decode GEMV start loading its weights while the kernel that writes "
+        "its input finishes (programmatic dependent launch); `0` turns it off",
+    ),
+    Setting(
+        "LLMX_FUSED_ATTENTION",
+        "`auto`, `on`, `off`",
+        "auto",
+        "one-token steps: RoPE, KV write and attention in fused kernels (Triton on GPUs, native on the "
+        "CPU); `off`: PyTorch's ops everywhere; `on` forces the Triton kernel on the CPU too (tests)",
+    ),
+    Setting(
+        "LLMX_FUSED_NORM",
+        "`auto`, `on`, `off`",
+        "auto",
+        "RMSNorm, residual add + RMSNorm and SwiGLU's gate in one kernel each for small steps; `off`: "
+        "PyTorch's ops; `on` forces the Triton kernels on the CPU too (tests)",
+    ),
+    Setting(
+        "LLMX_CPU_PREFETCH",
+        "bytes",
+        "measured",
+        "how far ahead of its rows a native CPU GEMV thread asks for weights (default: the fastest "
+        "of 1-8 KiB, measured once per machine and thread count)",
+    ),
+    Setting(
+        "LLMX_PIN_THREADS",
+        "`1`, `0`",
+        "1",
+        "`0`: leave torch's OpenMP workers unpinned (by default each runs on a CPU of its own)",
+    ),
+    Setting(
+        "LLMX_TRITON_AUTOTUNE",
+        "`1`, `0`",
+        "1",
+        "`0`: one GEMM configuration instead of autotuning (quicker tests)",
+        user=False,
+    ),
+    Setting("TRITON_INTERPRET", "`1`", "unset", "Triton's own: run kernels on the CPU (tests)", user=False),
+    Setting("CC", "a compiler", "cc, else gcc", "the C compiler of the native CPU kernels", user=False),
+)
+
+
+def _get(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    value = _get(name) or default
+    if value not in choices:
+        raise LlmxError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = _get(name)
+    if value in (None, ""):
+        return default
+    if value not in ("0", "1"):
+        raise LlmxError(f"{name}={value!r} is not one of 1, 0")
+    return value == "1"
+
+
+def cache_dir() -> Path:
+    """Where llmx keeps what it measures or builds once per machine."""
+    return Path(_get("LLMX_CACHE_DIR") or Path.home() / ".cache" / "llmx")
+
+
+CPU_GEMV_PATHS = ("auto", "aot", "jit", "eager")
+
+
+def cpu_gemv() -> str:
+    return _choice("LLMX_CPU_GEMV", CPU_GEMV_PATHS, "auto")
+
+
+CPU_KERNELS = ("auto", "packed", "dequant", "emulated")
+
+
+def cpu_kernel() -> str:
+    return _choice("LLMX_KERNEL", CPU_KERNELS, "auto")
+
+
+def programmatic_launch() -> bool:
+    return _flag("LLMX_PDL", True)
+
+
+FUSED_MODES = ("auto", "on", "off")
+
+
+def fused_attention() -> str:
+    return _choice("LLMX_FUSED_ATTENTION", FUSED_MODES, "auto")
+
+
+def fused_norm() -> str:
+    return _choice("LLMX_FUSED_NORM", FUSED_MODES, "auto")
+
+
+def cpu_prefetch() -> int | None:
+    """Bytes, or None: measure."""
+    value = _get("LLMX_CPU_PREFETCH")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise LlmxError(f"LLMX_CPU_PREFETCH={value!r} is not a number of bytes (e.g. 2048)")
+    return int(value)
+
+
+def pin_threads() -> bool:
+    return _flag("LLMX_PIN_THREADS", True)
+
+
+def triton_autotune() -> bool:
+    return _flag("LLMX_TRITON_AUTOTUNE", True)
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return (_get("TRITON_INTERPRET") or "0") != "0"
+
+
+def c_compiler() -> str | None:
+    return _get("CC") or shutil.which("cc") or shutil.which("gcc")
