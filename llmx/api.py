@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from llmx.engine import Engine
+from llmx.engine import WARM_UP_PROMPTS, Engine
 from llmx.gguf import ModelFile, open_gguf
 from llmx.models import model_class
 from llmx.models.common import Config, Model
@@ -48,7 +48,8 @@ class LoadedModel:
     options: Options
     plan: Plan
     report: LoadReport
-    load_seconds: float
+    load_seconds: float  # everything `load` did, the warm-up included
+    warm_up: WarmUp | None = None  # GPU placements only
 
     # --- text in, text out -----------------------------------------------------------------------
 
@@ -140,4 +141,34 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
         split=split,
     )
     engine = Engine(executor, ubatch=opts.n_ubatch)
-    return LoadedModel(mf, config, engine, tokenizer, opts, plan, report, time.perf_counter() - t0)
+    warm_up = None
+    if any(d.startswith("cuda") for d in plan.tensor_device.values()):
+        tick = progress("warming up", len(WARM_UP_PROMPTS) + 1, "steps") if progress else (lambda n: None)
+        before = _compiled_kernels()
+        seconds = engine.warm_up(tick)
+        warm_up = WarmUp(seconds, len(_compiled_kernels() - before), _kernel_cache_folder())
+    return LoadedModel(mf, config, engine, tokenizer, opts, plan, report, time.perf_counter() - t0, warm_up)
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What `Engine.warm_up` did at load: its seconds, and the kernels it compiled into Triton's cache
+    folder (none once an earlier run on this machine compiled them)."""
+
+    seconds: float
+    compiled: int
+    cache_folder: str
+
+
+def _kernel_cache_folder() -> str:
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton: nothing is compiled
+        return ""
+    return str(knobs.cache.dir)
+
+
+def _compiled_kernels() -> set[str]:
+    """The entries of Triton's on-disk kernel cache (a folder per compiled kernel or launcher)."""
+    folder = _kernel_cache_folder()
+    return set(os.listdir(folder)) if folder and os.path.isdir(folder) else set()

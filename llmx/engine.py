@@ -17,6 +17,12 @@ import torch
 from llmx.errors import LlmxError
 from llmx.runtime.executor import Executor
 
+# Prompt lengths that between them run every kind of step a GPU takes for a prompt: the GEMV of 2 and
+# of 3-4 rows, the fused GEMM's two small-M buckets (5-8, 9-16) and dequantize + matmul from 16 rows
+# on (`llmx.quant`'s kernel choice), then one decode step (the integer-dot GEMV, the fused decode
+# attention, the decode graph).
+WARM_UP_PROMPTS = (2, 3, 5, 9, 17)
+
 
 @dataclass
 class Timings:
@@ -83,6 +89,21 @@ class Engine:
         """Forget the context (the cache buffers are reused; positions restart at 0)."""
         self.n_past = 0
         self.timings = Timings()
+
+    def warm_up(self, tick: Callable[[int], None] = lambda n: None) -> float:
+        """Run each kind of step once on a throwaway context, so that a user's first tokens pay for no
+        kernel compilation (or loading from Triton's cache), autotuning, lazy import or decode-graph
+        capture; `tick(1)` after each step. Returns the seconds it took; the context is empty after."""
+        t0 = time.perf_counter()
+        for n in (n for n in WARM_UP_PROMPTS if n < self.n_ctx):  # leaves room for the decode step
+            self.reset()
+            self.prefill([0] * n)
+            tick(1)
+        self.decode(0)
+        tick(1)
+        self.synchronize()
+        self.reset()
+        return time.perf_counter() - t0
 
     def synchronize(self) -> None:
         for dev in {d for d in self.executor.layer_devices if d.type == "cuda"}:

@@ -83,6 +83,7 @@ def test_segments_group_consecutive_devices():
 )
 def test_gpu_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options):
     model = llmx.load(model_path, ctx_size=512, **options)
+    assert model.warm_up is not None  # a GPU placement warms up at load, and changes no token
     assert greedy_ids(model) == cpu_tokens
     logits = forced_logits(model, cpu_tokens)
     err = ((logits - cpu_logits).norm() / cpu_logits.norm()).item()

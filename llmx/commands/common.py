@@ -136,3 +136,11 @@ def print_load_report(model, file=None) -> None:
     for fmt, count in sorted(report.cpu_formats.items()):
         print(f"llmx: cpu weights {count:4d} x {fmt}", file=file)
     print(f"llmx: {model.plan.offloaded_line}", file=file)
+    if model.warm_up:
+        w = model.warm_up
+        what = (
+            f"{w.compiled} kernels compiled, kept in {w.cache_folder} for later runs"
+            if w.compiled
+            else "kernels from the cache of an earlier run"
+        )
+        print(f"llmx: warm-up {w.seconds:.2f} s ({what}; the decode graph captured)", file=file)

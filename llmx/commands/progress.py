@@ -1,4 +1,5 @@
-"""Progress bars for long work (uploading weights), on stderr, silent when stderr is not a terminal."""
+"""Progress bars for long work (uploading weights, warming up), on stderr; silent when stderr is not
+a terminal."""
 
 from __future__ import annotations
 
@@ -7,16 +8,18 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 
-def load_progress() -> Callable[[str, int], Callable[[int], None]]:
-    """A factory `(device, total_bytes) -> tick(n_bytes)` drawing one bar per device upload."""
+def load_progress() -> Callable[..., Callable[[int], None]]:
+    """A factory `(what, total, unit="B") -> tick(n)` drawing one bar per piece of loading work: each
+    device's upload (bytes), then the warm-up (steps)."""
 
-    def start(device: str, total: int) -> Callable[[int], None]:
+    def start(what: str, total: int, unit: str = "B") -> Callable[[int], None]:
+        in_bytes = unit == "B"
         bar = tqdm(
             total=total,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc=f"loading {device}",
+            unit=unit,
+            unit_scale=in_bytes,
+            unit_divisor=1024 if in_bytes else 1000,
+            desc=what,
             leave=False,
             disable=None,
         )

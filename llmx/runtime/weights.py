@@ -203,7 +203,7 @@ def load_weights(
     mf: ModelFile,
     plan: Plan,
     repack: bool = True,
-    progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    progress: Callable[..., Callable[[int], None]] | None = None,
 ) -> tuple[TensorGroup, list[TensorGroup], LoadReport]:
     """Place every tensor of `mf` where `plan` says.
 
@@ -227,7 +227,8 @@ def load_weights(
         if device == "cpu":
             raws |= {p.key: host_view(p.info) for p in parts}
         else:
-            tick = progress(device, report.bytes_per_device[device]) if progress else (lambda n: None)
+            total = report.bytes_per_device[device]
+            tick = progress(f"loading {device}", total) if progress else (lambda n: None)
             raws |= upload_arena(parts, torch.device(device), tick)
         report.upload_seconds[device] = time.perf_counter() - td
 
