@@ -4,7 +4,8 @@
 
 For each file: the cold disk read rate (page cache dropped, then the file read in 16 MiB pieces),
 the pinned host-to-device rate (`llmx.bench.ceilings`), the floor = file / disk + GPU bytes / H2D,
-and `llmx.load` timed cold (page cache dropped again) and warm (file cached). Dropping the page
+and `llmx.load` timed cold (page cache dropped again) and warm (file cached), less its warm-up (the
+kernels of every kind of step run once, shown apart: it is compute, not loading). Dropping the page
 cache needs root; without it the "cold" rows are marked as cached. Prints one markdown table.
 """
 
@@ -42,16 +43,18 @@ def read_gbs(path: Path) -> float:
     return path.stat().st_size / (time.perf_counter() - t0) / 1e9
 
 
-def load_seconds(path: Path, ngl: str) -> tuple[float, int]:
-    """Seconds of `llmx.load` (to weights resident and the arena filled) and the bytes put on GPUs."""
+def load_seconds(path: Path, ngl: str) -> tuple[float, float, int]:
+    """Seconds of `llmx.load` to weights resident and the arena filled (its warm-up left out), the
+    warm-up's seconds, and the bytes put on GPUs."""
     t0 = time.perf_counter()
     model = llmx.load(str(path), n_gpu_layers=ngl, ctx_size=512)
     torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    warm_up = model.warm_up.seconds if model.warm_up else 0.0
+    seconds = time.perf_counter() - t0 - warm_up
     gpu_bytes = sum(n for dev, n in model.report.bytes_per_device.items() if dev != "cpu")
     del model
     torch.cuda.empty_cache()
-    return seconds, gpu_bytes
+    return seconds, warm_up, gpu_bytes
 
 
 def main() -> None:
@@ -61,20 +64,20 @@ def main() -> None:
     args = ap.parse_args()
     h2d = measure_cuda("cuda:0").h2d_pinned_gbs
     print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs; pinned H2D {h2d:.1f} GB/s\n")
-    print("| file | GiB | disk read GB/s | floor s | load s, cold | x floor | load s, cached |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| file | GiB | disk read GB/s | floor s | load s, cold | x floor | load s, cached | warm-up s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in args.models:
         cold = drop_page_cache()
         disk = read_gbs(path)
         load_seconds(path, args.ngl)  # compile and warm the allocator once, outside the timing
         drop_page_cache()
-        t_cold, gpu_bytes = load_seconds(path, args.ngl)
-        t_warm, _ = load_seconds(path, args.ngl)
+        t_cold, _, gpu_bytes = load_seconds(path, args.ngl)
+        t_warm, warm_up, _ = load_seconds(path, args.ngl)
         floor = path.stat().st_size / disk / 1e9 + gpu_bytes / h2d / 1e9
         note = "" if cold else " (page cache not dropped)"
         print(
             f"| {path.name} | {path.stat().st_size / 2**30:.2f} | {disk:.2f}{note} | {floor:.2f} | "
-            f"{t_cold:.2f} | {t_cold / floor:.2f} | {t_warm:.2f} |",
+            f"{t_cold:.2f} | {t_cold / floor:.2f} | {t_warm:.2f} | {warm_up:.2f} |",
             flush=True,
         )
 
