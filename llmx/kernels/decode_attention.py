@@ -27,6 +27,7 @@ in float32).
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import torch
 import triton
@@ -37,7 +38,7 @@ from llmx.quant import triton_ops
 from llmx.quant.triton.dot8 import store_quantized_block
 
 BLOCK_N = 64  # keys per loop step
-TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs: split the keys until Hk * S reaches it
+INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's, so tests split as it does
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -68,7 +69,7 @@ def decode_attention(
     _, n_head, d = q.shape
     n_kv = k.shape[1]
     span = n_read if window is None else min(n_read, window)
-    splits = max(1, min(triton.cdiv(span, BLOCK_N), triton.cdiv(TARGET_PROGRAMS, n_kv)))
+    splits = max(1, min(triton.cdiv(span, BLOCK_N), triton.cdiv(target_programs(q.device), n_kv)))
     partial = torch.empty(n_head, splits, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(n_head, splits, 2, dtype=torch.float32, device=q.device)  # max (log2 units), sum
     out = torch.empty(1, n_head * d, dtype=q.dtype, device=q.device)
@@ -97,6 +98,14 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
+
+
+@cache
+def target_programs(device: torch.device) -> int:
+    """How many programs (Hk * S) to split the keys into on `device`: the power of two nearest two
+    waves of its SMs (256 on an H200's 132), so every SM gets work and a power-of-two Hk divides it."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    return 1 << round(math.log2(2 * (sms or INTERPRETED_SMS)))
 
 
 # --- kernels ------------------------------------------------------------------------------------
