@@ -61,7 +61,7 @@ def test_ops_take_it_for_one_unmasked_token(monkeypatch) -> None:
     native = ops.attention(q, k, v, None)
     assert calls == [1]
     ops.attention(q, k, v, torch.ones(1, k.shape[0], dtype=torch.bool))  # masked
-    monkeypatch.setattr(ops, "FUSED_ATTENTION", "off")
+    monkeypatch.setattr(ops.cached_attention, "FUSED_ATTENTION", "off")
     flash = ops.attention(q, k, v, None)
     assert calls == [1]
     assert relative_error(native, flash.double()) < 1e-5

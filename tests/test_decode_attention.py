@@ -92,7 +92,7 @@ def random_step(c: Case, seed: int = 0):
 
 def run(c: Case, mode: str, q, k, v, kc, vc, monkeypatch) -> torch.Tensor:
     """`ops.rope_attention` as `Model.self_attention` calls it, writing into kc, vc."""
-    monkeypatch.setattr(ops, "FUSED_ATTENTION", mode)
+    monkeypatch.setattr(ops.cached_attention, "FUSED_ATTENTION", mode)
     rope = Rope(c.n_dims, 10000.0, c.neox)
     positions = torch.tensor([c.pos], device=DEVICE)
     cos, sin = rope.tables(positions, c.n_read)
@@ -159,7 +159,7 @@ def test_auto_keeps_cpu_and_prompts_eager(monkeypatch) -> None:
     mask = causal_mask(positions, c.n_read)
     outs = []
     for mode in ("off", "on"):
-        monkeypatch.setattr(ops, "FUSED_ATTENTION", mode)
+        monkeypatch.setattr(ops.cached_attention, "FUSED_ATTENTION", mode)
         cache = LayerWriter(kc.clone(), vc.clone(), positions, c.n_read)
         outs.append(ops.rope_attention(q, k, v, rope, cos, sin, cache, mask))
     assert torch.equal(*outs)
@@ -176,7 +176,7 @@ def test_tiny_model_greedy_decode_is_unchanged(arch: str, tmp_path, monkeypatch)
     prompt = random_prompt(12, seed=3)  # longer than gemma3's 8-token window
 
     def decode(mode: str) -> tuple[list[int], torch.Tensor]:
-        monkeypatch.setattr(ops, "FUSED_ATTENTION", mode)
+        monkeypatch.setattr(ops.cached_attention, "FUSED_ATTENTION", mode)
         return greedy_steps(model, prompt)
 
     eager_tokens, eager_logits = decode("off")
@@ -210,7 +210,7 @@ def test_gpu_cuda_graph_replays_at_every_position(monkeypatch) -> None:
     c = Case(**LLAMA3, dtype=F16, pos=0, n_read=512, n_ctx=512)
     q, k, v, kc, vc = random_step(c)
     rope, positions = Rope(c.n_dims, 10000.0, c.neox), torch.zeros(1, dtype=torch.long, device=DEVICE)
-    monkeypatch.setattr(ops, "FUSED_ATTENTION", "auto")
+    monkeypatch.setattr(ops.cached_attention, "FUSED_ATTENTION", "auto")
 
     def step() -> torch.Tensor:
         cos, sin = rope.tables(positions, c.n_read)

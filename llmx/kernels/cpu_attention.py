@@ -24,7 +24,8 @@ import torch
 from llmx.quant import cpu_native
 
 if TYPE_CHECKING:
-    from llmx.ops import LayerKV, Rope
+    from llmx.ops.cached_attention import LayerKV
+    from llmx.ops.rope import Rope
 
 
 def _takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
