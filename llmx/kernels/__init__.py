@@ -1,6 +1,7 @@
 """Kernels for the non-matmul ops of `llmx.ops`: Triton ones for GPUs, and a native one for the CPU.
 
-Only `llmx.ops` imports them, lazily: the Triton modules (importing one imports triton) only for
+Only `llmx.ops` and the KV cache (`llmx.runtime.cache`, which runs the kernels that write it)
+import them, lazily: the Triton modules (importing one imports triton) only for
 CUDA tensors (or when a test forces a kernel under TRITON_INTERPRET=1), so CPU-only installs never
 load triton.
 

@@ -17,7 +17,8 @@ p lives in row p mod R: R is the context for most layers, a ring for sliding-win
 - `combine_kernel`, grid (H,): merges each head's S partial outputs with log-sum-exp weights, and
   on a GPU also writes the row quantized for the o projection's integer-dot GEMV.
 
-Nothing depends on a value read back to the host, so a CUDA graph captured for one n_read replays
+The KV cache calls it (`runtime.cache.LayerWriter.rope_store_attend`): it owns the buffers this
+writes. Nothing depends on a value read back to the host, so a CUDA graph captured for one n_read replays
 correctly for every position below it. Scores, softmax and sums are float32; the two products take
 their operands in the cache's dtype on a GPU (tensor cores; `ops.attention` attends in it there
 too) and in float32 under TRITON_INTERPRET=1 (numpy cannot multiply bf16, and the CPU path attends

@@ -1,42 +1,72 @@
 """Attention over a layer's KV cache: RoPE, the cache write, and grouped-query attention.
 
-One-token steps on a GPU take the fused Triton decode attention ("auto"), and on the CPU a native
-kernel (`llmx.kernels.cpu_attention`); prompt batches on a GPU take PyTorch's flash kernels.
+Which kernels run is an `AttentionKernels` value, chosen once at load and held by the cache (whose
+layer object runs the fused ones, being the only writer of its buffers): with `-fa on`/`auto`
+one-token steps take the fused kernels (Triton on a GPU, native on the CPU) and prompt batches on a
+GPU PyTorch's flash kernels; with `-fa off` attention materializes the scores, as llama.cpp's does.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from llmx import settings
-from llmx.kernels import has_triton
 from llmx.ops.masks import ring_mask
 from llmx.ops.rope import Rope
 
-# "auto" as above; "off" keeps the eager ops everywhere (to compare), "on" takes the Triton kernel on
-# the CPU too (tests, under TRITON_INTERPRET=1). Read once; tests set the module attribute.
-FUSED_ATTENTION = settings.fused_attention()
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """How attention runs, chosen once at load (`choose`) and held by the KV cache.
+
+    `flash`: PyTorch's fused attention (flash, memory-efficient; scores never stored), llama.cpp's
+    `-fa on`/`auto`; False: the math path, scores materialized in float32 (`-fa off`).
+    `decode`, for one-token steps: "auto" the fused kernels (RoPE, cache write and attention: Triton
+    on a GPU, native on the CPU); "on" the Triton kernel on the CPU too (tests, TRITON_INTERPRET=1);
+    "off" PyTorch's ops.
+    """
+
+    flash: bool = True
+    decode: str = "auto"
+
+    @classmethod
+    def choose(cls, flash_attn: str, fused: str) -> AttentionKernels:
+        """From `-fa` (on/off/auto) and LLMX_FUSED_ATTENTION: `-fa off` turns the fused decode
+        kernels off too (they never store the scores either)."""
+        return cls(flash=False, decode="off") if flash_attn == "off" else cls(flash=True, decode=fused)
+
+
+DEFAULT_KERNELS = AttentionKernels()  # -fa auto, LLMX_FUSED_ATTENTION auto
 
 
 class LayerKV(Protocol):
     """One layer's KV cache as a step sees it (`llmx.runtime.cache.KVCache.writer` makes one).
 
-    Called with this step's k, v [T, Hk, D], it stores them at `positions` and returns the first
-    `n_read` rows of keys and values for `attention`; the fused decode path writes the buffers itself.
+    It is the only writer of its buffers. Called with this step's k, v [T, Hk, D], it stores them
+    at `positions` and returns the first `n_read` rows of keys and values for `attention`;
+    `rope_store_attend` does RoPE, the write and the attention in one fused kernel where one takes
+    the step.
     """
 
     k: torch.Tensor  # [rows, Hk, D] keys: of every position, or a ring of the latest ones
     v: torch.Tensor  # [rows, Hk, D] values
     positions: torch.Tensor  # [T] this step's positions, on the buffers' device
     n_read: int  # attention reads rows 0..n_read-1 (a ring: all its rows)
+    kernels: AttentionKernels
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def key_positions(self) -> torch.Tensor | None: ...
+
+    def rope_store_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
+        sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
+        softcap: float | None,
+    ) -> torch.Tensor | None: ...  # fmt: skip
 
 
 def rope_attention(
@@ -56,23 +86,12 @@ def rope_attention(
     in `cache`, then `attention` over its first n_read rows: [T, H * D].
 
     `mask` (from `causal_mask`, for the eager path) and `window` (for the fused kernel) describe the
-    same visibility. One token on a GPU takes `llmx.kernels.decode_attention`: two kernel launches
-    instead of ~25 (see FUSED_ATTENTION).
+    same visibility. A one-token step goes to the cache's fused kernel where one takes it (two
+    launches on a GPU instead of ~25; see `AttentionKernels`).
     """
-    if _fused_decode(q, v, cache):
-        from llmx.kernels.decode_attention import decode_attention
-
-        return decode_attention(
-            q, k, v, cos, sin, cache.k, cache.v, cache.positions, cache.n_read,
-            n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
-        )  # fmt: skip
-    if _native_cpu_step(q, cache, mask, softcap):
-        from llmx.kernels import cpu_attention
-
-        scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        out = cpu_attention.rope_decode_attention(q, k, v, rope, (cos, sin), cache, scale_)
-        if out is not None:
-            return out
+    out = cache.rope_store_attend(q, k, v, rope, cos, sin, mask, window, scale, softcap)
+    if out is not None:
+        return out
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     keys, values = cache(k, v)
     ring = cache.key_positions()
@@ -80,9 +99,10 @@ def rope_attention(
         mask = ring_mask(cache.positions, ring, window).to(q.device)  # --no-kv-offload: from the CPU
     # A prompt batch ends at the last cached key, so its mask is causal aligned to the bottom right,
     # unless a sliding window cuts in; then a GPU can attend without materializing the scores.
-    if q.is_cuda and q.shape[0] > 1 and softcap is None and (window is None or cache.n_read <= window):
+    whole = window is None or cache.n_read <= window
+    if cache.kernels.flash and q.is_cuda and q.shape[0] > 1 and softcap is None and whole:
         return causal_prompt_attention(q, keys, values, scale)
-    return attention(q, keys, values, mask, scale, softcap)
+    return attention(q, keys, values, mask, scale, softcap, cache.kernels)
 
 
 def causal_prompt_attention(
@@ -110,17 +130,6 @@ def causal_prompt_attention(
     return out[0].transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
 
 
-def _fused_decode(q: torch.Tensor, v: torch.Tensor, cache: LayerKV) -> bool:
-    """Whether the fused kernel can run this step: one token, everything on one device (not a GPU
-    layer whose cache stays on the CPU), equal key and value widths, and Triton at hand."""
-    if FUSED_ATTENTION == "off" or q.shape[0] != 1:
-        return False
-    if FUSED_ATTENTION == "auto" and not (q.is_cuda and has_triton()):
-        return False
-    one_device = q.device == cache.k.device == cache.v.device == cache.positions.device
-    return one_device and q.shape[-1] == v.shape[-1] == cache.k.shape[-1] == cache.v.shape[-1]
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -128,8 +137,9 @@ def attention(
     mask: torch.Tensor | None,
     scale: float | None = None,
     softcap: float | None = None,
+    kernels: AttentionKernels = DEFAULT_KERNELS,
 ) -> torch.Tensor:
-    """Grouped-query attention of T queries over the N cached keys.
+    """Grouped-query attention of T queries over the N cached keys, with `kernels`.
 
     q [T, H, D]; k, v [N, Hk, D]: the cache's first N rows, this step's keys included. `mask` [T, N]
     (True = visible) comes from `causal_mask`; None means every key is visible to every query.
@@ -137,7 +147,9 @@ def attention(
     """
     t, n_head, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if _native_cpu_decode(q, k, mask, softcap):
+    if softcap is not None or not kernels.flash:  # outside SDPA's vocabulary, or -fa off
+        return math_attention(q, k, v, mask, scale, softcap)
+    if kernels.decode != "off" and native_cpu_decode(q, k, mask):
         from llmx.kernels import cpu_attention
 
         out = cpu_attention.decode_attention(q, k, v, scale)
@@ -147,38 +159,43 @@ def attention(
     # on the CPU in float32, where half-precision math is slow.
     dtype = k.dtype if q.is_cuda else q.dtype
     qh, kh, vh = q.transpose(0, 1).to(dtype), k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype)
-    if softcap is None:
-        # Unmasked (a decode step over exactly its past): 4-D [batch, heads, tokens, dim] tensors,
-        # which reach PyTorch's fused kernels (the CPU's flash attention: 3-5x faster per step than
-        # the math path that 3-D tensors take). Masked prompts keep the math path, whose summation
-        # order matches the float32 references' (tests/test_logits.py).
-        if mask is None:
-            qh, kh, vh = qh[None], kh[None], vh[None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-        out = out[0] if mask is None else out
-    else:  # logit soft-capping is outside SDPA's vocabulary: spell attention out
-        group = n_head // kh.shape[0]
-        kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
-        scores = softcap * torch.tanh((qh @ kh.transpose(1, 2)) * scale / softcap)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        out = scores.softmax(-1) @ vh
+    # Unmasked (a decode step over exactly its past): 4-D [batch, heads, tokens, dim] tensors, which
+    # reach PyTorch's fused kernels (the CPU's flash attention: 3-5x faster per step than the math
+    # path that 3-D tensors take). Masked prompts keep the math path, whose summation order matches
+    # the float32 references' (tests/test_logits.py).
+    if mask is None:
+        qh, kh, vh = qh[None], kh[None], vh[None]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = out[0] if mask is None else out
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
 
 
-def _native_cpu_step(
-    q: torch.Tensor, cache: LayerKV, mask: torch.Tensor | None, softcap: float | None
-) -> bool:
-    """Whether a CPU step's RoPE, cache write and attention can go to `cpu_attention` in one call: as
-    `_native_cpu_decode`, with its cache on the CPU too."""
-    return _native_cpu_decode(q, cache.k, mask, softcap) and cache.positions.device.type == "cpu"
+def math_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`attention` spelled out, the scores [H, T, N] materialized in float32 (llama.cpp's attention
+    without `-fa`): softmax(softcap(q k^T * scale), masked) v. Shapes as `attention`'s."""
+    t, n_head, head_dim = q.shape
+    qh, kh, vh = (x.transpose(0, 1).float() for x in (q, k, v))
+    group = n_head // kh.shape[0]
+    kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+    scores = (qh @ kh.transpose(1, 2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = scores.softmax(-1) @ vh
+    return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
 
 
-def _native_cpu_decode(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, softcap: float | None
-) -> bool:
-    """Whether a CPU step takes `llmx.kernels.cpu_attention`: one float32 token seeing every key of
-    its cache (not with FUSED_ATTENTION "off")."""
-    if FUSED_ATTENTION == "off" or mask is not None or softcap is not None:
+def native_cpu_decode(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a CPU step may take `llmx.kernels.cpu_attention`: one float32 token seeing every key
+    of its cache (unless the kernels' `decode` is "off")."""
+    if mask is not None:
         return False
     return q.shape[0] == 1 and q.dtype == torch.float32 and not q.is_cuda and not k.is_cuda
