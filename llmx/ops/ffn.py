@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmx.ops import norms
 from llmx.ops.matmul import linear, linear_many
+from llmx.ops.norms import fused_rows
 from llmx.quant import weight as qw
 from llmx.quant.weight import QWeight
 
@@ -22,7 +22,7 @@ def swiglu(
     ):
         return y if residual is None else y.add_(residual)  # a CPU decode step: one native call
     g, u = linear_many(x, [gate, up])
-    if norms.fused_rows(g) and u.shape == g.shape and u.dtype == g.dtype and u.device == g.device:
+    if fused_rows(g) and u.shape == g.shape and u.dtype == g.dtype and u.device == g.device:
         from llmx.kernels import norm
 
         return linear(norm.silu_mul(g, u), down, residual)
