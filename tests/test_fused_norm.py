@@ -1,5 +1,5 @@
 """The fused row ops (`llmx.kernels.norm`) against the eager ops they replace, all reached through
-`ops.rms_norm`, `ops.add_rms_norm` and `ops.swiglu` with `ops.FUSED_NORM` "on" and "off".
+`ops.rms_norm`, `ops.add_rms_norm` and `ops.swiglu` with `ops.norms.FUSED_NORM` "on" and "off".
 
 Without CUDA the kernels run on CPU tensors under TRITON_INTERPRET=1 (set here before triton is
 first imported). Widths: SmolLM2-135M's 576, Llama-3-8B's 4096, a width that is no power of two

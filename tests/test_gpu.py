@@ -12,8 +12,8 @@ import torch
 import llmx
 from llmx.errors import LlmxError
 from llmx.models_on_disk import default_model_path
-from llmx.runtime.segments import Segment, segments
 from llmx.runtime.offload import NEVER, offload_threshold
+from llmx.runtime.segments import Segment, segments
 
 PROMPT = "The three primary colours are"
 N = 32
@@ -144,7 +144,7 @@ def test_prompts_run_eagerly_when_a_graph_does_not_fit(model_path, cpu_tokens, m
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(executor, "_capture", no_memory)  # decode graphs are captured already
+    monkeypatch.setattr(executor.graphs, "capture", no_memory)  # decode graphs are captured already
     with pytest.warns(UserWarning, match="no GPU memory left to capture prompt graphs"):
         again = forced_logits(model, tokens)
     assert torch.equal(again, eager) and executor.graphs.prompt_off
