@@ -22,7 +22,7 @@ import time
 import torch
 
 from llmx.kernels.exchange import Exchange
-from llmx.runtime.executor import forked
+from llmx.runtime.graphs import forked
 
 
 def _timed(graph: torch.cuda.CUDAGraph, reps: int, devices: list[torch.device]) -> float:

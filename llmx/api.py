@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 
+from llmx import settings
 from llmx.engine import WARM_UP_PROMPTS, Engine
 from llmx.gguf import ModelFile, open_gguf
 from llmx.models import model_class
 from llmx.models.common import Config, Model
 from llmx.models_on_disk import default_model_path
+from llmx.ops.cached_attention import AttentionKernels
 from llmx.plan.fit import plan as make_plan
 from llmx.plan.model import ModelSpec
 from llmx.plan.options import Options, options_from_kwargs
@@ -122,8 +124,9 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     rendezvous = Rendezvous(len(devices))
     reducers = exchange_reducers(devices, opts.n_ubatch * config.n_embd, rendezvous) if devices else []
     models = deal(cls, config, top, layers, reducers)
+    attention = AttentionKernels.choose(opts.flash_attn, settings.fused_attention())
     caches = [
-        KVCache(plan.ctx, kv_shapes(cls, config, plan, j), opts.cache_type_k, opts.cache_type_v)
+        KVCache(plan.ctx, kv_shapes(cls, config, plan, j), opts.cache_type_k, opts.cache_type_v, attention)
         for j in range(len(models))
     ]
     model, cache = models[0], caches[0]

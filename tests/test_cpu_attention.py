@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from llmx import ops
 from llmx.kernels import cpu_attention
+from llmx.ops.cached_attention import AttentionKernels
 from llmx.quant import cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native kernels")
@@ -61,8 +62,7 @@ def test_ops_take_it_for_one_unmasked_token(monkeypatch) -> None:
     native = ops.attention(q, k, v, None)
     assert calls == [1]
     ops.attention(q, k, v, torch.ones(1, k.shape[0], dtype=torch.bool))  # masked
-    monkeypatch.setattr(ops, "FUSED_ATTENTION", "off")
-    flash = ops.attention(q, k, v, None)
+    flash = ops.attention(q, k, v, None, kernels=AttentionKernels(decode="off"))
     assert calls == [1]
     assert relative_error(native, flash.double()) < 1e-5
 
@@ -77,7 +77,7 @@ def test_shapes_it_does_not_take_keep_the_flash_path() -> None:
     assert cpu_attention.decode_attention(q, k[::2], v[::2], 0.125) is None
 
 
-# --- the whole step: RoPE, cache write and attention in one call (`rope_decode_attention`) ---------
+# --- the whole step: RoPE, cache write and attention in one call, run by the cache ----------------
 
 
 def unfused_step(q, k, v, rope, cos, sin, cache, scale):
@@ -113,7 +113,7 @@ def test_one_call_step_matches_rope_then_write_then_attention(
     fused_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
     torch_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
     q_before, k_before = q.clone(), k.clone()
-    out = cpu_attention.rope_decode_attention(q, k, v, rope, (cos, sin), fused_cache, 0.1)
+    out = fused_cache.rope_store_attend(q, k, v, rope, cos, sin, None, None, 0.1, None)
     assert torch.equal(q, q_before) and torch.equal(k, k_before)  # rotated into copies, not in place
     want = unfused_step(q, k, v, rope, cos, sin, torch_cache, 0.1)
     assert out is not None and out.shape == (1, n_head * dim)
@@ -141,7 +141,7 @@ def test_cache_rows_round_as_torch_does(dtype, native_kernels) -> None:
     cos, sin = torch.ones(1, 32), torch.zeros(1, 32)
     cache = LayerWriter(torch.zeros(4, 2, 64, dtype=dtype), torch.zeros(4, 2, 64, dtype=dtype), positions, 1)
     q = torch.randn(1, 2, 64)
-    assert cpu_attention.rope_decode_attention(q, k, k, rope, (cos, sin), cache, 0.1) is not None
+    assert cache.rope_store_attend(q, k, k, rope, cos, sin, None, None, 0.1, None) is not None
     want = k[0].to(dtype)
     assert torch.equal(cache.k[0].view(torch.int16), want.view(torch.int16))
     assert torch.equal(cache.v[0].view(torch.int16), want.view(torch.int16))

@@ -1,6 +1,6 @@
 """The fused decode attention (`llmx.kernels.decode_attention`) against the eager path it replaces
 (`Rope.apply`, the cache writer's `index_copy_`, `ops.attention`), both reached through
-`ops.rope_attention` with `ops.FUSED_ATTENTION` "on" and "off".
+`ops.rope_attention` over a cache whose `AttentionKernels` decode "on" and "off".
 
 Without CUDA the kernel runs on CPU tensors under TRITON_INTERPRET=1 (set here before triton is
 first imported) with small shapes that still take several splits, sliding windows that cut through
@@ -35,6 +35,7 @@ from tiny_models import greedy_steps, random_prompt, write_tiny  # noqa: E402
 import llmx  # noqa: E402
 from llmx import ops  # noqa: E402
 from llmx.ops import Rope, causal_mask  # noqa: E402
+from llmx.ops.cached_attention import AttentionKernels  # noqa: E402
 from llmx.runtime.cache import LayerWriter  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,14 +91,14 @@ def random_step(c: Case, seed: int = 0):
     return tuple(t.to(DEVICE) for t in (q, k, v, kc, vc))
 
 
-def run(c: Case, mode: str, q, k, v, kc, vc, monkeypatch) -> torch.Tensor:
-    """`ops.rope_attention` as `Model.self_attention` calls it, writing into kc, vc."""
-    monkeypatch.setattr(ops, "FUSED_ATTENTION", mode)
+def run(c: Case, mode: str, q, k, v, kc, vc) -> torch.Tensor:
+    """`ops.rope_attention` as `Model.self_attention` calls it, writing into kc, vc, with the fused
+    decode kernels `mode`."""
     rope = Rope(c.n_dims, 10000.0, c.neox)
     positions = torch.tensor([c.pos], device=DEVICE)
     cos, sin = rope.tables(positions, c.n_read)
     mask = causal_mask(positions, c.n_read, c.window)
-    cache = LayerWriter(kc, vc, positions, c.n_read)
+    cache = LayerWriter(kc, vc, positions, c.n_read, AttentionKernels(decode=mode))
     return ops.rope_attention(q, k, v, rope, cos, sin, cache, mask, c.window, c.scale, c.softcap)
 
 
@@ -105,12 +106,12 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def check(c: Case, monkeypatch, seed: int = 0) -> None:
+def check(c: Case, seed: int = 0) -> None:
     q, k, v, kc0, vc0 = random_step(c, seed)
     ref_k, ref_v = kc0.clone(), vc0.clone()
-    ref = run(c, "off", q, k, v, ref_k, ref_v, monkeypatch)
+    ref = run(c, "off", q, k, v, ref_k, ref_v)
     out_k, out_v = kc0.clone(), vc0.clone()
-    out = run(c, "on", q, k, v, out_k, out_v, monkeypatch)
+    out = run(c, "on", q, k, v, out_k, out_v)
 
     assert out.shape == (1, c.n_head * c.head_dim) and out.dtype == q.dtype
     err = relative_error(out, ref)
@@ -123,8 +124,8 @@ def check(c: Case, monkeypatch, seed: int = 0) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_fused_matches_eager(case: Case, monkeypatch) -> None:
-    check(case, monkeypatch)
+def test_fused_matches_eager(case: Case) -> None:
+    check(case)
 
 
 @pytest.mark.parametrize("head_dim", [32, 40])
@@ -135,7 +136,7 @@ def test_output_carries_its_quantized_form_where_heads_hold_whole_groups(head_di
 
     monkeypatch.setattr(triton_ops, "wants_quantized", lambda x: True)
     c = Case(4, 2, head_dim, 32, True, F32, pos=37, n_read=38)
-    out = run(c, "on", *random_step(c), monkeypatch)
+    out = run(c, "on", *random_step(c))
     qx = triton_ops.attached_quantized(out)
     if head_dim % 32:
         assert qx is None
@@ -145,12 +146,12 @@ def test_output_carries_its_quantized_form_where_heads_hold_whole_groups(head_di
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks that CPU tensors stay on the eager path")
-def test_auto_keeps_cpu_and_prompts_eager(monkeypatch) -> None:
+def test_auto_keeps_cpu_and_prompts_eager() -> None:
     """ "auto" fuses only CUDA steps; a prompt step (T > 1) stays eager even when forced "on"."""
     c = CASES[1]
     q, k, v, kc, vc = random_step(c)
-    ref = run(c, "off", q, k, v, kc.clone(), vc.clone(), monkeypatch)
-    assert torch.equal(run(c, "auto", q, k, v, kc.clone(), vc.clone(), monkeypatch), ref)
+    ref = run(c, "off", q, k, v, kc.clone(), vc.clone())
+    assert torch.equal(run(c, "auto", q, k, v, kc.clone(), vc.clone()), ref)
 
     t, rope = 3, Rope(c.n_dims, 10000.0, c.neox)
     q, k, v = q.expand(t, -1, -1), k.expand(t, -1, -1), v.expand(t, -1, -1)
@@ -159,8 +160,7 @@ def test_auto_keeps_cpu_and_prompts_eager(monkeypatch) -> None:
     mask = causal_mask(positions, c.n_read)
     outs = []
     for mode in ("off", "on"):
-        monkeypatch.setattr(ops, "FUSED_ATTENTION", mode)
-        cache = LayerWriter(kc.clone(), vc.clone(), positions, c.n_read)
+        cache = LayerWriter(kc.clone(), vc.clone(), positions, c.n_read, AttentionKernels(decode=mode))
         outs.append(ops.rope_attention(q, k, v, rope, cos, sin, cache, mask))
     assert torch.equal(*outs)
 
@@ -169,14 +169,14 @@ def test_auto_keeps_cpu_and_prompts_eager(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # adjacent pairs + GQA; NeoX + window + q/k norm
-def test_tiny_model_greedy_decode_is_unchanged(arch: str, tmp_path, monkeypatch) -> None:
+def test_tiny_model_greedy_decode_is_unchanged(arch: str, tmp_path) -> None:
     # -ub 4: gemma3's local layers keep a ring of 8 + 4 = 12 positions, which 12 + 8 tokens wrap
     model = llmx.load(write_tiny(arch, "F32", tmp_path), ctx_size=64, ubatch_size=4, threads=1)
     assert arch != "gemma3" or model.engine.executor.cache.k[0].shape[0] == 12
     prompt = random_prompt(12, seed=3)  # longer than gemma3's 8-token window
 
     def decode(mode: str) -> tuple[list[int], torch.Tensor]:
-        monkeypatch.setattr(ops, "FUSED_ATTENTION", mode)
+        model.engine.executor.cache.kernels = AttentionKernels(decode=mode)
         return greedy_steps(model, prompt)
 
     eager_tokens, eager_logits = decode("off")
@@ -197,24 +197,23 @@ LLAMA3 = dict(n_head=32, n_head_kv=8, head_dim=128, n_dims=128, neox=False)
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=str)
 @pytest.mark.parametrize("n_read", [256, 8192])
 @pytest.mark.parametrize("variant", ["plain", "bucket", "window-softcap"])
-def test_gpu_llama3_shapes(dtype: torch.dtype, n_read: int, variant: str, monkeypatch) -> None:
+def test_gpu_llama3_shapes(dtype: torch.dtype, n_read: int, variant: str) -> None:
     pos = n_read - 100 if variant == "bucket" else n_read - 1
     extra = dict(window=4096, softcap=50.0, neox=True) if variant == "window-softcap" else {}
-    check(Case(**{**LLAMA3, **extra}, dtype=dtype, pos=pos, n_read=n_read, n_ctx=n_read), monkeypatch)
+    check(Case(**{**LLAMA3, **extra}, dtype=dtype, pos=pos, n_read=n_read, n_ctx=n_read))
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_cuda_graph_replays_at_every_position(monkeypatch) -> None:
+def test_gpu_cuda_graph_replays_at_every_position() -> None:
     """One capture for a 512-row bucket serves every position below it, as the executor uses it."""
     c = Case(**LLAMA3, dtype=F16, pos=0, n_read=512, n_ctx=512)
     q, k, v, kc, vc = random_step(c)
     rope, positions = Rope(c.n_dims, 10000.0, c.neox), torch.zeros(1, dtype=torch.long, device=DEVICE)
-    monkeypatch.setattr(ops, "FUSED_ATTENTION", "auto")
 
     def step() -> torch.Tensor:
         cos, sin = rope.tables(positions, c.n_read)
-        cache = LayerWriter(kc, vc, positions, c.n_read)
+        cache = LayerWriter(kc, vc, positions, c.n_read, AttentionKernels(decode="auto"))
         return ops.rope_attention(q, k, v, rope, cos, sin, cache, causal_mask(positions, c.n_read))
 
     step()  # compile and build the RoPE table outside the graph
@@ -226,7 +225,7 @@ def test_gpu_cuda_graph_replays_at_every_position(monkeypatch) -> None:
         positions.fill_(pos)
         graph.replay()
         at = Case(**LLAMA3, dtype=F16, pos=pos, n_read=512, n_ctx=512)
-        ref = run(at, "off", q, k, v, ref_k, ref_v, monkeypatch)
+        ref = run(at, "off", q, k, v, ref_k, ref_v)
         assert relative_error(out, ref) < TOL[F16]
         torch.testing.assert_close(kc[pos].float(), ref_k[pos].float(), rtol=1e-3, atol=1e-6)
 

@@ -1,5 +1,5 @@
 """The fused row ops (`llmx.kernels.norm`) against the eager ops they replace, all reached through
-`ops.rms_norm`, `ops.add_rms_norm` and `ops.swiglu` with `ops.FUSED_NORM` "on" and "off".
+`ops.rms_norm`, `ops.add_rms_norm` and `ops.swiglu` with `ops.norms.FUSED_NORM` "on" and "off".
 
 Without CUDA the kernels run on CPU tensors under TRITON_INTERPRET=1 (set here before triton is
 first imported). Widths: SmolLM2-135M's 576, Llama-3-8B's 4096, a width that is no power of two
@@ -49,7 +49,7 @@ def check_norms(shape: tuple[int, ...], dtype: torch.dtype, monkeypatch) -> None
     x, delta = rows(shape, dtype, 0, 3.0), rows(shape, dtype, 1)
     weight = rows(shape[-1:], F32, 2) + 1.0  # GGUF norm weights are float32
 
-    monkeypatch.setattr(ops, "FUSED_NORM", "on")
+    monkeypatch.setattr(ops.norms, "FUSED_NORM", "on")
     y = ops.rms_norm(x, weight, EPS)
     h, hy = ops.add_rms_norm(x, delta, weight, EPS)
 
@@ -106,7 +106,7 @@ def test_swiglu_takes_silu_mul(monkeypatch) -> None:
     x = torch.randn(1, 64, generator=g).to(DEVICE)
     outs = []
     for mode in ("off", "on"):
-        monkeypatch.setattr(ops, "FUSED_NORM", mode)
+        monkeypatch.setattr(ops.norms, "FUSED_NORM", mode)
         outs.append(ops.swiglu(x, gate, up, down))
     assert relative_error(outs[1], outs[0]) < 1e-6
 
@@ -144,9 +144,9 @@ def test_auto_takes_triton_only_on_cuda_and_prompts_stay_eager(monkeypatch) -> N
     built: F.rms_norm's values to float32 rounding); a step of more than FUSED_NORM_MAX_TOKENS stays
     eager when "on"."""
     weight = rows((64,), F32, 2)
-    for mode, t in (("auto", 1), ("on", ops.FUSED_NORM_MAX_TOKENS + 1)):
+    for mode, t in (("auto", 1), ("on", ops.norms.FUSED_NORM_MAX_TOKENS + 1)):
         x, delta = rows((t, 64), F32, 0), rows((t, 64), F32, 1)
-        monkeypatch.setattr(ops, "FUSED_NORM", mode)
+        monkeypatch.setattr(ops.norms, "FUSED_NORM", mode)
         close = torch.equal if mode == "on" else functools.partial(torch.allclose, rtol=1e-6, atol=1e-6)
         assert close(ops.rms_norm(x, weight, EPS), F.rms_norm(x, (64,), weight, EPS))
         h, hy = ops.add_rms_norm(x, delta, weight, EPS)
@@ -170,7 +170,7 @@ def test_tiny_model_greedy_decode_is_unchanged(arch: str, tmp_path, monkeypatch)
     prompt = random_prompt(12, seed=3)
 
     def decode(mode: str) -> tuple[list[int], torch.Tensor]:
-        monkeypatch.setattr(ops, "FUSED_NORM", mode)
+        monkeypatch.setattr(ops.norms, "FUSED_NORM", mode)
         return greedy_steps(model, prompt)
 
     calls = dict.fromkeys(["rms_norm", "add_rms_norm", "silu_mul"], 0)
@@ -213,7 +213,7 @@ def test_gpu_silu_mul(t: int, width: int, dtype: torch.dtype, joined: bool) -> N
 @gpu
 def test_gpu_auto_dispatch_and_cuda_graph(monkeypatch) -> None:
     """ "auto" takes the kernels for a CUDA decode row, and a captured graph replays them on new values."""
-    monkeypatch.setattr(ops, "FUSED_NORM", "auto")
+    monkeypatch.setattr(ops.norms, "FUSED_NORM", "auto")
     x, delta, weight = rows((1, 4096), F32, 0), rows((1, 4096), F32, 1), rows((4096,), F32, 2)
     ops.add_rms_norm(x, delta, weight, EPS)  # compile outside the graph
     graph = torch.cuda.CUDAGraph()

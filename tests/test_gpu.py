@@ -12,8 +12,8 @@ import torch
 import llmx
 from llmx.errors import LlmxError
 from llmx.models_on_disk import default_model_path
-from llmx.runtime.executor import Segment, segments
 from llmx.runtime.offload import NEVER, offload_threshold
+from llmx.runtime.segments import Segment, segments
 
 PROMPT = "The three primary colours are"
 N = 32
@@ -126,9 +126,9 @@ def test_graphs_match_eager_after_the_context_grows(model_path, cpu_tokens):
     model.engine.n_past = 1000
     model.engine.decode(tokens[0])  # a graph of the last bucket: every RoPE table grows
     torch.full((1 << 26,), float("nan"), device="cuda")  # scribble over what was freed
-    assert len(executor._prompt_graphs) == 0
+    assert len(executor.graphs.prompt) == 0
     graphed = forced_logits(model, tokens)  # the prompt's second sighting: captured and replayed
-    assert len(executor._prompt_graphs) == sum(s.device.type == "cuda" for s in executor._segments)
+    assert len(executor.graphs.prompt) == sum(s.device.type == "cuda" for s in executor.segments)
     again = forced_logits(model, tokens)  # replayed from the kept graph
     for logits in (graphed, again):
         assert torch.isfinite(logits).all()
@@ -145,10 +145,10 @@ def test_prompts_run_eagerly_when_a_graph_does_not_fit(model_path, cpu_tokens, m
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(executor, "_capture", no_memory)  # decode graphs are captured already
+    monkeypatch.setattr(executor.graphs, "capture", no_memory)  # decode graphs are captured already
     with pytest.warns(UserWarning, match="no GPU memory left to capture prompt graphs"):
         again = forced_logits(model, tokens)
-    assert torch.equal(again, eager) and executor._prompt_graphs_off
+    assert torch.equal(again, eager) and executor.graphs.prompt_off
     assert torch.equal(forced_logits(model, tokens), eager)
 
 
@@ -171,7 +171,7 @@ def test_prompt_graphs_of_many_shapes_cost_no_workspace_each(model_path):
     for n in range(19, 27):
         twice(n)
     torch.cuda.synchronize()
-    assert len(engine.executor._prompt_graphs) == 10
+    assert len(engine.executor.graphs.prompt) == 10
     assert torch.cuda.memory_allocated(0) - before < 32 * 2**20
 
 
@@ -197,7 +197,7 @@ def test_row_split_decode_replays_one_graph_across_both_gpus(model_path, cpu_tok
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*could not be captured")
         assert greedy_ids(model) == cpu_tokens
-    assert executor._graphs
+    assert executor.graphs.decode
 
 
 @pytest.mark.gpu

@@ -54,7 +54,7 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 def exercise(engine, ub: int) -> None:
     """Decode steps in every CUDA-graph bucket (each captures a graph), a few in a row, then a prompt
     of `ub` tokens that ends at the end of the context."""
-    from llmx.runtime.executor import GRAPH_BUCKET
+    from llmx.runtime.graphs import GRAPH_BUCKET
 
     engine.reset()
     for pos in range(0, CTX, GRAPH_BUCKET):

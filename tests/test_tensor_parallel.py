@@ -162,7 +162,8 @@ class CpuSplit:
 
     def run_whole(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         for i in range(self.whole.config.n_layer):
-            x = self.whole.block(i, x, step, self.whole_cache.writer(i, step.positions, step.n_read))
+            writer = self.whole_cache.writer(i, step.positions, step.n_read)
+            x = self.whole.block(i, self.whole.layers[i], x, step, writer)
         return x
 
 

@@ -1,6 +1,7 @@
 """Kernels for the non-matmul ops of `llmx.ops`: Triton ones for GPUs, and a native one for the CPU.
 
-Only `llmx.ops` imports them, lazily: the Triton modules (importing one imports triton) only for
+Only `llmx.ops` and the KV cache (`llmx.runtime.cache`, which runs the kernels that write it)
+import them, lazily: the Triton modules (importing one imports triton) only for
 CUDA tensors (or when a test forces a kernel under TRITON_INTERPRET=1), so CPU-only installs never
 load triton.
 
@@ -8,3 +9,12 @@ load triton.
 - `norm`: RMSNorm, residual add + RMSNorm, and silu(g) * u of a few rows, one launch each.
 - `cpu_attention`: one CPU token over its cache, in one call of the native CPU kernels (no triton).
 """
+
+from functools import cache
+from importlib.util import find_spec
+
+
+@cache
+def has_triton() -> bool:
+    """Whether Triton is installed (without importing it)."""
+    return find_spec("triton") is not None

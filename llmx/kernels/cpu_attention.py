@@ -17,14 +17,9 @@ flash path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from llmx.quant import cpu_native
-
-if TYPE_CHECKING:
-    from llmx.ops import LayerKV, Rope
 
 
 def _takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -50,16 +45,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def rope_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, tables: tuple[torch.Tensor, torch.Tensor],
-    cache: LayerKV, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neox: bool, cos: torch.Tensor, sin: torch.Tensor,
+    kc: torch.Tensor, vc: torch.Tensor, positions: torch.Tensor, n_read: int, scale: float,
 ) -> torch.Tensor | None:  # fmt: skip
-    """`ops.rope_attention` for one float32 token whose cache is on the CPU and not a wrapped ring,
-    seeing every key of it: q [1, H, D], k and v [1, Hk, D] this step's, `tables` its (cos, sin)
-    [1, n_dims / 2] -> [1, H * D], the cache written; None (nothing written) where the native kernel
-    does not take it."""
-    cos, sin = tables
-    kc, vc = cache.k, cache.v
-    slot = int(cache.positions[0])
-    if not (_takes(q, kc, vc) and k.shape[-1] == q.shape[-1] and slot < cache.n_read <= kc.shape[0]):
+    """`ops.rope_attention` for one float32 token whose cache kc, vc [rows, Hk, D] is on the CPU and
+    not a wrapped ring, seeing every key of it: q [1, H, D], k and v [1, Hk, D] this step's, cos and
+    sin [1, n_dims / 2] its RoPE angles (NeoX halves or adjacent pairs), `positions` [1] its
+    position -> [1, H * D], k rotated and stored with v in row positions[0]; None (nothing written)
+    where the native kernel does not take it. Only the cache (`runtime.cache.LayerWriter`) calls it."""
+    slot = int(positions[0])
+    if not (_takes(q, kc, vc) and k.shape[-1] == q.shape[-1] and slot < n_read <= kc.shape[0]):
         return None
-    return cpu_native.rope_store_attend(q, k, v, cos[0], sin[0], rope.neox, kc, vc, slot, cache.n_read, scale)
+    return cpu_native.rope_store_attend(q, k, v, cos[0], sin[0], neox, kc, vc, slot, n_read, scale)

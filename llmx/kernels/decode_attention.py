@@ -17,7 +17,8 @@ p lives in row p mod R: R is the context for most layers, a ring for sliding-win
 - `combine_kernel`, grid (H,): merges each head's S partial outputs with log-sum-exp weights, and
   on a GPU also writes the row quantized for the o projection's integer-dot GEMV.
 
-Nothing depends on a value read back to the host, so a CUDA graph captured for one n_read replays
+The KV cache calls it (`runtime.cache.LayerWriter.rope_store_attend`): it owns the buffers this
+writes. Nothing depends on a value read back to the host, so a CUDA graph captured for one n_read replays
 correctly for every position below it. Scores, softmax and sums are float32; the two products take
 their operands in the cache's dtype on a GPU (tensor cores; `ops.attention` attends in it there
 too) and in float32 under TRITON_INTERPRET=1 (numpy cannot multiply bf16, and the CPU path attends
@@ -27,6 +28,7 @@ in float32).
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import torch
 import triton
@@ -37,7 +39,7 @@ from llmx.quant import triton_ops
 from llmx.quant.triton.dot8 import store_quantized_block
 
 BLOCK_N = 64  # keys per loop step
-TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs: split the keys until Hk * S reaches it
+INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's, so tests split as it does
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -68,7 +70,7 @@ def decode_attention(
     _, n_head, d = q.shape
     n_kv = k.shape[1]
     span = n_read if window is None else min(n_read, window)
-    splits = max(1, min(triton.cdiv(span, BLOCK_N), triton.cdiv(TARGET_PROGRAMS, n_kv)))
+    splits = max(1, min(triton.cdiv(span, BLOCK_N), triton.cdiv(target_programs(q.device), n_kv)))
     partial = torch.empty(n_head, splits, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(n_head, splits, 2, dtype=torch.float32, device=q.device)  # max (log2 units), sum
     out = torch.empty(1, n_head * d, dtype=q.dtype, device=q.device)
@@ -97,6 +99,14 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
+
+
+@cache
+def target_programs(device: torch.device) -> int:
+    """How many programs (Hk * S) to split the keys into on `device`: the power of two nearest two
+    waves of its SMs (256 on an H200's 132), so every SM gets work and a power-of-two Hk divides it."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    return 1 << round(math.log2(2 * (sms or INTERPRETED_SMS)))
 
 
 # --- kernels ------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """What every architecture shares: the config read from `{arch}.*` keys, the weight tree, the Model base.
 
-A model is three functions over token ids and a KV cache: `embed`, `block(i, ...)` and `head`. The
-runtime walks the blocks, moving the hidden state to each block's device; models never name devices.
+A model is three functions over token ids and a KV cache: `embed`, `block(i, w, ...)` and `head`.
+The runtime walks the blocks, moving the hidden state to each block's device and handing each its
+weights; models never name devices.
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ class Step:
 class Model:
     """Base of every architecture: the weight tree, the config and the three stages of a forward pass.
 
-    `block(i, x, step, cache_kv)` runs layer i; `cache_kv` (an `ops.LayerKV`) is the layer's cache:
-    `cache_kv(k, v) -> (K, V)` stores this step's keys and values and returns the rows attention reads.
+    `block(i, w, x, step, cache_kv)` runs layer i with its weights `w`: `layers[i]`, or a copy of
+    them the runtime streamed to a GPU (the model is never changed for that). `cache_kv` (an
+    `ops.LayerKV`) is the layer's cache: `cache_kv(k, v) -> (K, V)` stores this step's keys and
+    values and returns the rows attention reads.
     """
 
     config_class: ClassVar[type[Config]] = Config
@@ -161,7 +164,7 @@ class Model:
         output = self.top.optional("output")
         return linear(x, self.top.token_embd if output is None else output)
 
-    def block(self, i: int, x: torch.Tensor, step: Step, cache_kv) -> torch.Tensor:
+    def block(self, i: int, w: TensorGroup, x: torch.Tensor, step: Step, cache_kv: LayerKV) -> torch.Tensor:
         raise NotImplementedError
 
     # --- shared pieces -------------------------------------------------------------------------

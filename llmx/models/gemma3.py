@@ -20,7 +20,7 @@ from typing import Any, Self
 import torch
 
 from llmx.models.common import Config, Model, Step, TensorGroup
-from llmx.ops import add_rms_norm, gelu_tanh, linear, linear_many, rms_norm
+from llmx.ops import LayerKV, add_rms_norm, gelu_tanh, linear, linear_many, rms_norm
 from llmx.plan.model import layer_window
 
 LOCAL_ROPE_BASE = 10000.0
@@ -68,8 +68,8 @@ class Gemma3(Model):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return super().embed(ids) * math.sqrt(self.config.n_embd)
 
-    def block(self, i: int, x: torch.Tensor, step: Step, cache_kv) -> torch.Tensor:
-        w, eps, c = self.layers[i], self.config.norm_eps, self.config
+    def block(self, i: int, w: TensorGroup, x: torch.Tensor, step: Step, cache_kv: LayerKV) -> torch.Tensor:
+        eps, c = self.config.norm_eps, self.config
         window = c.window(i)
         rope = self.rope if window is None else self.local_rope
         h = rms_norm(x, w.attn_norm, eps)

@@ -310,7 +310,7 @@ _ARGUMENTS: list[tuple[tuple[str, ...], str, str | None, str, dict[str, Any]]] =
         ("-fa", "--flash-attn"),
         "flash_attn",
         "on|off|auto",
-        "accepted (GPU prompts always use fused attention)",
+        "flash attention (off: attention materializes the scores)",
         _ON,
     ),
     (("--no-mmap",), "no_mmap", None, "read the model file instead of mapping it", _FLAG),

@@ -3,15 +3,23 @@
 Buffers are [rows, Hk, D] in the cache type (`-ctk`/`-ctv`): the whole context, or for a
 sliding-window layer a ring of the plan's `kv_rows` (position p in row p mod rows). Attention reads
 the valid prefix, or the whole ring with each row's position.
+
+The cache is the only writer of its buffers: a step's keys and values go in through its layer
+object (`LayerWriter`), either stored by it or by the fused kernel it runs (`rope_store_attend`),
+which rotates, stores and attends in one call. It holds the attention kernels chosen at load.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from llmx.errors import LlmxError
+from llmx.kernels import has_triton
+from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels, native_cpu_decode
+from llmx.ops.rope import Rope
 
 CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -39,9 +47,14 @@ class LayerShape:
 
 class KVCache:
     def __init__(
-        self, n_ctx: int, layers: list[LayerShape], type_k: str = "f16", type_v: str = "f16"
+        self,
+        n_ctx: int,
+        layers: list[LayerShape],
+        type_k: str = "f16",
+        type_v: str = "f16",
+        kernels: AttentionKernels = DEFAULT_KERNELS,
     ) -> None:
-        self.n_ctx = n_ctx
+        self.n_ctx, self.kernels = n_ctx, kernels
         dk, dv = cache_dtype(type_k), cache_dtype(type_v)
 
         def buffer(s: LayerShape, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -60,7 +73,7 @@ class KVCache:
         kc = self.k[layer]
         if positions.device != kc.device:  # --no-kv-offload: a GPU layer's cache lives on the CPU
             positions = positions.to(kc.device)
-        return LayerWriter(kc, self.v[layer], positions, n_read)
+        return LayerWriter(kc, self.v[layer], positions, n_read, self.kernels)
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,7 @@ class LayerWriter:
     v: torch.Tensor
     positions: torch.Tensor
     n_read: int
+    kernels: AttentionKernels = DEFAULT_KERNELS
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v [T, Hk, D]; the first `n_read` rows (of a ring: all of them, see
@@ -92,3 +106,47 @@ class LayerWriter:
             return None
         r = torch.arange(rows, device=self.positions.device)
         return r + torch.div(self.positions[-1] - r, rows, rounding_mode="floor") * rows
+
+    def rope_store_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
+        sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
+        softcap: float | None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """`ops.rope_attention` of one token in one fused kernel: q [1, H, D] and this step's k, v
+        [1, Hk, D] -> [1, H * D], k rotated and stored with v at `positions`. Triton's kernel
+        (`kernels.decode_attention`) where everything lives on one GPU, the native one
+        (`kernels.cpu_attention`) for a float32 CPU step over its whole cache; None, nothing
+        written, where neither takes the step or `kernels.decode` is "off"."""
+        if self._triton_takes(q, v):
+            from llmx.kernels.decode_attention import decode_attention
+
+            return decode_attention(
+                q, k, v, cos, sin, self.k, self.v, self.positions, self.n_read,
+                n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
+            )  # fmt: skip
+        if self._native_takes(q, mask, softcap):
+            from llmx.kernels import cpu_attention
+
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            return cpu_attention.rope_decode_attention(
+                q, k, v, rope.neox, cos, sin, self.k, self.v, self.positions, self.n_read, scale
+            )
+        return None
+
+    def _triton_takes(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the Triton kernel runs this step: one token, everything on one device (not a GPU
+        layer whose cache stays on the CPU), equal key and value widths, and Triton at hand."""
+        mode = self.kernels.decode
+        if mode == "off" or q.shape[0] != 1:
+            return False
+        if mode == "auto" and not (q.is_cuda and has_triton()):
+            return False
+        one_device = q.device == self.k.device == self.v.device == self.positions.device
+        return one_device and q.shape[-1] == v.shape[-1] == self.k.shape[-1] == self.v.shape[-1]
+
+    def _native_takes(self, q: torch.Tensor, mask: torch.Tensor | None, softcap: float | None) -> bool:
+        """Whether the native CPU kernel may run this step: as `ops.attention`'s native decode, with
+        its cache on the CPU too."""
+        if self.kernels.decode == "off" or softcap is not None:
+            return False
+        return native_cpu_decode(q, self.k, mask) and self.positions.device.type == "cpu"

@@ -14,7 +14,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +29,32 @@ NEVER = sys.maxsize  # the threshold where no CPU layer holds a CPU-resident mat
 
 @dataclass
 class WeightStreamer:
-    """Copies one layer's tensors at a time from pinned host memory to `device`."""
+    """Copies one layer's tensors at a time from pinned host memory to `device`. The copies are
+    values handed to the caller; the model's own layers are never changed."""
 
     device: torch.device
     layers: list[TensorGroup]
     bytes_streamed: int = 0
     _stream: torch.cuda.Stream | None = None
+    _threshold: int | None = None
+
+    def worth_it(self, tokens: int, cpu_layers: Iterable[int]) -> bool:
+        """Whether a prompt batch of `tokens` through CPU layers runs faster streamed to the GPU
+        (`offload_threshold`, measured on the first call over `cpu_layers`)."""
+        if self._threshold is None:
+            self._threshold = offload_threshold((self.layers[i] for i in cpu_layers), self.device)
+        return tokens >= self._threshold
+
+    def streamed(self, order: list[int]) -> Iterator[tuple[int, TensorGroup]]:
+        """(i, layer i's weights on the GPU) for i in `order`, each ready for the current stream when
+        yielded: layer i+1 is copied while the caller computes layer i."""
+        pending = self.prefetch(order[0])
+        for n, i in enumerate(order):
+            group, ready = pending
+            if n + 1 < len(order):
+                pending = self.prefetch(order[n + 1])
+            torch.cuda.current_stream(self.device).wait_event(ready)
+            yield i, group
 
     @staticmethod
     def _pinned_raw(w: QWeight) -> torch.Tensor:

@@ -87,7 +87,8 @@ class TensorParallel:
 
         def block(j: int, i: int) -> None:
             writer = self.caches[j].writer(i, steps[j].positions, steps[j].n_read)
-            xs[j] = self.models[j].block(i, xs[j], steps[j], writer)
+            model = self.models[j]
+            xs[j] = model.block(i, model.layers[i], xs[j], steps[j], writer)
 
         errors: list[BaseException] = []
 

@@ -1,0 +1,43 @@
+"""The only compute API model files see: linear, embedding, norms, RoPE, attention, activations.
+
+Each op runs on the device of its inputs; `linear` and `embedding` hand quantized weights to the one
+kernel dispatcher in `llmx.quant.weight`, so models never branch on a quant type or a device.
+Shapes: T = tokens in this step, H = query heads, Hk = KV heads, D = head dim, E = embedding width.
+
+One concern a module:
+- `split`: weights spread over GPUs (`-sm row`: RowSplit, PartialSum) and `current_device`;
+- `matmul`: matrix products where the weight lives (`linear`, `linear_many`, `embedding`);
+- `norms`: RMSNorm and residual add + RMSNorm (fused kernels for small steps);
+- `ffn`: the gated FFN (`swiglu`) and activations;
+- `rope`: rotary position embedding (`Rope`);
+- `masks`: which cached keys a query sees;
+- `cached_attention`: attention over a layer's KV cache (`rope_attention`) and its kernels.
+"""
+
+from llmx.ops.cached_attention import LayerKV, attention, causal_prompt_attention, rope_attention
+from llmx.ops.ffn import gelu_tanh, swiglu
+from llmx.ops.masks import causal_mask, ring_mask
+from llmx.ops.matmul import embedding, linear, linear_many
+from llmx.ops.norms import add_rms_norm, rms_norm
+from llmx.ops.rope import Rope
+from llmx.ops.split import PartialSum, RowSplit, current_device
+
+__all__ = [
+    "LayerKV",
+    "PartialSum",
+    "Rope",
+    "RowSplit",
+    "add_rms_norm",
+    "attention",
+    "causal_mask",
+    "causal_prompt_attention",
+    "current_device",
+    "embedding",
+    "gelu_tanh",
+    "linear",
+    "linear_many",
+    "ring_mask",
+    "rms_norm",
+    "rope_attention",
+    "swiglu",
+]

@@ -1,0 +1,201 @@
+"""Attention over a layer's KV cache: RoPE, the cache write, and grouped-query attention.
+
+Which kernels run is an `AttentionKernels` value, chosen once at load and held by the cache (whose
+layer object runs the fused ones, being the only writer of its buffers): with `-fa on`/`auto`
+one-token steps take the fused kernels (Triton on a GPU, native on the CPU) and prompt batches on a
+GPU PyTorch's flash kernels; with `-fa off` attention materializes the scores, as llama.cpp's does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from llmx.ops.masks import ring_mask
+from llmx.ops.rope import Rope
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """How attention runs, chosen once at load (`choose`) and held by the KV cache.
+
+    `flash`: PyTorch's fused attention (flash, memory-efficient; scores never stored), llama.cpp's
+    `-fa on`/`auto`; False: the math path, scores materialized in float32 (`-fa off`).
+    `decode`, for one-token steps: "auto" the fused kernels (RoPE, cache write and attention: Triton
+    on a GPU, native on the CPU); "on" the Triton kernel on the CPU too (tests, TRITON_INTERPRET=1);
+    "off" PyTorch's ops.
+    """
+
+    flash: bool = True
+    decode: str = "auto"
+
+    @classmethod
+    def choose(cls, flash_attn: str, fused: str) -> AttentionKernels:
+        """From `-fa` (on/off/auto) and LLMX_FUSED_ATTENTION: `-fa off` turns the fused decode
+        kernels off too (they never store the scores either)."""
+        return cls(flash=False, decode="off") if flash_attn == "off" else cls(flash=True, decode=fused)
+
+
+DEFAULT_KERNELS = AttentionKernels()  # -fa auto, LLMX_FUSED_ATTENTION auto
+
+
+class LayerKV(Protocol):
+    """One layer's KV cache as a step sees it (`llmx.runtime.cache.KVCache.writer` makes one).
+
+    It is the only writer of its buffers. Called with this step's k, v [T, Hk, D], it stores them
+    at `positions` and returns the first `n_read` rows of keys and values for `attention`;
+    `rope_store_attend` does RoPE, the write and the attention in one fused kernel where one takes
+    the step.
+    """
+
+    k: torch.Tensor  # [rows, Hk, D] keys: of every position, or a ring of the latest ones
+    v: torch.Tensor  # [rows, Hk, D] values
+    positions: torch.Tensor  # [T] this step's positions, on the buffers' device
+    n_read: int  # attention reads rows 0..n_read-1 (a ring: all its rows)
+    kernels: AttentionKernels
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def key_positions(self) -> torch.Tensor | None: ...
+
+    def rope_store_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
+        sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
+        softcap: float | None,
+    ) -> torch.Tensor | None: ...  # fmt: skip
+
+
+def rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: Rope,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: LayerKV,
+    mask: torch.Tensor | None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [T, H, D] and k [T, Hk, D] rotated by `rope` (cos/sin from `Rope.tables`), k and v stored
+    in `cache`, then `attention` over its first n_read rows: [T, H * D].
+
+    `mask` (from `causal_mask`, for the eager path) and `window` (for the fused kernel) describe the
+    same visibility. A one-token step goes to the cache's fused kernel where one takes it (two
+    launches on a GPU instead of ~25; see `AttentionKernels`).
+    """
+    out = cache.rope_store_attend(q, k, v, rope, cos, sin, mask, window, scale, softcap)
+    if out is not None:
+        return out
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    keys, values = cache(k, v)
+    ring = cache.key_positions()
+    if ring is not None:  # a sliding-window layer's ring: rows are not in position order
+        mask = ring_mask(cache.positions, ring, window).to(q.device)  # --no-kv-offload: from the CPU
+    # A prompt batch ends at the last cached key, so its mask is causal aligned to the bottom right,
+    # unless a sliding window cuts in; then a GPU can attend without materializing the scores.
+    whole = window is None or cache.n_read <= window
+    if cache.kernels.flash and q.is_cuda and q.shape[0] > 1 and softcap is None and whole:
+        return causal_prompt_attention(q, keys, values, scale)
+    return attention(q, keys, values, mask, scale, softcap, cache.kernels)
+
+
+def causal_prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """`attention` for T queries at the last T of N positions, each seeing the keys up to its own.
+
+    On a GPU this is PyTorch's flash or memory-efficient kernel (the mask is implicit, the scores are
+    never stored: -ub x context x heads x ~13 bytes on the math path); on the CPU it falls back to
+    the masked math path. q [T, H, D], k and v [N, Hk, D] -> [T, H * D].
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    t, n_head, head_dim = q.shape
+    n_keys, n_head_kv = k.shape[0], k.shape[1]
+    dtype = k.dtype if q.is_cuda else q.dtype
+    qh = q.transpose(0, 1)[None].to(dtype)
+    kh, vh = k.transpose(0, 1)[None].to(dtype), v.transpose(0, 1)[None].to(dtype)
+    if t == n_keys:  # the first batch of a sequence: plain causal, GQA done by the kernel
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # the bottom-right variant reaches the fused kernels only with one K/V head per query head
+        group = n_head // n_head_kv
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, n_keys), scale=scale)
+    return out[0].transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    kernels: AttentionKernels = DEFAULT_KERNELS,
+) -> torch.Tensor:
+    """Grouped-query attention of T queries over the N cached keys, with `kernels`.
+
+    q [T, H, D]; k, v [N, Hk, D]: the cache's first N rows, this step's keys included. `mask` [T, N]
+    (True = visible) comes from `causal_mask`; None means every key is visible to every query.
+    Returns [T, H * D].
+    """
+    t, n_head, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if softcap is not None or not kernels.flash:  # outside SDPA's vocabulary, or -fa off
+        return math_attention(q, k, v, mask, scale, softcap)
+    if kernels.decode != "off" and native_cpu_decode(q, k, mask):
+        from llmx.kernels import cpu_attention
+
+        out = cpu_attention.decode_attention(q, k, v, scale)
+        if out is not None:
+            return out
+    # On a GPU attend in the cache's dtype (f16/bf16 tensor-core kernels, no cache-sized conversion);
+    # on the CPU in float32, where half-precision math is slow.
+    dtype = k.dtype if q.is_cuda else q.dtype
+    qh, kh, vh = q.transpose(0, 1).to(dtype), k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype)
+    # Unmasked (a decode step over exactly its past): 4-D [batch, heads, tokens, dim] tensors, which
+    # reach PyTorch's fused kernels (the CPU's flash attention: 3-5x faster per step than the math
+    # path that 3-D tensors take). Masked prompts keep the math path, whose summation order matches
+    # the float32 references' (tests/test_logits.py).
+    if mask is None:
+        qh, kh, vh = qh[None], kh[None], vh[None]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = out[0] if mask is None else out
+    return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
+
+
+def math_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`attention` spelled out, the scores [H, T, N] materialized in float32 (llama.cpp's attention
+    without `-fa`): softmax(softcap(q k^T * scale), masked) v. Shapes as `attention`'s."""
+    t, n_head, head_dim = q.shape
+    qh, kh, vh = (x.transpose(0, 1).float() for x in (q, k, v))
+    group = n_head // kh.shape[0]
+    kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+    scores = (qh @ kh.transpose(1, 2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = scores.softmax(-1) @ vh
+    return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
+
+
+def native_cpu_decode(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a CPU step may take `llmx.kernels.cpu_attention`: one float32 token seeing every key
+    of its cache (unless the kernels' `decode` is "off")."""
+    if mask is not None:
+        return False
+    return q.shape[0] == 1 and q.dtype == torch.float32 and not q.is_cuda and not k.is_cuda

@@ -1,0 +1,34 @@
+"""The feed-forward halves of a block: the gated FFN (SwiGLU) and activations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmx.ops.matmul import linear, linear_many
+from llmx.ops.norms import fused_rows
+from llmx.quant import weight as qw
+from llmx.quant.weight import QWeight
+
+
+def swiglu(
+    x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The gated FFN of Llama-family models: down(silu(gate(x)) * up(x)), plus `residual` where
+    given (the block's residual stream, added by the down projection's GEMV on a GPU)."""
+    if (
+        all(isinstance(w, QWeight) for w in (gate, up, down))
+        and (y := qw.swiglu(x, gate, up, down)) is not None
+    ):
+        return y if residual is None else y.add_(residual)  # a CPU decode step: one native call
+    g, u = linear_many(x, [gate, up])
+    if fused_rows(g) and u.shape == g.shape and u.dtype == g.dtype and u.device == g.device:
+        from llmx.kernels import norm
+
+        return linear(norm.silu_mul(g, u), down, residual)
+    # in place: g is this call's own, and a prompt's gate is -ub x n_ff floats (twice saved)
+    return linear(F.silu(g, inplace=True).mul_(u), down, residual)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")

@@ -1,0 +1,72 @@
+"""RMSNorm, and the residual add + RMSNorm of a block's second half.
+
+Steps of at most FUSED_NORM_MAX_TOKENS tokens take one kernel a call: `llmx.kernels.norm` (Triton)
+on a GPU, `cpu_native.rms_norm` on the CPU; larger steps and other cases PyTorch's ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmx import settings
+from llmx.kernels import has_triton
+from llmx.quant import cpu_native
+
+# "auto": the kernels above; "off": PyTorch's ops everywhere (to compare); "on": the Triton kernels on
+# the CPU too (tests, under TRITON_INTERPRET=1). Read once at import; tests set the module attribute.
+FUSED_NORM = settings.fused_norm()
+FUSED_NORM_MAX_TOKENS = 16
+FUSED_NORM_MAX_WIDTH = 16384  # the widest row the norm kernels hold in registers (norm.MAX_WIDTH)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, ..., E] scaled to unit root-mean-square, then by `weight` [E] (brought to x: a few KB)."""
+    if _native_cpu_rows(x, weight):
+        return cpu_native.rms_norm(x, weight, eps)[1]
+    if fused_rows(x) and x.shape[-1] <= FUSED_NORM_MAX_WIDTH:
+        from llmx.kernels import norm
+
+        return norm.rms_norm(x, weight.to(x.device), eps)
+    return F.rms_norm(x, (x.shape[-1],), weight.to(x.device), eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's next value and its norm: h = x + delta, (h, rms_norm(h, weight, eps)).
+    One launch for decode steps on a GPU (see FUSED_NORM)."""
+    same = delta.shape == x.shape and delta.dtype == x.dtype and delta.device == x.device
+    if same and _native_cpu_rows(x, weight):
+        return cpu_native.rms_norm(x, weight, eps, delta)
+    if same and fused_rows(x) and x.shape[-1] <= FUSED_NORM_MAX_WIDTH:
+        from llmx.kernels import norm
+
+        return norm.add_rms_norm(x, delta, weight.to(x.device), eps)
+    h = x + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def _native_cpu_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a CPU decode step's norm takes the native kernel (`cpu_native.rms_norm`): a few
+    float32 tokens, contiguous, their weight on the CPU in float32 (not with FUSED_NORM "off")."""
+    return (
+        FUSED_NORM == "auto"
+        and x.is_cpu
+        and weight.is_cpu
+        and x.dtype == weight.dtype == torch.float32
+        and x.dim() > 1
+        and x.shape[0] <= FUSED_NORM_MAX_TOKENS
+        and x.is_contiguous()
+        and cpu_native.available()
+    )
+
+
+def fused_rows(x: torch.Tensor) -> bool:
+    """Whether `llmx.kernels.norm` takes x [T, ..., E]: a few tokens of a float dtype, and Triton
+    at hand (FUSED_NORM "auto" also wants x on a GPU)."""
+    if FUSED_NORM == "off" or x.dim() == 0 or (x.dim() > 1 and x.shape[0] > FUSED_NORM_MAX_TOKENS):
+        return False
+    if FUSED_NORM == "auto" and not (x.is_cuda and has_triton()):
+        return False
+    return x.dtype in (torch.float32, torch.float16, torch.bfloat16)

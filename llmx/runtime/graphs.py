@@ -1,0 +1,216 @@
+"""CUDA graphs of the executor's GPU segments: decode steps by context bucket, prompt batches by shape.
+
+One-token decode steps on a GPU segment replay a captured graph, so Python and kernel-launch
+overhead is paid once at capture instead of on every token. A decode graph reads the KV cache in
+fixed-size buckets (positions past the current one are masked), so one graph serves a whole range
+of context lengths. A prompt batch is captured too, the second time its exact shape (tokens,
+position) comes: a prompt of 512 tokens launches ~1800 kernels, and issuing them from Python takes
+about twice as long as the GPU takes to run them. Repeated shapes are common: every full `-ub` chunk
+of a long prompt, a benchmark's repetitions, a server's prompts re-read from the start. Prompt
+graphs of one device share one memory pool (they never run at the same time, and each one's output
+is consumed before the next replays), so they reuse one another's blocks; that pool is memory the
+plan does not count, and a capture that runs out of it turns prompt graphs off.
+
+A decode step whose row-split matrices or split layers (`-sm row`) span GPUs is one graph too,
+holding every GPU's kernels and the exchanges between them (see `GraphCache.capture`); where this
+torch or driver cannot capture or replay it exactly, a warning says so and those steps run eagerly.
+Prompts across GPUs run eagerly (capturing them beside the decode graphs crashed a later decode
+replay on torch 2.11; not understood yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from llmx.errors import first_line
+from llmx.models.common import Step
+from llmx.ops import current_device
+from llmx.runtime.segments import Segment
+
+GRAPH_BUCKET = 256  # tokens: a decode graph attends over the cache rounded up to this
+# Prompt graphs kept per executor, the least recently used going first: enough for every -ub chunk
+# of a 16k-token prompt read again (each graph holds only its kernels' parameters; the activations
+# live in the device's shared pool).
+PROMPT_GRAPHS = 32
+PROMPT_SHAPES_REMEMBERED = 4096  # prompt shapes seen once, waiting for a second sighting
+
+# Runs a segment eagerly (what a capture records): (segment, hidden state, step, all logits) -> output
+RunSegment = Callable[[Segment, torch.Tensor, Step, bool], torch.Tensor]
+PromptKey = tuple[int, int, int, bool]  # (segment, tokens, position, all logits)
+
+
+@dataclass
+class Graph:
+    """One captured step of one segment: fill `x_in`/`positions`, replay, read `x_out`."""
+
+    graph: torch.cuda.CUDAGraph
+    x_in: torch.Tensor
+    positions: torch.Tensor
+    x_out: torch.Tensor
+    pools: tuple = ()  # the peer GPUs' memory pools (row split): alive as long as the graph
+
+
+@dataclass
+class GraphCache:
+    """The graphs of one executor's segments (numbered as its segments are), captured on first use."""
+
+    run: RunSegment
+    n_ctx: int
+    decode: dict[tuple[int, int], Graph] = field(default_factory=dict)  # by (segment, bucket)
+    prompt: dict[PromptKey, Graph] = field(default_factory=dict)  # least recently used first
+    prompt_off: bool = False  # a prompt capture ran out of memory: prompts run eagerly from then on
+    uncaptured: set[int] = field(default_factory=set)  # segments across GPUs this torch cannot capture
+    _prompt_shapes_seen: set[PromptKey] = field(default_factory=set)
+    _pools: dict[torch.device, tuple[int, int]] = field(default_factory=dict)
+    _streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict)
+
+    def replay_decode(
+        self, k: int, seg: Segment, x: torch.Tensor, n_past: int, peers: Sequence[torch.device]
+    ) -> torch.Tensor | None:
+        """One decode step of segment k from a graph of its bucket (captured on first use); None
+        when a segment that spans GPUs (`peers`) cannot be captured here (from then on at once):
+        the step runs eagerly."""
+        if k in self.uncaptured:
+            return None
+        bucket = min(-(-(n_past + 1) // GRAPH_BUCKET) * GRAPH_BUCKET, self.n_ctx)
+        g = self.decode.get((k, bucket))
+        if g is None:
+            positions = torch.full((1,), n_past, dtype=torch.long, device=seg.device)
+            try:
+                with current_device(seg.device):
+                    g = self.capture(seg, x, positions, bucket, False, warm_up=True, peers=peers)
+            except Exception as e:  # across GPUs any failure (CUDA, this torch's API) means eager steps
+                if not peers:
+                    raise
+                self.uncaptured.add(k)
+                warnings.warn(
+                    f"llmx: a decode step across {len(peers) + 1} GPUs could not be captured in "
+                    f"one CUDA graph here ({first_line(e)}); it runs without one",
+                    stacklevel=3,
+                )
+                return None
+            self.decode[(k, bucket)] = g
+        with current_device(seg.device):
+            g.x_in.copy_(x)
+            g.positions.fill_(n_past)
+            g.graph.replay()
+        return g.x_out
+
+    def prompt_wanted(self, key: PromptKey) -> bool:
+        """Whether a prompt batch of this (segment, tokens, position, logits) runs from a graph: once
+        one is captured, or when the shape comes a second time (the first ran eagerly); never after
+        a capture ran out of memory."""
+        if self.prompt_off:
+            return False
+        if key in self.prompt or key in self._prompt_shapes_seen:
+            return True
+        if len(self._prompt_shapes_seen) >= PROMPT_SHAPES_REMEMBERED:
+            self._prompt_shapes_seen.clear()
+        self._prompt_shapes_seen.add(key)
+        return False
+
+    def replay_prompt(
+        self, k: int, seg: Segment, x: torch.Tensor, n_past: int, all_logits: bool
+    ) -> torch.Tensor:
+        """A prompt batch of segment k from its graph: the attention reads exactly the rows up to the
+        batch's last token, as the eager step does, so the key holds the position."""
+        t = x.shape[0]
+        key = (k, t, n_past, all_logits)
+        g = self.prompt.pop(key, None)
+        if g is None:
+            if len(self.prompt) >= PROMPT_GRAPHS:  # dicts keep order: the first is the oldest
+                del self.prompt[next(iter(self.prompt))]
+            positions = torch.arange(n_past, n_past + t, device=seg.device)
+            pool = self._pools.setdefault(seg.device, torch.cuda.graph_pool_handle())
+            try:  # the same shape already ran eagerly: kernels are compiled and tuned, no warm-up needed
+                g = self.capture(seg, x, positions, n_past + t, all_logits, warm_up=False, pool=pool)
+            except torch.OutOfMemoryError:
+                self._stop_prompt_graphs()
+                return self.run(seg, x, Step(positions, masked=True, n_read=n_past + t), all_logits)
+        self.prompt[key] = g  # most recently used last
+        g.x_in.copy_(x)
+        g.graph.replay()
+        return g.x_out
+
+    def _stop_prompt_graphs(self) -> None:
+        """A prompt graph's pool is memory the plan does not count: where it does not fit, prompts
+        run eagerly from then on, as the plan assumed, rather than fail."""
+        self.prompt_off = True
+        self.prompt.clear()
+        self._pools.clear()
+        torch.cuda.empty_cache()
+        warnings.warn(
+            "llmx: no GPU memory left to capture prompt graphs; prompts run without them", stacklevel=4
+        )
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The one stream a GPU's captures (and their warm-ups) run on. Its own GPU's: torch.cuda.graph's
+        default capture stream is made once, on whichever GPU captures first, and a second GPU's
+        kernels must not land on it. One per GPU: torch keeps a cuBLAS workspace (32 MiB on a Hopper
+        GPU) for every stream that ever ran a matmul, so a stream per capture grew the memory of
+        prompts 8192 tokens deep past the plan (992 MB against 745 MB, bench/RESULTS.md)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def capture(
+        self,
+        seg: Segment,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        n_read: int,
+        all_logits: bool,
+        warm_up: bool,
+        pool: tuple[int, int] | None = None,
+        peers: Sequence[torch.device] = (),
+    ) -> Graph:
+        """Capture a step of `seg`. With `peers` (the other GPUs of row-split matrices and split
+        layers) their work runs on side streams forked from and joined to the capture stream, so one
+        graph records every GPU's kernels and copies; their allocations go to memory pools the graph
+        keeps. Such a graph is replayed once and must give the warm-up's output bit for bit, else
+        RuntimeError."""
+        x_in = x.clone()
+        stream = self._side_stream(seg.device)
+        stream.wait_stream(torch.cuda.current_stream(seg.device))
+        sides = {d: self._side_stream(d) for d in peers}
+        warm = None
+        if warm_up:
+            # Warm up outside the graph (Triton autotuning, lazy allocations, RoPE tables) on the side
+            # stream, as capture requires; it computes exactly what the replay will. The capture gets
+            # a fresh Step so its per-step gathers are recorded, not reused.
+            with torch.cuda.stream(stream), forked(stream, sides, {}):
+                warm = self.run(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
+            torch.cuda.current_stream(seg.device).wait_stream(stream)
+        pools = {d: torch.cuda.MemPool() for d in peers}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream), forked(stream, sides, pools):
+            x_out = self.run(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
+        g = Graph(graph, x_in, positions, x_out, tuple(pools.values()))
+        if peers and warm is not None:
+            graph.replay()
+            if not torch.equal(x_out, warm):
+                raise RuntimeError("the captured step differs from the eager one")
+        return g
+
+
+@contextlib.contextmanager
+def forked(stream: torch.cuda.Stream, sides: dict[torch.device, torch.cuda.Stream], pools: dict):
+    """Work on the GPUs of `sides` goes to their streams, forked from `stream` and joined back at the
+    end (a capture on `stream` then records it), allocating from `pools` where given; the current
+    device stays `stream`'s."""
+    for side in sides.values():
+        side.wait_stream(stream)
+    with contextlib.ExitStack() as stack:
+        for d, side in sides.items():
+            if d in pools:
+                stack.enter_context(torch.cuda.use_mem_pool(pools[d], device=d))
+            stack.enter_context(torch.cuda.stream(side))  # also makes `d` the current device
+        stack.enter_context(torch.cuda.device(stream.device))
+        yield
+    for side in sides.values():
+        stream.wait_stream(side)
