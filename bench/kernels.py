@@ -18,8 +18,9 @@ call reads its weight from HBM.
                             [--sweep Q4_K [--shapes 2/2048/1,4/2048/2/late]] [--dequant-sweep Q4_0]
                             [--sustain SECONDS] [--json PATH]
 
-`--sweep` also times a grid of GEMV launch shapes at M = 1 (how `default_dot8` was chosen),
-`--dequant-sweep` one of the dequantize kernel's (`DEQUANT_SHAPE`). `--sustain S` times the rows
+`--sweep` also times a grid of GEMV launch shapes at M = 1 (how the integer-dot shapes of
+`llmx/quant/triton/launch_shapes.json` were chosen), `--dequant-sweep` one of the dequantize
+kernel's (its `dequantize` shape). `--sustain S` times the rows
 at M <= 8 after S seconds of back-to-back calls and notes the SM clock and power they left: a
 GEMV that keeps the SMs busy issuing can hold an H200 at its power cap, at lower clocks.
 Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT is set.

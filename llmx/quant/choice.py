@@ -47,13 +47,13 @@ DEQUANT_MIN_M = 16  # from here "dequant" beats "gemm" (bench/kernels.py)
 NATIVE_MAX_ROWS = 8  # rows of x one native GEMV call takes (cpu_native.MAX_ROWS)
 
 BUCKET_TOPS = (1, 4, 8, 15)  # the largest M of each bucket but the last, which holds the rest
-_BUCKET_OF = (0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3)  # bucket of M < 16 (M = 0: the first)
+BUCKET_OF = (0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3)  # bucket of M < 16 (M = 0: the first)
 LAST_BUCKET = len(BUCKET_TOPS)
 
 
 def bucket(m: int) -> int:
     """The bucket of M = m rows of x (an index into `kernels`' answer)."""
-    return _BUCKET_OF[m] if m < 16 else LAST_BUCKET
+    return BUCKET_OF[m] if m < len(BUCKET_OF) else LAST_BUCKET
 
 
 def kernels(qt: QType, device: str, layout: str, preference: str = "auto") -> tuple[str, ...]:

@@ -46,7 +46,7 @@ KERNEL = settings.cpu_kernel()  # read once; `linear(..., kernel=)` overrides pe
 GEMV_MAX_M = 8  # rows of x up to which the fused GEMV beats dequantize + dense matmul (bench/cpu_matmul.py)
 DEQUANT_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time: big enough for mm, small enough for L3
 _ON_GPU = frozenset(("dot8", "gemv", "gemm", "dequant", "float"))  # the kernels `G.run` takes
-_BUCKET_OF, _LAST_BUCKET = C._BUCKET_OF, C.LAST_BUCKET  # `C.bucket`, inlined on the hot path
+_BUCKET_OF, _LAST_BUCKET = C.BUCKET_OF, C.LAST_BUCKET  # `C.bucket`, inlined on the hot path
 
 
 @dataclass

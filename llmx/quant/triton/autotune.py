@@ -39,12 +39,15 @@ def problem_key(
     device: torch.device, qt: str, packed: bool, m_bucket: int, n: int, k: int, dtype: torch.dtype
 ) -> str:
     """The cache's key for one GEMM problem on `device`."""
+    return f"{_machine(device)}|{qt}|{'split' if packed else 'gguf'}|M{m_bucket}|{n}x{k}|{dtype}"
+
+
+@cache
+def _machine(device: torch.device) -> str:
+    """The GPU's name and the Triton version: what a measured pick holds for."""
     import triton
 
-    gpu = torch.cuda.get_device_name(device)
-    return (
-        f"{gpu}|triton {triton.__version__}|{qt}|{'split' if packed else 'gguf'}|M{m_bucket}|{n}x{k}|{dtype}"
-    )
+    return f"{torch.cuda.get_device_name(device)}|triton {triton.__version__}"
 
 
 def gemm_config(
