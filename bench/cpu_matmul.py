@@ -33,7 +33,7 @@ from llmx.gguf import open_gguf
 from llmx.models_on_disk import default_model_path
 from llmx.quant import cpu_pack, reference, weight
 from llmx.quant import torch_ops as T
-from llmx.quant.weight import QWeight, dequantize, linear, linear_many, prepare_cpu
+from llmx.quant.weight import QWeight, dequantize, linear, linear_many, prepare_cpu, prepare_shared
 from llmx.runtime.weights import host_view
 
 
@@ -136,7 +136,8 @@ JOINS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # matrices of 
 
 
 def _joined_calls(weights: list[QWeight]) -> list[list[QWeight]]:
-    """Each layer's matrices as calls: q/k/v together, gate/up together, the others alone."""
+    """Each layer's matrices as calls: q/k/v together, gate/up together (each group prepared as one
+    call, `prepare_shared`), the others alone."""
     by_name = {w.name: w for w in weights}
     calls, done = [], set()
     for w in weights:
@@ -148,6 +149,7 @@ def _joined_calls(weights: list[QWeight]) -> list[list[QWeight]]:
         )
         calls.append([by_name[f"{layer}.{k}.weight"] for k in group])
         done.update(x.name for x in calls[-1])
+        prepare_shared(calls[-1])  # as the loader does: one call for the group where it can
     return calls
 
 

@@ -6,7 +6,7 @@
 shape) and that read on matrices of K = 4096 whose row counts give a chosen number of waves of
 programs, from about one to seven (the slots: SMs times the programs an SM holds at the kernel's
 registers, measured here), then a decode step's largest launches: gate and up in one launch
-(`triton_ops.linear_many`, 2 x 14336 x 4096) and the output matrix (128256 x 4096). GB/s of weight
+(`matmul.linear_many`, 2 x 14336 x 4096) and the output matrix (128256 x 4096). GB/s of weight
 bytes, as fractions of the copy and of the read; CUDA graph replay as in `bench/kernels.py`.
 
     PYTHONPATH=. python bench/gemv_sizes.py [--types Q4_K,Q6_K,Q8_0] [--waves 1,1.5,2,3,4,7]
@@ -23,7 +23,9 @@ import torch
 
 from bench import kernels as kb
 from bench.ptx_gemv import compiled, registers
-from llmx.quant import triton_ops as tops
+from llmx.quant.triton import activation, layout
+from llmx.quant.triton import matmul as tops
+from llmx.quant.triton.tuning import for_device
 
 K = 4096
 GATE_UP = (14336, K)
@@ -34,7 +36,7 @@ MAX_PROGRAMS_AN_SM = 32  # Hopper's limit of resident blocks
 def slots(name: str) -> int:
     """Programs the GPU holds at once at `name`'s default short-row launch shape: SMs times what one
     SM holds at the kernel's registers (compiled for Hopper by `bench/ptx_gemv.py`) and warps."""
-    cfg = tops.default_dot8(name, K)
+    cfg = for_device(torch.device("cuda")).dot8(name, K)
     regs = registers(compiled(name, cfg)["cubin"])
     props = torch.cuda.get_device_properties(0)
     by_regs = props.regs_per_multiprocessor // (regs * 32 * cfg.num_warps)
@@ -45,15 +47,14 @@ def slots(name: str) -> int:
 def timed(name: str, shapes: list[tuple[int, int]], ceil: dict[str, float]) -> dict:
     """GB/s of one launch over weights `shapes` (one: `linear`; several: `linear_many`) and of a read
     of the same bytes."""
-    ws = [tops.prepare(kb.make_weight(name, n, k)) for n, k in shapes]
+    ws = [layout.prepare(kb.make_weight(name, n, k)) for n, k in shapes]
     x = torch.randn(1, shapes[0][1], dtype=torch.bfloat16, device="cuda")
-    qx = tops.quantize_x(x)
+    qx = activation.quantize_x(x)
     if len(ws) == 1:
         calls = [partial(tops.linear, x, c, kernel="dot8", qx=qx) for c in kb.copies(ws[0])]
     else:
-        tops.attach_quantized(x, qx)
         sets = list(zip(*(kb.copies(w) for w in ws), strict=True))
-        calls = [partial(tops.linear_many, x, list(s)) for s in sets]
+        calls = [partial(tops.linear_many, x, list(s), qx=qx) for s in sets]
     nbytes = sum(w.raw.numel() for w in ws)
     gbs = nbytes / kb.graph_ms(calls) / 1e6
     # a read of one matrix of the same bytes: the weights' rows stacked
@@ -74,7 +75,7 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for name in args.types.split(","):
-        cfg, held = tops.default_dot8(name, K), slots(name)
+        cfg, held = for_device(torch.device("cuda")).dot8(name, K), slots(name)
         sizes = [([(round(held * float(v)) * cfg.bn, K)], f"{v}") for v in args.waves.split(",")]
         sizes += [([GATE_UP, GATE_UP], "gate + up"), ([OUTPUT], "output")]
         for shapes, label in sizes:

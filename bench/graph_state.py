@@ -24,7 +24,8 @@ from functools import partial
 import torch
 
 from bench.kernels import copies, make_weight, stream_graphs
-from llmx.quant import triton_ops as tops
+from llmx.quant.triton import activation, layout
+from llmx.quant.triton import matmul as tops
 
 N, K = 14336, 4096
 
@@ -34,9 +35,9 @@ def main() -> None:
     ap.add_argument("--type", default="Q4_K", help="a type of the integer-dot GEMV")
     ap.add_argument("--graphs", type=int, default=5, help="the process's graph count to time up to")
     args = ap.parse_args()
-    w = tops.prepare(make_weight(args.type, N, K))
+    w = layout.prepare(make_weight(args.type, N, K))
     x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
-    qx = tops.quantize_x(x)
+    qx = activation.quantize_x(x)
     gemvs = stream_graphs([partial(tops.linear, x, c, kernel="dot8", qx=qx) for c in copies(w)])
     flag = torch.zeros(1, device="cuda")
     kept = []  # the graphs as they were timed (session 24), though freed ones counted the same

@@ -1,7 +1,7 @@
 """Triton kernel speed per GGML type against the GPU's measured ceilings.
 
 For each type and weight shape N x K (default: Llama-3-8B's FFN, 14336x4096 and 4096x14336) and
-each batch M, the median time of each kernel `triton_ops.linear` can run there (M <= 8: GEMV and
+each batch M, the median time of each kernel `matmul.linear` can run there (M <= 8: GEMV and
 GEMM; larger M: GEMM and dequantize + torch matmul), on `prepare`d weights; with GB/s of weight
 bytes over the measured device-to-device copy bandwidth (what bounds M <= 8) and TFLOP/s over the
 measured bf16 matmul rate (what bounds large M). At M = 512 a dense bf16 torch matmul of the same
@@ -18,8 +18,9 @@ call reads its weight from HBM.
                             [--sweep Q4_K [--shapes 2/2048/1,4/2048/2/late]] [--dequant-sweep Q4_0]
                             [--sustain SECONDS] [--json PATH]
 
-`--sweep` also times a grid of GEMV launch shapes at M = 1 (how `default_dot8` was chosen),
-`--dequant-sweep` one of the dequantize kernel's (`DEQUANT_SHAPE`). `--sustain S` times the rows
+`--sweep` also times a grid of GEMV launch shapes at M = 1 (how the integer-dot shapes of
+`llmx/quant/triton/launch_shapes.json` were chosen), `--dequant-sweep` one of the dequantize
+kernel's (its `dequantize` shape). `--sustain S` times the rows
 at M <= 8 after S seconds of back-to-back calls and notes the SM clock and power they left: a
 GEMV that keeps the SMs busy issuing can hold an H200 at its power cap, at lower clocks.
 Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT is set.
@@ -46,8 +47,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmx.bench.blocks import chunk_rng, random_data
 from llmx.bench.results import tool_output
-from llmx.quant import qtype
-from llmx.quant import triton_ops as tops
+from llmx.quant import BLOCK_TYPES, choice, qtype
+from llmx.quant.triton import activation, launch
+from llmx.quant.triton import matmul as tops
+from llmx.quant.triton.layout import prepare
+from llmx.quant.triton.tuning import LaunchShape
 
 SHAPES = [(14336, 4096), (4096, 14336)]
 
@@ -187,7 +191,7 @@ def read_row(w: SimpleNamespace, ceil: dict[str, float], sustain_s: float = 0.0)
     reached 79-91% of the copy, with it 100-104% (bench/RESULTS.md, session 16)."""
     n, k = w.shape
     words = [c.raw.view(-1).view(torch.int32) for c in copies(w)]
-    pdl = tops.programmatic_launch(w.raw.device)
+    pdl = launch.programmatic_launch(w.raw.device)
     best = float("inf")
     for block, steps, warps in ((1024, 4, 4), (2048, 4, 8), (4096, 2, 8), (2048, 8, 4)):
         grid = (-(-words[0].numel() // (block * steps)),)
@@ -227,15 +231,15 @@ def measure(
     n, k = w.shape
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     # x quantized beforehand, as decode's norm and gate kernels write it (the GEMV's time alone)
-    qx = tops.quantize_x(x) if kernel == "dot8" else None
-    if m <= tops.GEMV_MAX_M:
+    qx = activation.quantize_x(x) if kernel == "dot8" else None
+    if m <= choice.GEMV_MAX_M:
         calls = [partial(tops.linear, x, c, kernel=kernel, qx=qx) for c in copies(w)]
         t = graph_ms(calls, sustain_s=sustain_s)
         extra |= sustained(sustain_s)
     else:
         t = bench_ms(partial(tops.linear, x, w, kernel=kernel))
     gbs, tflops = w.raw.numel() * w.raw.element_size() / t / 1e6, 2 * m * n * k / t / 1e9
-    frac = gbs / ceil["copy_gbs"] if m <= tops.GEMV_MAX_M else tflops / ceil["bf16_tflops"]
+    frac = gbs / ceil["copy_gbs"] if m <= choice.GEMV_MAX_M else tflops / ceil["bf16_tflops"]
     row = {"type": w.qtype.name, "n": n, "k": k, "m": m, "kernel": kernel, "ms": t, "gbs": gbs}
     return row | {"tflops": tflops, "frac": frac} | extra
 
@@ -253,7 +257,7 @@ def run(
     wanted = (lambda kernel: True) if only is None else only.__contains__
     for name, (n, k) in itertools.product(types, SHAPES):
         raw = make_weight(name, n, k)
-        w = tops.prepare(raw)
+        w = prepare(raw)
         layout = "prepared" if w is not raw else "raw"
         if 1 in ms and wanted("read"):
             yield read_row(w, ceil, sustain_s)
@@ -262,7 +266,11 @@ def run(
         for m in ms:
             # GEMM at M <= 8 only at 2 and 8: each M bucket costs an autotuning pass.
             kernels = (
-                ("gemm", "dequant") if m > tops.GEMV_MAX_M else ("gemv", "gemm") if m in (2, 8) else ("gemv",)
+                ("gemm", "dequant")
+                if m > choice.GEMV_MAX_M
+                else ("gemv", "gemm")
+                if m in (2, 8)
+                else ("gemv",)
             )
             if tops.kernel_for(w, m, "dot8") == "dot8":  # its time includes quantizing x
                 kernels = ("dot8", *kernels)
@@ -277,15 +285,16 @@ def run(
 
 def dequant_sweep(types: list[str], ceil: dict[str, float]) -> list[dict]:
     """GB/s (weight bytes read + bf16 rows written) of the dequantize kernel alone for a grid of
-    launch shapes (rows x weights a program, warps), on prepared weights: how `DEQUANT_SHAPE` was chosen."""
+    launch shapes (rows x weights a program, warps), on prepared weights: how the tuning's
+    `dequantize` shape was chosen."""
     grid = [
-        tops.LaunchShape(bn, bk, warps)
+        LaunchShape(bn, bk, warps)
         for bn, bk in ((4, 512), (8, 512), (16, 512), (2, 1024), (4, 1024), (8, 1024), (2, 2048), (4, 2048))
         for warps in (4, 8)
     ]
     rows = []
     for name, (n, k) in itertools.product(types, SHAPES):
-        w = tops.prepare(make_weight(name, n, k))
+        w = prepare(make_weight(name, n, k))
         moved = w.raw.numel() + 2 * n * k
         for cfg in grid:
             t = bench_ms(partial(tops.dequantize_rows, w, 0, n, torch.bfloat16, cfg))
@@ -295,12 +304,12 @@ def dequant_sweep(types: list[str], ceil: dict[str, float]) -> list[dict]:
     return rows
 
 
-def sweep(types: list[str], given: list[tops.LaunchShape]) -> list[dict]:
+def sweep(types: list[str], given: list[LaunchShape]) -> list[dict]:
     """Time at M = 1 of the integer-dot GEMV (the float one for types it cannot read) for the
     `given` launch shapes, else a grid of them, on prepared weights."""
     rows = []
     for name, (n, k) in itertools.product(types, SHAPES):
-        w = tops.prepare(make_weight(name, n, k))
+        w = prepare(make_weight(name, n, k))
         kernel = tops.kernel_for(w, 1, "dot8")
         if kernel == "dot8":
             # One warp and few rows a program were among the best shapes on an H200 (bench/RESULTS.md);
@@ -310,9 +319,9 @@ def sweep(types: list[str], given: list[tops.LaunchShape]) -> list[dict]:
             shapes = list(itertools.product((1, 2, 4, 8), steps, (1, 2, 4), late))
         else:
             shapes = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4)))
-        grid = given or [tops.LaunchShape(*c) for c in shapes]
+        grid = given or [LaunchShape(*c) for c in shapes]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        qx = tops.quantize_x(x) if kernel == "dot8" else None
+        qx = activation.quantize_x(x) if kernel == "dot8" else None
         ws = copies(w)
         for cfg in grid:
             t = graph_ms([partial(tops.linear, x, c, kernel=kernel, gemv=cfg, qx=qx) for c in ws])
@@ -337,7 +346,7 @@ TABLE_HEAD = (
 
 
 def table_row(r: dict) -> str:
-    ceiling = "copy" if r["m"] <= tops.GEMV_MAX_M else "bf16"
+    ceiling = "copy" if r["m"] <= choice.GEMV_MAX_M else "bf16"
     state = ""
     if "sustain_s" in r:  # the clock and power the sustained calls left
         state = f" ({r['sustain_s']:g} s on: {r.get('sm_mhz', '?')} MHz, {r.get('watts', '?')} W)"
@@ -347,16 +356,10 @@ def table_row(r: dict) -> str:
     )
 
 
-def parse_shapes(text: str) -> list[tops.LaunchShape]:
+def parse_shapes(text: str) -> list[LaunchShape]:
     """Launch shapes from "BN/BK/warps[/late][/rN][/sN],..." (as `str(LaunchShape)` spells them):
     "/late" for `late_headers`, "/r128" for `max_registers` 128, "/s4" for `stagger` 4."""
-    shapes = []
-    for item in filter(None, text.split(",")):
-        bn, bk, warps, *extra = item.split("/")
-        regs = next((int(e[1:]) for e in extra if e.startswith("r")), None)
-        stagger = next((int(e[1:]) for e in extra if e.startswith("s")), 1)
-        shapes.append(tops.LaunchShape(int(bn), int(bk), int(warps), "late" in extra, regs, stagger))
-    return shapes
+    return [LaunchShape.parse(item) for item in filter(None, text.split(","))]
 
 
 def sweep_table(rows: list[dict]) -> str:
@@ -369,7 +372,7 @@ def sweep_table(rows: list[dict]) -> str:
         group = list(group)
         best = max(group, key=lambda r: r["gbs"])
         med = statistics.median(r["gbs"] for r in group)
-        cfg = tops.LaunchShape(**{f.name: best[f.name] for f in dataclasses.fields(tops.LaunchShape)})
+        cfg = LaunchShape(**{f.name: best[f.name] for f in dataclasses.fields(LaunchShape)})
         out.append(
             f"| {key[0]} | {key[1]}x{key[2]} | {key[3]} | {key[4]} | {cfg} | {best['gbs']:.0f} | {med:.0f} |"
         )
@@ -378,7 +381,7 @@ def sweep_table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--types", default=",".join(tops.GROUP))
+    ap.add_argument("--types", default=",".join(BLOCK_TYPES))
     ap.add_argument("--m", default="1,2,4,8,16,512")
     ap.add_argument("--sweep", default="", help="types whose GEMV launch shapes to sweep, e.g. Q4_K,Q8_0")
     ap.add_argument(

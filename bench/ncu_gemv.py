@@ -15,7 +15,8 @@ import itertools
 import torch
 
 from bench.kernels import SHAPES, make_weight, parse_shapes
-from llmx.quant import triton_ops as tops
+from llmx.quant.triton import layout
+from llmx.quant.triton import matmul as tops
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
     shapes = parse_shapes(args.shapes) or [None]
     for name in args.types.split(","):
         for n, k in SHAPES:
-            w = tops.prepare(make_weight(name, n, k))
+            w = layout.prepare(make_weight(name, n, k))
             x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
             for kernel, shape in itertools.product(args.kernels.split(","), shapes):
                 for _ in range(2):

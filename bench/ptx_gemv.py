@@ -28,8 +28,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from llmx.quant import triton_ops as tops
+from llmx.quant import choice, qtype
 from llmx.quant.triton import dot8
+from llmx.quant.triton import matmul as tops
+from llmx.quant.triton.tuning import LaunchShape
 
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
 WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
@@ -37,11 +39,11 @@ CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS"
 CONSTANTS += ("STAGGER", "SCATTER4")
 
 
-def compiled(name: str, cfg: tops.LaunchShape) -> dict[str, str | bytes]:
+def compiled(name: str, cfg: LaunchShape) -> dict[str, str | bytes]:
     """The PTX and cubin of one launch shape: one weight a launch, rows whole 16-byte units, every
     pointer and integer but the row length a multiple of 16 (as Triton specializes them for
     Llama-shaped matrices)."""
-    unit = tops.DOT8_UNIT[name]
+    unit = qtype(name).block_elems
     signature = dict(POINTERS)
     for j in range(tops.DOT8_MAX_WEIGHTS):
         signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
@@ -102,7 +104,7 @@ def loop_body(code: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--types", default=",".join(tops.DOT8_BY_DEFAULT))
+    ap.add_argument("--types", default=",".join(choice.DOT8_TYPES))
     ap.add_argument("--bn", default="2,4,8,16")
     ap.add_argument("--bk", default="1024,2048,4096")
     ap.add_argument("--warps", default="1,2,4")
@@ -117,7 +119,7 @@ def main() -> None:
     print(f"| type | BN/BK/warps | {columns} |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, bn, bk, warps, late, maxnreg in itertools.product(args.types.split(","), *ints):
-        cfg = tops.LaunchShape(bn, bk, warps, bool(late), maxnreg or None)
+        cfg = LaunchShape(bn, bk, warps, bool(late), maxnreg or None)
         asm = compiled(name, cfg)
         body = loop_body(asm["ptx"])
         loads = sum("ld.global" in line for line in body)

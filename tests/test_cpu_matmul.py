@@ -18,7 +18,15 @@ from torch._dynamo.utils import counters
 
 from llmx.errors import LlmxError
 from llmx.quant import BY_NAME, cpu_pack, reference, weight
-from llmx.quant.weight import QWeight, dequantize, embedding, linear, linear_many, prepare_cpu
+from llmx.quant.weight import (
+    QWeight,
+    dequantize,
+    embedding,
+    linear,
+    linear_many,
+    prepare_cpu,
+    prepare_shared,
+)
 
 RTOL = 1e-5
 
@@ -85,8 +93,9 @@ def test_linear_many_joins_alike_weights(m):
     ws = [quant_weight("Q4_1", n, 128, seed=n) for n in (64, 32, 32)]
     x = torch.randn(m, 128)
     separate = [linear(x, w) for w, _ in ws]
+    group = prepare_shared([w for w, _ in ws])
+    assert group is not None and group.packed is not None and ws[0][0].shared is group is ws[2][0].shared
     joint = linear_many(x, [w for w, _ in ws])
-    assert ws[0][0].joined is not None and ws[0][0].joined is ws[2][0].joined
     storage = {w.packed.codes.untyped_storage().data_ptr() for w, _ in ws}
     assert len(storage) == 1  # row views of one concatenation: no extra copy kept
     for y, y_alone, (w, w64) in zip(joint, separate, ws, strict=True):
@@ -98,8 +107,8 @@ def test_linear_many_joins_alike_weights(m):
 def test_linear_many_falls_back_for_unlike_weights():
     (a, a64), (b, b64) = quant_weight("Q4_1", 32, 64), quant_weight("Q8_0", 32, 64)
     x = torch.randn(2, 64)
+    assert prepare_shared([a, b]) is None and a.shared is None
     ya, yb = linear_many(x, [a, b])
-    assert a.joined is None
     assert_matmul_close(ya, x, a64)
     assert_matmul_close(yb, x, b64)
 

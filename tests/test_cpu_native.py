@@ -15,7 +15,7 @@ import torch
 
 from llmx.errors import LlmxError
 from llmx.quant import cpu_native, qtype
-from llmx.quant.weight import QWeight, linear, linear_many, prepare_cpu
+from llmx.quant.weight import QWeight, linear, linear_many, prepare_cpu, prepare_shared
 from tests.test_quant import assert_bits_equal, gguf_py, random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native kernels")
@@ -120,7 +120,11 @@ def test_one_call_serves_matrices_of_different_types_sharing_x(m, native_kernels
         prepare_cpu(QWeight(raw, qtype(name), (raw.shape[0], k), name))
         for (raw, _), name in zip(parts, names, strict=True)
     ]
-    for got, want in zip(linear_many(x, ws), alone, strict=True):
+    for got, want in zip(linear_many(x, ws), alone, strict=True):  # one call a weight
+        assert torch.equal(got, want)
+    group = prepare_shared(ws)
+    assert group is not None and group.native is not None
+    for got, want in zip(linear_many(x, ws), alone, strict=True):  # one call for all
         assert torch.equal(got, want)
 
 
@@ -214,16 +218,21 @@ def test_rms_norm_matches_float64(shape, native_kernels):
 
 
 def test_a_prepared_gemv_follows_a_replaced_raw():
-    """The native call prepared for a weight is rebuilt when its `raw` is replaced (op offload makes a
-    pinned copy the weight's storage), so it never keeps the old bytes alive or reads them."""
-    raw, ref = random_weight("Q8_0", 32, 256)
+    """The native calls prepared for a weight, alone and with the weights it shares x with, are
+    rebuilt when its `raw` is replaced (op offload makes a pinned copy the weight's storage), so they
+    never keep the old bytes alive or read them."""
+    (raw, _), (raw2, _) = random_weight("Q8_0", 32, 256), random_weight("Q8_0", 16, 256, seed=5)
     w = prepare_cpu(QWeight(raw, qtype("Q8_0"), (32, 256), "w"))
+    w2 = prepare_cpu(QWeight(raw2, qtype("Q8_0"), (16, 256), "w2"))
+    group = prepare_shared([w, w2])
     x = torch.randn(1, 256)
-    before = linear(x, w)
-    first = w.native[1]
+    before, before_many = linear(x, w), linear_many(x, [w, w2])
+    first, first_group = w.native, group.native
     w.raw = raw.clone()
     assert torch.equal(linear(x, w), before)
-    assert w.native[1] is not first and w.native[1].raws[0] is w.raw
+    assert all(torch.equal(a, b) for a, b in zip(linear_many(x, [w, w2]), before_many, strict=True))
+    assert w.native is not first and w.native.raws[0] is w.raw
+    assert group.native is not first_group and group.native.raws[0] is w.raw
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -242,6 +251,7 @@ def test_swiglu_is_one_call_matching_a_float64_ffn(m, native_kernels):
         prepare_cpu(QWeight(raw, qtype(name), (raw.shape[0], width), name))
         for raw, name, width in ((gate_raw, "Q4_K", k), (up_raw, "Q4_K", k), (down_raw, "Q6_K", f))
     ]
+    assert prepare_shared(ws[:2]) is not None  # as the loader does for gate and up
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = swiglu(x, *ws)
     xq = quantized(x.numpy()).astype(np.float64)

@@ -132,16 +132,16 @@ def test_fused_matches_eager(case: Case) -> None:
 def test_output_carries_its_quantized_form_where_heads_hold_whole_groups(head_dim, monkeypatch) -> None:
     """The combine kernel writes its row quantized as `quantize_x` would (asked for as on a GPU);
     with heads of 40 a group of 32 would straddle two heads, so none is written."""
-    from llmx.quant import triton_ops
+    from llmx.quant.triton import activation
 
-    monkeypatch.setattr(triton_ops, "wants_quantized", lambda x: True)
+    monkeypatch.setattr(activation, "wants_quantized", lambda x: True)
     c = Case(4, 2, head_dim, 32, True, F32, pos=37, n_read=38)
     out = run(c, "on", *random_step(c))
-    qx = triton_ops.attached_quantized(out)
+    qx = activation.PENDING.quantized(out)
     if head_dim % 32:
         assert qx is None
     else:
-        ref = triton_ops.quantize_x(out)
+        ref = activation.quantize_x(out)
         assert torch.equal(qx.q, ref.q) and torch.equal(qx.dx, ref.dx) and torch.equal(qx.sums, ref.sums)
 
 

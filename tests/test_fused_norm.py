@@ -112,30 +112,38 @@ def test_swiglu_takes_silu_mul(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
-def test_outputs_carry_their_quantized_form(dtype: torch.dtype, monkeypatch) -> None:
-    """With `quantize`, each kernel attaches its output quantized exactly as `quantize_x` would,
-    and a GEMV that takes the output uses it; without, nothing is attached."""
-    from llmx.quant import triton_ops
+def test_outputs_hand_over_their_quantized_form(dtype: torch.dtype, monkeypatch) -> None:
+    """With `quantize`, each kernel offers its output quantized exactly as `quantize_x` would, for
+    that very tensor only (not a view, not an earlier output), and a GEMV that takes the output uses
+    it; without, nothing is offered."""
+    from llmx.quant.triton import activation, matmul
+    from llmx.quant.triton.layout import prepare
 
+    pending = activation.PENDING
     x, delta, weight = rows((1, 2560), dtype, 0, 3.0), rows((1, 2560), dtype, 1), rows((2560,), F32, 2)
     g, u = rows((1, 3 * 1024 + 64), dtype, 3, 2.0), rows((1, 3 * 1024 + 64), dtype, 4)
-    outs = [
-        norm.rms_norm(x, weight, EPS, quantize=True),
-        norm.add_rms_norm(x, delta, weight, EPS, quantize=True)[1],
-        norm.silu_mul(g, u, quantize=True),  # four column blocks, the last one partial
+    makers = [
+        lambda: norm.rms_norm(x, weight, EPS, quantize=True),
+        lambda: norm.add_rms_norm(x, delta, weight, EPS, quantize=True)[1],
+        lambda: norm.silu_mul(g, u, quantize=True),  # four column blocks, the last one partial
     ]
-    for out in outs:
-        qx, ref = triton_ops.attached_quantized(out), triton_ops.quantize_x(out)
+    outs = []
+    for make in makers:
+        outs.append(out := make())
+        qx, ref = pending.quantized(out), activation.quantize_x(out)
         assert torch.equal(qx.q, ref.q) and torch.equal(qx.dx, ref.dx) and torch.equal(qx.sums, ref.sums)
-    assert triton_ops.attached_quantized(norm.rms_norm(x, weight, EPS, quantize=False)) is None
-    assert triton_ops.attached_quantized(outs[0].reshape(2560)) is None  # a view is a new tensor
+    assert pending.quantized(outs[0]) is None  # a later output took the hand-over
+    assert pending.quantized(outs[2].reshape(-1)) is None  # a view is a new tensor
+    assert pending.quantized(norm.rms_norm(x, weight, EPS, quantize=False)) is None
 
     qt = BY_NAME["Q4_K"]
     raw = torch.from_numpy(random_data(qt, 8 * 2560, 0.02, chunk_rng(0, qt.ggml_id, 8))).view(8, -1)
-    w = QWeight(raw.to(DEVICE), qt, (8, 2560), "w")
-    want = triton_ops.linear(outs[0], w, kernel="dot8")  # quantizes x itself: outs[0] is not asked
-    monkeypatch.setattr(triton_ops, "quantize_x", None)  # from here on quantizing would fail
-    assert torch.equal(triton_ops.linear(outs[0], w, kernel="dot8"), want)
+    w = prepare(QWeight(raw.to(DEVICE), qt, (8, 2560), "w"))
+    assert matmul.kernel_for(w, 1) == "dot8"
+    want = matmul.linear(outs[0], w)  # not the latest output: the GEMV quantizes it
+    fresh = makers[0]()
+    monkeypatch.setattr(matmul, "quantize_x", None)  # from here on quantizing would fail
+    assert torch.equal(matmul.linear(fresh, w), want)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks that CPU tensors stay on the eager path")

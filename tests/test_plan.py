@@ -288,10 +288,11 @@ def test_the_planner_and_a_dry_run_never_import_torch():
 def test_the_planners_copies_of_runtime_sizes_match_the_runtime():
     """The planner imports no torch, so it keeps its own copies of the runtime's buffer sizes."""
     from llmx.plan import memory
-    from llmx.quant import triton_ops, weight
+    from llmx.quant import choice, weight
+    from llmx.quant.triton import matmul
 
-    assert memory.GPU_DEQUANT_MIN_M == triton_ops.DEQUANT_MATMUL_MIN_M
-    assert memory.GPU_DEQUANT_CHUNK_BYTES == triton_ops.DEQUANT_CHUNK_BYTES
+    assert memory.GPU_DEQUANT_MIN_M == choice.DEQUANT_MIN_M
+    assert memory.GPU_DEQUANT_CHUNK_BYTES == matmul.DEQUANT_CHUNK_BYTES
     assert memory.CPU_DEQUANT_CHUNK_BYTES == weight.DEQUANT_CHUNK_BYTES
 
 

@@ -36,16 +36,24 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from llmx.bench.blocks import SCALE_FIELDS, chunk_rng, random_data  # noqa: E402
 from llmx.errors import LlmxError  # noqa: E402
-from llmx.quant import QType, qtype  # noqa: E402
-from llmx.quant import triton_ops as tops  # noqa: E402
+from llmx.quant import (  # noqa: E402
+    BLOCK_TYPES,
+    QType,
+    choice,  # noqa: E402
+    qtype,
+)
+from llmx.quant.triton import activation, tuning  # noqa: E402
+from llmx.quant.triton import layout as lay  # noqa: E402
+from llmx.quant.triton import matmul as tops  # noqa: E402
 from llmx.quant.triton.bits import u32, word_bytes  # noqa: E402
 
-TYPES = list(tops.GROUP)
+TYPES = list(BLOCK_TYPES)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 GEMM_TOL = {torch.float32: 3e-3, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 DOT8_FLOAT_TOL = 2e-2  # int8 x (random normal x: about 0.8% measured)
-DOT8_TYPES = list(tops.DOT8_UNIT)
+DOT8_TYPES = list(choice.DOT8_TYPES)
+TUNED = tuning.for_device(torch.device(DEVICE))  # the launch shapes this device (or the interpreter) runs
 
 
 class Weight:
@@ -57,17 +65,17 @@ class Weight:
 
 @pytest.fixture(params=["raw", "prepared"])
 def layout(request: pytest.FixtureRequest) -> str:
-    """Rows as in the GGUF, or repacked by triton_ops.prepare (for the types it repacks)."""
+    """Rows as in the GGUF, or repacked by layout.prepare (for the types it repacks)."""
     return request.param
 
 
 def laid_out(w: Weight, name: str, layout: str) -> Weight:
     if layout == "raw":
         return w
-    if name not in tops.PREPARED_TYPES:
+    if name not in lay.PREPARED_TYPES:
         pytest.skip(f"prepare leaves {name} as it is")
-    packed = tops.prepare(w)
-    assert packed.raw.shape == w.raw.shape and packed.packed is tops.SPLIT
+    packed = lay.prepare(w)
+    assert packed.raw.shape == w.raw.shape and packed.packed is lay.SPLIT
     return packed
 
 
@@ -117,7 +125,7 @@ def check_linear(
     dtype: torch.dtype,
     seed: int,
     kernel: str | None = None,
-    gemv: tops.LaunchShape | None = None,
+    gemv: tuning.LaunchShape | None = None,
 ) -> None:
     n, k = w.shape
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -198,11 +206,11 @@ def test_gemm(name: str, dtype: torch.dtype, layout: str) -> None:
 def test_dot8(name: str, shape: tuple[int, ...]) -> None:
     # 6 super-blocks (48 blocks for Q8_0) leave a partial step at BK = 1024 and 2048; N = 9 a partial
     # program. The launch shapes the H200 sweeps favoured (bench/RESULTS.md), main's defaults
-    # (`triton_ops.default_dot8`, short and long rows) among them.
+    # (`tuning.Tuning.dot8`, short and long rows) among them.
     w, ref = random_weight(name, 9, 1536, seed=60)
     w = laid_out(w, name, "prepared")
     assert tops.kernel_for(w, 1, "dot8") == "dot8" and tops.kernel_for(w, 2, "dot8") == "gemv"
-    check_linear(w, ref, 1, torch.float32, seed=shape[1], kernel="dot8", gemv=tops.LaunchShape(*shape))
+    check_linear(w, ref, 1, torch.float32, seed=shape[1], kernel="dot8", gemv=tuning.LaunchShape(*shape))
 
 
 def test_dot8_q6_k_extreme_blocks() -> None:
@@ -223,13 +231,13 @@ def test_dot8_q6_k_extreme_blocks() -> None:
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
-@pytest.mark.parametrize("k", [4096, tops.DOT8_LONG_ROW + 2048])
+@pytest.mark.parametrize("k", [4096, TUNED.long_row + 2048])
 def test_dot8_row_length_picks_the_launch_shape(name: str, k: int) -> None:
     # Q4_K and Q8_0 rows of exactly 4096 weights (Llama-3-8B's attention projections, gate and up) run
     # as one step a program, rows of DOT8_LONG_ROW weights and more (a down projection) on their own
     # shape of several steps, other rows on the default; the results are held to the same tolerances.
-    shapes = {tops.default_dot8(name, n) for n in (2048, 4096, tops.DOT8_LONG_ROW)}
-    assert len(shapes) == 3 and tops.default_dot8(name, 4096).bk == 4096
+    shapes = {TUNED.dot8(name, n) for n in (2048, 4096, TUNED.long_row)}
+    assert len(shapes) == 3 and TUNED.dot8(name, 4096).bk == 4096
     w, ref = random_weight(name, 9, k, seed=61)
     check_linear(laid_out(w, name, "prepared"), ref, 1, torch.float32, seed=62, kernel="dot8")
 
@@ -242,7 +250,7 @@ def test_a_residual_is_added_to_the_product(kernel: str, name: str, k: int) -> N
     # at its one-step shape, whose programs end in a reduce-scatter on a GPU (N = 9: a partial program)
     w, _ = random_weight(name, 9, k, seed=80)
     w = laid_out(w, name, "prepared")
-    gemv = tops.default_dot8(name, 4096) if name == "Q4_K" else None
+    gemv = TUNED.dot8(name, 4096) if name == "Q4_K" else None
     g = torch.Generator().manual_seed(81)
     x, r = torch.randn(1, k, generator=g).to(DEVICE), torch.randn(1, 9, generator=g).to(DEVICE)
     plain = tops.linear(x, w, kernel=kernel, gemv=gemv)
@@ -340,8 +348,8 @@ def test_prompt_weights_share_one_half_precision_x(monkeypatch: pytest.MonkeyPat
     x = torch.randn(17, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     alone = [tops.linear(x, w) for w in ws]
     calls = []
-    half_rows = tops._half_rows
-    monkeypatch.setattr(tops, "_half_rows", lambda x2: calls.append(1) or half_rows(x2))
+    half_rows = tops.half_rows
+    monkeypatch.setattr(tops, "half_rows", lambda x2: calls.append(1) or half_rows(x2))
     together = tops.linear_many(x, ws)
     assert len(calls) == 1
     assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
@@ -350,20 +358,24 @@ def test_prompt_weights_share_one_half_precision_x(monkeypatch: pytest.MonkeyPat
 def test_quantize_x_matches_the_reference() -> None:
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(75))
     x[1, 32:64] = 0  # an all-zero group: scale 0, codes 0
-    qx = tops.quantize_x(x.to(DEVICE))
+    qx = activation.quantize_x(x.to(DEVICE))
     q, dx = qx.q.cpu().double(), qx.dx.cpu().double()
     assert np.array_equal((q.view(3, 3, 32) * dx[:, :, None]).view(3, 96).numpy(), quantized_x_ref(x.numpy()))
     sums = q.view(3, 6, 16).sum(-1) * dx.repeat_interleave(2, dim=1)
     assert torch.allclose(qx.sums.cpu().double(), sums, rtol=1e-6, atol=0)
 
 
+def pick_kernel(name: str, m: int) -> str:
+    return choice.choose(qtype(name), "cuda", choice.WORDS, m)
+
+
 def test_kernel_choice() -> None:
-    assert [tops.pick_kernel("Q4_K", m) for m in (1, 2, 4, 5, 15, 16)] == ["dot8"] + ["gemv"] * 2 + [
+    assert [pick_kernel("Q4_K", m) for m in (1, 2, 4, 5, 15, 16)] == ["dot8"] + ["gemv"] * 2 + [
         "gemm"
     ] * 2 + ["dequant"]
-    assert [tops.pick_kernel("Q6_K", m) for m in (1, 2)] == ["dot8", "gemv"]
-    assert [tops.pick_kernel("Q4_1", m) for m in (1, 4, 5)] == ["gemv"] * 2 + ["gemm"]
-    assert [tops.pick_kernel("IQ4_XS", m) for m in (8, 9)] == ["gemv", "dequant"]
+    assert [pick_kernel("Q6_K", m) for m in (1, 2)] == ["dot8", "gemv"]
+    assert [pick_kernel("Q4_1", m) for m in (1, 4, 5)] == ["gemv"] * 2 + ["gemm"]
+    assert [pick_kernel("IQ4_XS", m) for m in (8, 9)] == ["gemv", "dequant"]
 
 
 @pytest.mark.parametrize("kernel", ["gemm", "dequant"])
@@ -434,7 +446,7 @@ def test_dot8_loop_moves_no_data_between_threads(name: str, k: int) -> None:
     # 9); along one axis of words, every row and the x it meets stay in one thread. bench/ptx_gemv.py
     # compiles the default shape for Hopper (no GPU needed; not under the interpreter, hence its own
     # process).
-    cfg = tops.default_dot8(name, k)
+    cfg = TUNED.dot8(name, k)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     shape = ["--types", name, "--bn", str(cfg.bn), "--bk", str(cfg.bk), "--warps", str(cfg.num_warps)]
     shape += ["--late", str(int(cfg.late_headers)), "--maxnreg", str(cfg.max_registers or 0)]

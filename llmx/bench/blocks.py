@@ -16,24 +16,11 @@ from functools import cache
 import numpy as np
 
 from llmx.errors import LlmxError
-from llmx.quant import QType, qtype
+from llmx.quant import QTYPES, QType, qtype
 
-# Byte offsets of the fp16 scale fields inside one block (ggml-common.h block_* structs).
-# Everything else in a block (codes, 6-bit sub-block scales, high bits) is valid as any byte value.
-SCALE_FIELDS: dict[str, tuple[int, ...]] = {
-    "Q4_0": (0,),  # d, qs[16]
-    "Q4_1": (0, 2),  # d, m, qs[16]
-    "Q5_0": (0,),  # d, qh[4], qs[16]
-    "Q5_1": (0, 2),  # d, m, qh[4], qs[16]
-    "Q8_0": (0,),  # d, qs[32]
-    "Q2_K": (80, 82),  # scales[16], qs[64], d, dmin
-    "Q3_K": (108,),  # hmask[32], qs[64], scales[12], d
-    "Q4_K": (0, 2),  # d, dmin, scales[12], qs[128]
-    "Q5_K": (0, 2),  # d, dmin, scales[12], qh[32], qs[128]
-    "Q6_K": (208,),  # ql[128], qh[64], scales[16], d
-    "IQ4_NL": (0,),  # d, qs[16]
-    "IQ4_XS": (0,),  # d, scales_h, scales_l[4], qs[128]
-}
+# Byte offsets of the fp16 scale fields inside one block, from the type table. Everything else in
+# a block (codes, 6-bit sub-block scales, high bits) is valid as any byte value.
+SCALE_FIELDS: dict[str, tuple[int, ...]] = {q.name: q.half_fields for q in QTYPES.values() if q.half_fields}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 

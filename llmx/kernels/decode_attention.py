@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from llmx.quant import triton_ops
+from llmx.quant.triton import activation, launch
 from llmx.quant.triton.dot8 import store_quantized_block
 
 BLOCK_N = 64  # keys per loop step
@@ -79,7 +79,7 @@ def decode_attention(
     # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
     # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth).
     stages = 1 if torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
-    pdl = triton_ops.programmatic_launch(q.device)  # after the q/k/v GEMV: resident as it ends
+    pdl = launch.programmatic_launch(q.device)  # after the q/k/v GEMV: resident as it ends
     attention_kernel[(n_kv, splits)](
         q, k, v, cos, sin, positions, k_cache, v_cache, partial, stats,
         q.stride(1), k.stride(1), v.stride(1),
@@ -92,9 +92,9 @@ def decode_attention(
         WAIT=pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     # The output goes on to the o projection: quantized here for its integer-dot GEMV, by heads.
-    qx = triton_ops.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
+    qx = activation.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
     combine_kernel[(n_head,)](
-        partial, stats, out, splits, *triton_ops.quantized_pointers(out, qx),
+        partial, stats, out, splits, *activation.quantized_pointers(out, qx),
         D=d, QUANT=qx is not None, TRIGGER=qx is not None and pdl,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip

@@ -10,10 +10,11 @@ residual add before a norm and the `F.silu(g) * u` of a SwiGLU FFN are separate 
   column views of one joined [T, 2F] projection.
 
 Both also write their output quantized for the integer-dot GEMV that takes it next, when it is one
-row on a GPU (`triton_ops.wants_quantized`), and attach it to the output: a decode step then
-spends no launch on quantizing the inputs of its q/k/v, gate/up and down projections. Then, on
-Hopper, they let that GEMV launch as they start (`gdc_launch_dependents`): it loads its first
-weights while they run and waits for them before reading x (`triton_ops.programmatic_launch`).
+row on a GPU (`activation.wants_quantized`), and offer it with the output to that GEMV
+(`activation.PENDING`): a decode step then spends no launch on quantizing the inputs of its q/k/v,
+gate/up and down projections. Then, on Hopper, they let that GEMV launch as they start
+(`gdc_launch_dependents`): it loads its first weights while they run and waits for them before
+reading x (`launch.programmatic_launch`).
 They are launched the same way themselves (WAIT): after a GEMV, which lets its successor launch as
 it starts, they are resident when its last wave ends and wait for it before touching memory.
 
@@ -28,8 +29,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from llmx.quant import triton_ops
+from llmx.quant.triton.activation import quantized_output, quantized_pointers
 from llmx.quant.triton.dot8 import store_quantized_block
+from llmx.quant.triton.launch import programmatic_launch
 
 MAX_WIDTH = 16384  # widest row held in registers (16 warps x 32 floats a thread)
 SILU_BLOCK = 1024  # columns per silu_mul program
@@ -37,7 +39,8 @@ SILU_BLOCK = 1024  # columns per silu_mul program
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool | None = None) -> torch.Tensor:
     """`F.rms_norm(x, (E,), weight, eps)` for x [..., E] (E <= MAX_WIDTH), weight [E]: x's dtype out.
-    `quantize`: attach the output's quantized form (None: where the integer-dot GEMV would take it)."""
+    `quantize`: also write the output quantized for the next GEMV (None: where the integer-dot GEMV
+    would take it)."""
     return _launch(x, None, weight, eps, quantize)[1]
 
 
@@ -56,12 +59,12 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, quantize: bool | None = None) -> 
     g2, u2 = _rows(g), _rows(u)
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     rows = g2.shape[0]
-    qx = triton_ops.quantized_output(out, quantize)
+    qx = quantized_output(out, quantize)
     if rows:
         grid = (rows, triton.cdiv(f, SILU_BLOCK))
-        pdl = triton_ops.programmatic_launch(out.device)
+        pdl = programmatic_launch(out.device)
         silu_mul_kernel[grid](
-            g2, u2, out, g2.stride(0), u2.stride(0), f, *triton_ops.quantized_pointers(out, qx),
+            g2, u2, out, g2.stride(0), u2.stride(0), f, *quantized_pointers(out, qx),
             QUANT=qx is not None, TRIGGER=qx is not None and pdl, WAIT=pdl,
             BLOCK=SILU_BLOCK, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
@@ -78,13 +81,13 @@ def _launch(
     d2 = x2 if delta is None else _rows(delta)
     h = x2 if delta is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    qx = triton_ops.quantized_output(y, quantize)
+    qx = quantized_output(y, quantize)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     block = triton.next_power_of_2(e)
     if x2.shape[0]:
-        pdl = triton_ops.programmatic_launch(y.device)
+        pdl = programmatic_launch(y.device)
         rms_norm_kernel[(x2.shape[0],)](
-            x2, d2, weight, h, y, x2.stride(0), d2.stride(0), e, eps, *triton_ops.quantized_pointers(y, qx),
+            x2, d2, weight, h, y, x2.stride(0), d2.stride(0), e, eps, *quantized_pointers(y, qx),
             ADD=delta is not None, QUANT=qx is not None, TRIGGER=qx is not None and pdl, WAIT=pdl,
             BLOCK=block, num_warps=min(max(block // 512, 1), 16), launch_pdl=pdl,
         )  # fmt: skip

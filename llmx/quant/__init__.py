@@ -1,7 +1,9 @@
-"""The GGML type table: one place that knows each type's id, block size and bytes per block.
+"""The GGML type table: one place that knows each type's block facts.
 
-Pure (no torch): the GGUF reader, the planner and the synthetic-model writer all size tensors
-from here. Kernels live beside it (`reference.py` numpy spec, `torch_ops.py`, `triton_ops.py`).
+Per type: its id, weights and bytes a block, the weights that share one sub-block scale, and where
+its fp16 fields (the block scales d, dmin, m) sit in a block. Pure (no torch): the GGUF reader, the
+planner and the synthetic-model writer size tensors from here, and the kernels (`reference.py`'s
+numpy spec, `torch_ops.py`, `cpu_native.py`, `triton/`) derive their per-type constants from it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ class QType:
     block_elems: int
     block_bytes: int
     family: str  # "float", "legacy" (32-weight blocks), "k" (256-weight super-blocks), "iq"
+    scale_group: int = 0  # weights that share one sub-block scale (0: float types, size-only types)
+    half_fields: tuple[int, ...] = ()  # byte offsets of the block's fp16 fields (ggml-common.h's block_*)
     supported: bool = True  # False: known for sizing (planner, shapes) but not computed yet
     row_meta_bytes: int = 0  # ik_llama's *_KS types start every row with an f32 scale
+
+    @property
+    def is_float(self) -> bool:
+        """F32/F16/BF16: stored as plain numbers, no blocks."""
+        return self.family == "float" and self.supported
 
     @property
     def bits_per_weight(self) -> float:
@@ -42,22 +51,22 @@ class QType:
 
 
 _TABLE = [
-    # name, ggml id, elements per block, bytes per block, family
+    # name, ggml id, weights a block, bytes a block, family, weights a sub-block scale, fp16 fields
     ("F32", 0, 1, 4, "float"),
     ("F16", 1, 1, 2, "float"),
     ("BF16", 30, 1, 2, "float"),
-    ("Q4_0", 2, 32, 18, "legacy"),
-    ("Q4_1", 3, 32, 20, "legacy"),
-    ("Q5_0", 6, 32, 22, "legacy"),
-    ("Q5_1", 7, 32, 24, "legacy"),
-    ("Q8_0", 8, 32, 34, "legacy"),
-    ("Q2_K", 10, 256, 84, "k"),
-    ("Q3_K", 11, 256, 110, "k"),
-    ("Q4_K", 12, 256, 144, "k"),
-    ("Q5_K", 13, 256, 176, "k"),
-    ("Q6_K", 14, 256, 210, "k"),
-    ("IQ4_NL", 20, 32, 18, "iq"),
-    ("IQ4_XS", 23, 256, 136, "iq"),
+    ("Q4_0", 2, 32, 18, "legacy", 32, (0,)),  # d, qs[16]
+    ("Q4_1", 3, 32, 20, "legacy", 32, (0, 2)),  # d, m, qs[16]
+    ("Q5_0", 6, 32, 22, "legacy", 32, (0,)),  # d, qh[4], qs[16]
+    ("Q5_1", 7, 32, 24, "legacy", 32, (0, 2)),  # d, m, qh[4], qs[16]
+    ("Q8_0", 8, 32, 34, "legacy", 32, (0,)),  # d, qs[32]
+    ("Q2_K", 10, 256, 84, "k", 16, (80, 82)),  # scales[16], qs[64], d, dmin
+    ("Q3_K", 11, 256, 110, "k", 16, (108,)),  # hmask[32], qs[64], scales[12], d
+    ("Q4_K", 12, 256, 144, "k", 32, (0, 2)),  # d, dmin, scales[12], qs[128]
+    ("Q5_K", 13, 256, 176, "k", 32, (0, 2)),  # d, dmin, scales[12], qh[32], qs[128]
+    ("Q6_K", 14, 256, 210, "k", 16, (208,)),  # ql[128], qh[64], scales[16], d
+    ("IQ4_NL", 20, 32, 18, "iq", 32, (0,)),  # d, qs[16]
+    ("IQ4_XS", 23, 256, 136, "iq", 32, (0,)),  # d, scales_h, scales_l[4], qs[128]
 ]
 
 # Types that real GGUF files carry but llmx cannot multiply yet: known so that files and shapes
@@ -87,11 +96,13 @@ _SIZE_ONLY = [
 ]
 
 QTYPES: dict[int, QType] = {row[1]: QType(*row) for row in _TABLE} | {
-    row[1]: QType(*row[:5], False, *row[5:]) for row in _SIZE_ONLY
+    row[1]: QType(*row[:5], supported=False, row_meta_bytes=row[5] if len(row) > 5 else 0)
+    for row in _SIZE_ONLY
 }
 BY_NAME: dict[str, QType] = {q.name: q for q in QTYPES.values()}
 
 F32, F16, BF16 = BY_NAME["F32"], BY_NAME["F16"], BY_NAME["BF16"]
+BLOCK_TYPES = tuple(q.name for q in QTYPES.values() if q.supported and not q.is_float)  # computed on blocks
 
 
 def qtype(key: int | str) -> QType:

@@ -1,9 +1,11 @@
-"""QWeight, the one weight object of the runtime, and `linear`, the one place that picks a kernel.
+"""QWeight, the one weight object of the runtime, and `linear`, which runs the kernel it holds.
 
 A QWeight keeps a tensor's GGUF bytes as they are (uint8 rows of blocks, or a float tensor for
-F32/F16/BF16) on its device. `linear(x, w)` chooses the kernel from (type, device, M):
+F32/F16/BF16) on its device, with everything its kernels need made when it is made or prepared at
+load: the kernel of each M bucket (`llmx.quant.choice`'s table, consulted there and nowhere else),
+the native CPU call, and the group of weights it shares x with. A call only indexes that state:
 
-- CUDA:  `llmx.quant.triton_ops.linear` (fused dequant GEMV/GEMM); "emulated" if Triton is missing;
+- CUDA: the Triton kernels (`llmx.quant.triton.matmul`); "emulated" where Triton is missing;
 - CPU, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrices: kept as GGUF's blocks and multiplied by the native kernels
   (`cpu_native.py`): one pass over the weights for up to 8 rows of x (and one call for the matrices
   that share x), else chunks of rows dequantized into float32 for `torch.mm`; where no C compiler is
@@ -20,37 +22,48 @@ Every CPU path computes in float32 from the exact weights, so they differ only i
 
 from __future__ import annotations
 
+import importlib.util
 import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 
 from llmx import settings
 from llmx.errors import LlmxError
 from llmx.quant import QType
+from llmx.quant import choice as C
 from llmx.quant import cpu_native as N
 from llmx.quant import cpu_pack as P
 from llmx.quant import torch_ops as T
+from llmx.quant.triton import layout as L
+from llmx.quant.triton import matmul as G
 
 KERNELS = settings.CPU_KERNELS
 KERNEL = settings.cpu_kernel()  # read once; `linear(..., kernel=)` overrides per call
 GEMV_MAX_M = 8  # rows of x up to which the fused GEMV beats dequantize + dense matmul (bench/cpu_matmul.py)
 DEQUANT_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time: big enough for mm, small enough for L3
+_ON_GPU = frozenset(("dot8", "gemv", "gemm", "dequant", "float"))  # the kernels `G.run` takes
+_BUCKET_OF, _LAST_BUCKET = C.BUCKET_OF, C.LAST_BUCKET  # `C.bucket`, inlined on the hot path
 
 
 @dataclass
 class QWeight:
-    """A weight as stored in the GGUF, on its device.
+    """A weight as stored in the GGUF, on its device, with its kernels chosen.
 
-    raw:    uint8 [rows, row_bytes] raw blocks, or a float tensor of `shape` for F32/F16/BF16
-    qtype:  its GGML type
-    shape:  logical row-major shape; (out_features, in_features) for a matrix
-    packed: a device form built once at load, or None: cpu_pack.PackedCodes from `prepare_cpu`,
-            triton_ops.SPLIT (raw rows rearranged) from `triton_ops.prepare`
-    joined: set by `linear_many` when it joined this weight's packed form with its siblings'
-    native: the native GEMV call prepared for this weight, alone or first of the weights sharing x
+    raw:     uint8 [rows, row_bytes] raw blocks, or a float tensor of `shape` for F32/F16/BF16
+    qtype:   its GGML type
+    shape:   logical row-major shape; (out_features, in_features) for a matrix
+    packed:  a device form built once at load, or None: cpu_pack.PackedCodes from `prepare_cpu`,
+             triton.layout.SPLIT (raw rows rearranged) from `prepare_gpu`
+    kernels: the kernel of each M bucket (`choice.kernels`, from the device and layout)
+    native:  the native GEMV call of this weight alone, where the native kernels take it
+    shared:  the weights it multiplies x with in one call, where `prepare_shared` joined them
+
+    The derived fields follow raw and packed: replacing either (op offload pins a CPU weight's raw)
+    derives them again at once, so they never describe bytes the weight no longer holds.
     """
 
     raw: torch.Tensor
@@ -58,12 +71,36 @@ class QWeight:
     shape: tuple[int, ...]
     name: str = ""
     packed: object | None = None
-    joined: Joined | None = field(default=None, repr=False)
-    native: tuple[tuple[QWeight, ...], N.Gemv] | None = field(default=None, repr=False)
+    kernels: tuple[str, ...] = field(init=False, repr=False)
+    native: N.Gemv | None = field(init=False, default=None, repr=False)
+    shared: SharedInput | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._derive()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in ("raw", "packed") and "kernels" in self.__dict__:
+            self._derive()
+
+    def _derive(self) -> None:
+        """Choose the kernels for the current raw and packed, and build the native calls they need."""
+        layout = _layout(self)
+        device = self.raw.device.type
+        if device == "cuda":
+            device = "cuda" if _has_triton() else "cuda-emulated"
+            preference = "emulated" if KERNEL == "emulated" else "auto"
+        else:
+            preference = KERNEL
+        object.__setattr__(self, "kernels", C.kernels(self.qtype, device, layout, preference))
+        native = N.Gemv([(self.raw, self.qtype)]) if layout == C.NATIVE else None
+        object.__setattr__(self, "native", native)
+        if self.shared is not None:
+            self.shared.derive()
 
     def describe(self) -> str:
         """How this weight is computed on the CPU, for the load report: "Q4_1 -> 4-bit codes, ..."."""
-        if _native(self):
+        if self.native is not None:
             return f"{self.qtype.name} (GGUF blocks, native kernel)"
         if not isinstance(self.packed, P.PackedCodes):
             return f"{self.qtype.name} (dequantized per chunk)"
@@ -71,148 +108,52 @@ class QWeight:
 
 
 @dataclass(eq=False)
-class Joined:
-    """Packed weights that multiply the same x, concatenated along N so that one kernel computes them.
+class SharedInput:
+    """CPU weights that multiply the same x (q/k/v, gate/up), prepared at load to run as one:
 
-    members: the QWeights, in order; each one's `packed` is now a row view of `packed`
+    members: the QWeights, in order
+    native:  one native GEMV call for all of them (all take the native kernels, same K), or None
+    packed:  their packed forms concatenated along N (each member's `packed` is a row view of it),
+             or None
     sizes:   their output features, to split the joined result
     """
 
     members: tuple[QWeight, ...]
-    packed: P.PackedCodes
-    sizes: list[int]
+    native: N.Gemv | None = None
+    packed: P.PackedCodes | None = None
+    sizes: list[int] = field(default_factory=list)
+
+    def derive(self) -> None:
+        """The one native call for the members' current raws, where they all take it."""
+        ws, k = self.members, self.members[0].shape[1]
+        native = len(ws) <= N.MAX_WEIGHTS and all(w.native is not None and w.shape[1] == k for w in ws)
+        self.native = N.Gemv([(w.raw, w.qtype) for w in ws]) if native else None
+
+    def serves(self, ws: Sequence[QWeight]) -> bool:
+        """Whether these are exactly the members, in order."""
+        return len(self.members) == len(ws) and all(map(operator.is_, self.members, ws))
 
 
-def linear(
-    x: torch.Tensor, w: QWeight, kernel: str | None = None, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [..., in] float32 @ W^T for W [out, in] -> [..., out] float32, computed on W's device;
-    plus `residual` [..., out] where given (on a GPU inside the GEMV where it can be).
-
-    `kernel` forces one of KERNELS for this call (tests, benchmarks); None uses LLMX_KERNEL.
-    """
-    n, k = w.shape
-    if x.shape[-1] != k:
-        raise LlmxError(f"{w.name or 'weight'} {w.shape} cannot multiply x of shape {tuple(x.shape)}")
-    choice = kernel or KERNEL
-    flat = x.dim() == 2  # a decode step's x: no reshapes (each costs about a microsecond)
-    x2 = x if flat else x.reshape(-1, k)
-    if choice == "emulated":
-        y = x2 @ dequantize(w).t()
-    elif w.raw.is_cuda:  # x keeps its shape; the integer-dot GEMV adds the residual as it stores
-        return _cuda(x, w, residual)
-    elif (
-        choice in ("auto", "packed")
-        and x2.shape[0] <= N.MAX_ROWS
-        and (call := _native_call((w,))) is not None
-    ):
-        y = call(x2)
-    elif choice in ("auto", "packed") and x2.shape[0] > N.MAX_ROWS and _native(w):  # fewer: above
-        y = _native_matmul(x2, w)
-    elif isinstance(w.packed, P.PackedCodes) and choice in ("auto", "packed"):
-        y = _packed_matmul(x2.contiguous(), w.packed)
-    elif choice == "packed":
-        raise LlmxError(f"{w.name or 'weight'} ({w.qtype.name}) has no packed CPU form; see prepare_cpu")
-    else:
-        y = _dequant_matmul(x2, w)
-    y = y if flat else y.reshape(*x.shape[:-1], n)
-    return y if residual is None else y.add_(residual)
+def _layout(w: QWeight) -> str:
+    if w.raw.device.type == "cuda":
+        return G.layout_of(w)
+    if isinstance(w.packed, P.PackedCodes):
+        return C.PACKED
+    return C.NATIVE if w.packed is None and _native_blocks(w) else C.GGUF
 
 
-def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = None) -> list[torch.Tensor]:
-    """[linear(x, w) for w in ws] (e.g. q/k/v, or gate/up), in one kernel call where possible.
-
-    CPU weights packed alike are joined on the first call (their packed forms become row views of
-    one concatenation: no extra memory), which saves a call per extra weight at every token; the
-    results are then views of one [..., sum(out)] tensor. On a GPU, x is quantized once for all the
-    integer-dot GEMVs among them.
-    """
-    if (kernel or KERNEL) == "auto" and all(w.raw.is_cuda for w in ws):
-        return _cuda_many(x, ws)
-    k = ws[0].shape[1]
-    rows = x.numel() // max(x.shape[-1], 1)
-    call = _native_call(ws) if (kernel or KERNEL) in ("auto", "packed") and rows <= N.MAX_ROWS else None
-    if call is not None and x.shape[-1] == k:
-        outs = call(x if x.dim() == 2 else x.reshape(-1, k)).split_with_sizes(call.sizes, dim=1)
-        return list(outs) if x.dim() == 2 else [y.reshape(*x.shape[:-1], -1) for y in outs]
-    joined = ws[0].joined
-    if (
-        joined is None
-        or len(joined.members) != len(ws)
-        or any(a is not b for a, b in zip(joined.members, ws, strict=False))
-    ):
-        joined = _join(ws)
-    if joined is None or (kernel or KERNEL) not in ("auto", "packed"):
-        return [linear(x, w, kernel) for w in ws]
-    k = ws[0].shape[1]
-    if x.shape[-1] != k:
-        raise LlmxError(f"{ws[0].name or 'weight'} {ws[0].shape} cannot multiply x of shape {tuple(x.shape)}")
-    y = _packed_matmul(x.reshape(-1, k).contiguous(), joined.packed)
-    return list(y.reshape(*x.shape[:-1], -1).split(joined.sizes, dim=-1))
+def _native_blocks(w: QWeight) -> bool:
+    """Whether `w.raw` holds GGUF blocks on the CPU that the native kernels read."""
+    cpu_blocks = w.raw.device.type == "cpu" and w.raw.is_contiguous()
+    return cpu_blocks and N.supports(w.qtype, w.shape) and N.available()
 
 
-def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor | None:
-    """down(silu(gate(x)) * up(x)) in one native call for a decode step's x [M, K] (M <= MAX_ROWS)
-    when all three matrices take the native kernels (`cpu_native.Gemv.swiglu`); None otherwise."""
-    if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > N.MAX_ROWS or not x.is_cpu:
-        return None
-    gate_up, down_call = _native_call((gate, up)), _native_call((down,))
-    if gate_up is None or down_call is None or gate.shape[0] != up.shape[0] or down.shape[1] != gate.shape[0]:
-        return None
-    return gate_up.swiglu(x, down_call)
+@cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
-def _join(ws: Sequence[QWeight]) -> Joined | None:
-    """Concatenate the packed forms of `ws` along N, or None when they are not all packed alike."""
-    pks = [w.packed for w in ws]
-    if len(ws) < 2 or not all(isinstance(p, P.PackedCodes) for p in pks):
-        return None
-    first = pks[0]
-    alike = all(
-        p.codes.dtype == first.codes.dtype
-        and p.codes.shape[1:] == first.codes.shape[1:]
-        and (p.offset is None) == (first.offset is None)
-        for p in pks
-    )
-    if not alike:
-        return None
-    offsets = None if first.offset is None else torch.cat([p.offset for p in pks])
-    packed = P.PackedCodes(torch.cat([p.codes for p in pks]), torch.cat([p.scale for p in pks]), offsets)
-    joined = Joined(tuple(ws), packed, [p.codes.shape[0] for p in pks])
-    r0 = 0
-    for w, size in zip(ws, joined.sizes, strict=True):  # each weight keeps working alone, on views
-        w.packed, w.joined = packed.rows(r0, r0 + size), joined
-        r0 += size
-    return joined
-
-
-def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """Rows `ids` (integer, any shape) of the table W [rows, cols] -> float32 [*ids.shape, cols]."""
-    cols = w.shape[-1]
-    if w.raw.is_floating_point():
-        return w.raw[ids.to(w.raw.device)].float()
-    if _triton_layout(w):
-        from llmx.quant import triton_ops
-
-        return triton_ops.embedding(ids.to(w.raw.device), w)
-    if _native_blocks(w):  # a repacked tied table keeps its raw rows for lookups
-        flat = ids.reshape(-1).to(device="cpu", dtype=torch.long)
-        return N.embedding_rows(w.raw, w.qtype, flat, cols).reshape(*ids.shape, cols)
-    return T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
-
-
-def dequantize(w: QWeight) -> torch.Tensor:
-    """The whole weight as float32 of `w.shape`, on its device (bit-exact with gguf-py)."""
-    if _triton_layout(w):
-        from llmx.quant import triton_ops
-
-        return triton_ops.dequantize(w)
-    return T.dequantize(w.raw, w.qtype).reshape(w.shape)
-
-
-def _triton_layout(w: QWeight) -> bool:
-    """A CUDA weight whose rows `triton_ops.prepare` rearranged: only Triton's kernels read it."""
-    return w.raw.device.type == "cuda" and w.packed is not None
+# --- preparing at load ----------------------------------------------------------------------------
 
 
 def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
@@ -222,7 +163,7 @@ def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
     After repacking, the raw bytes' pages are handed back to the kernel (a tied embedding table reads
     its rows back on demand), so an mmap-backed weight does not count twice in the process's memory.
     """
-    if not repack or w.raw.device.type != "cpu" or _native(w) or not P.packable(w.qtype, w.shape):
+    if not repack or w.raw.device.type != "cpu" or w.native is not None or not P.packable(w.qtype, w.shape):
         return w
     w.packed = P.pack(w.raw, w.qtype)
     P.release_pages(w.raw)
@@ -230,49 +171,183 @@ def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
     return w
 
 
-def _native(w: QWeight) -> bool:
-    """A CPU matrix the native kernels multiply as GGUF stores it (`cpu_native`; never repacked)."""
-    return w.packed is None and _native_blocks(w)
+def prepare_gpu(w: QWeight) -> QWeight:
+    """The Triton kernels' row layout (same bytes, same row width, `triton.layout.prepare`), written
+    back into `w.raw` in place so the tensor keeps no allocation of its own; the repacked copy is
+    temporary. Not where Triton is missing (the emulated path reads GGUF rows)."""
+    if not _has_triton():
+        return w
+    prepared = L.prepare(w)
+    if prepared is not w:
+        w.raw.copy_(prepared.raw)
+        w.packed = prepared.packed
+    return w
 
 
-def _native_blocks(w: QWeight) -> bool:
-    """Whether `w.raw` holds GGUF blocks on the CPU that the native kernels read."""
-    cpu_blocks = w.raw.device.type == "cpu" and w.raw.is_contiguous()
-    return cpu_blocks and N.supports(w.qtype, w.shape) and N.available()
-
-
-def _native_call(ws: Sequence[QWeight]) -> N.Gemv | None:
-    """The native GEMV for weights sharing x, all `_native` with the same K, prepared on the first
-    weight the first time (a weight is first of one group in a model: q of q/k/v, gate of gate/up)
-    and again if a weight's `raw` was replaced (op offload pins it); None where they do not all
-    take it."""
-    cached = ws[0].native
-    if cached is not None and _still_prepared(cached, ws):
-        return cached[1]
-    k = ws[0].shape[1]
-    if len(ws) > N.MAX_WEIGHTS or not all(_native(w) and w.shape[1] == k for w in ws):
+def prepare_shared(ws: Sequence[QWeight]) -> SharedInput | None:
+    """Prepare CPU weights that multiply the same x to run as one call (`linear_many`, `swiglu`): one
+    native call, or their packed forms joined along N (no extra memory: each weight's packed form
+    becomes a row view of the concatenation, and keeps working alone). None where they cannot."""
+    if len(ws) < 2 or any(w.raw.device.type != "cpu" for w in ws):
         return None
-    call = N.Gemv([(w.raw, w.qtype) for w in ws])
-    ws[0].native = (tuple(ws), call)
-    return call
+    group = SharedInput(tuple(ws))
+    group.derive()
+    if group.native is None and not _join(group):
+        return None
+    for w in ws:
+        object.__setattr__(w, "shared", group)
+    return group
 
 
-def _still_prepared(cached: tuple[tuple[QWeight, ...], N.Gemv], ws: Sequence[QWeight]) -> bool:
-    """Whether a prepared call is for exactly these weights and their current raws (a decode step asks
-    some hundred times: one weight, the common case, is checked without building iterators)."""
-    members, call = cached
-    if len(ws) == 1:
-        return len(members) == 1 and members[0] is ws[0] and call.raws[0] is ws[0].raw
-    return (
-        len(members) == len(ws)
-        and all(map(operator.is_, members, ws))
-        and all(map(operator.is_, call.raws, (w.raw for w in ws)))
+def _join(group: SharedInput) -> bool:
+    """Concatenate the members' packed forms along N; False when they are not all packed alike."""
+    pks = [w.packed for w in group.members]
+    if not all(isinstance(p, P.PackedCodes) for p in pks):
+        return False
+    first = pks[0]
+    alike = all(
+        p.codes.dtype == first.codes.dtype
+        and p.codes.shape[1:] == first.codes.shape[1:]
+        and (p.offset is None) == (first.offset is None)
+        for p in pks
     )
+    if not alike:
+        return False
+    offsets = None if first.offset is None else torch.cat([p.offset for p in pks])
+    group.packed = P.PackedCodes(
+        torch.cat([p.codes for p in pks]), torch.cat([p.scale for p in pks]), offsets
+    )
+    group.sizes = [p.codes.shape[0] for p in pks]
+    r0 = 0
+    for w, size in zip(group.members, group.sizes, strict=True):  # each weight keeps working alone
+        w.packed = group.packed.rows(r0, r0 + size)
+        r0 += size
+    return True
+
+
+# --- calls ----------------------------------------------------------------------------------------
+
+
+def linear(
+    x: torch.Tensor, w: QWeight, kernel: str | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., in] float32 @ W^T for W [out, in] -> [..., out] float32, computed on W's device;
+    plus `residual` [..., out] where given (on a GPU inside the GEMV where it can be).
+
+    `kernel` forces one of KERNELS for this call (tests, benchmarks); None runs the weight's own.
+    """
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise LlmxError(f"{w.name or 'weight'} {w.shape} cannot multiply x of shape {tuple(x.shape)}")
+    flat = x.dim() == 2  # a decode step's x: no reshapes (each costs about a microsecond)
+    m = x.shape[0] if flat else x.numel() // max(k, 1)
+    choice = w.kernels[_BUCKET_OF[m] if m < 16 else _LAST_BUCKET] if kernel is None else _forced(w, m, kernel)
+    if choice in _ON_GPU:  # x keeps its shape; the integer-dot GEMV adds the residual as it stores
+        return G.run(x, G.unit_rows(x), w, choice, residual=residual)
+    x2 = x if flat else x.reshape(-1, k)
+    if choice == "native":
+        y = w.native(x2)
+    elif choice == "native_chunks":
+        y = _native_matmul(x2, w)
+    elif choice == "packed":
+        if not isinstance(w.packed, P.PackedCodes):
+            raise LlmxError(f"{w.name or 'weight'} ({w.qtype.name}) has no packed CPU form; see prepare_cpu")
+        y = _packed_matmul(x2.contiguous(), w.packed)
+    elif choice == "emulated":
+        y = x2 @ dequantize(w).t()
+    else:
+        y = _dequant_matmul(x2, w)
+    y = y if flat else y.reshape(*x.shape[:-1], n)
+    return y if residual is None else y.add_(residual)
+
+
+def _forced(w: QWeight, m: int, kernel: str) -> str:
+    """The kernel for M = m under the per-call preference `kernel` (one of KERNELS; on a GPU only
+    "emulated" changes anything)."""
+    if kernel not in KERNELS:
+        raise LlmxError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if w.raw.device.type == "cuda":
+        return C.choose(w.qtype, "cuda", _layout(w), m, "emulated" if kernel == "emulated" else "auto")
+    return C.choose(w.qtype, "cpu", _layout(w), m, kernel)
+
+
+def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = None) -> list[torch.Tensor]:
+    """[linear(x, w) for w in ws] (e.g. q/k/v, or gate/up), in one kernel call where possible.
+
+    On a GPU, x is quantized once for all the integer-dot GEMVs among them, and those of one type
+    share launches. On the CPU, weights `prepare_shared` joined at load run as one call; the results
+    are then views of one [..., sum(out)] tensor.
+    """
+    if kernel is None and ws[0].raw.is_cuda:
+        x2 = G.unit_rows(x)
+        m = x2.shape[0]
+        b = _BUCKET_OF[m] if m < 16 else _LAST_BUCKET
+        chosen = [w.kernels[b] for w in ws]
+        if _ON_GPU.issuperset(chosen):
+            return G.run_many(x, x2, list(ws), chosen)
+    group = ws[0].shared
+    if group is None or (kernel or KERNEL) not in ("auto", "packed") or not group.serves(ws):
+        return [linear(x, w, kernel) for w in ws]
+    k = ws[0].shape[1]
+    if x.shape[-1] != k:
+        raise LlmxError(f"{ws[0].name or 'weight'} {ws[0].shape} cannot multiply x of shape {tuple(x.shape)}")
+    rows = x.numel() // max(k, 1)
+    if group.native is not None and rows <= N.MAX_ROWS:
+        outs = group.native(x if x.dim() == 2 else x.reshape(-1, k)).split_with_sizes(
+            group.native.sizes, dim=1
+        )
+        return list(outs) if x.dim() == 2 else [y.reshape(*x.shape[:-1], -1) for y in outs]
+    if group.packed is None:
+        return [linear(x, w, kernel) for w in ws]
+    y = _packed_matmul(x.reshape(-1, k).contiguous(), group.packed)
+    return list(y.reshape(*x.shape[:-1], -1).split(group.sizes, dim=-1))
+
+
+def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor | None:
+    """down(silu(gate(x)) * up(x)) in one native call for a decode step's x [M, K] (M <= MAX_ROWS)
+    when gate and up were prepared as one native call (`prepare_shared`) and down takes the native
+    kernels too (`cpu_native.Gemv.swiglu`); None otherwise."""
+    if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > N.MAX_ROWS or not x.is_cpu:
+        return None
+    group, down_call = gate.shared, down.native
+    if group is None or group.native is None or down_call is None or not group.serves((gate, up)):
+        return None
+    if gate.shape[0] != up.shape[0] or down.shape[1] != gate.shape[0]:
+        return None
+    return group.native.swiglu(x, down_call)
+
+
+def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """Rows `ids` (integer, any shape) of the table W [rows, cols] -> float32 [*ids.shape, cols]."""
+    cols = w.shape[-1]
+    if w.raw.is_floating_point():
+        return w.raw[ids.to(w.raw.device)].float()
+    if _triton_layout(w):
+        return G.embedding(ids.to(w.raw.device), w)
+    if _native_blocks(w):  # a repacked tied table keeps its raw rows for lookups
+        flat = ids.reshape(-1).to(device="cpu", dtype=torch.long)
+        return N.embedding_rows(w.raw, w.qtype, flat, cols).reshape(*ids.shape, cols)
+    return T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
+
+
+def dequantize(w: QWeight) -> torch.Tensor:
+    """The whole weight as float32 of `w.shape`, on its device (bit-exact with gguf-py)."""
+    if _triton_layout(w):
+        return G.dequantize(w)
+    return T.dequantize(w.raw, w.qtype).reshape(w.shape)
+
+
+def _triton_layout(w: QWeight) -> bool:
+    """A CUDA weight whose rows `prepare_gpu` rearranged: only Triton's kernels read it."""
+    return w.raw.device.type == "cuda" and w.packed is not None
+
+
+# --- CPU matmuls ----------------------------------------------------------------------------------
 
 
 def _native_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
     """x2 [M, K] @ W^T on the GGUF blocks for more rows than a GEMV call takes: W dequantized in chunks
-    of rows for `torch.mm` (fewer rows take `_native_call`)."""
+    of rows for `torch.mm` (fewer rows take `w.native`)."""
     n, k = w.shape
     buf = _scratch(min(n, _chunk_rows(k)) * k)
     return _chunked_matmul(
@@ -331,22 +406,3 @@ def _scratch(numel: int) -> torch.Tensor:
         with torch.inference_mode(False):
             buf = _SCRATCH.buf = torch.empty(numel)
     return buf
-
-
-def _cuda_many(x: torch.Tensor, ws: Sequence[QWeight]) -> list[torch.Tensor]:
-    try:
-        from llmx.quant import triton_ops
-    except ImportError:
-        return [linear(x, w) for w in ws]
-    return triton_ops.linear_many(x, list(ws))
-
-
-def _cuda(x: torch.Tensor, w: QWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernels, or the emulated path where Triton cannot be imported. x keeps its shape
-    (and so any quantized form a kernel attached to it, see `triton_ops.attach_quantized`)."""
-    try:
-        from llmx.quant import triton_ops
-    except ImportError:
-        y = x @ dequantize(w).t()
-        return y if residual is None else y.add_(residual)
-    return triton_ops.linear(x, w, residual=residual)

@@ -23,8 +23,11 @@ from llmx.models.naming import group_key
 from llmx.ops import RowSplit
 from llmx.plan.placement import Plan
 from llmx.quant import QType
-from llmx.quant.weight import QWeight, prepare_cpu
+from llmx.quant.weight import QWeight, prepare_cpu, prepare_gpu, prepare_shared
 
+# Matrices of a layer that the models multiply by the same x in one call (`ops.linear_many`,
+# `ops.swiglu`): prepared at load to run as one CPU call (`quant.weight.prepare_shared`).
+SHARED_INPUT = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 ARENA_ALIGN = 256  # bytes: keeps every tensor view aligned for vectorised GPU loads
 STAGING_BYTES = 64 << 20
 
@@ -66,19 +69,7 @@ def _finish(
     w = QWeight(raw, qt, shape, name)
     if raw.device.type == "cpu":
         return prepare_cpu(w, repack=repack)
-    return _prepare_cuda(w) if repack else w
-
-
-def _prepare_cuda(w: QWeight) -> QWeight:
-    """The Triton kernels' row layout (same bytes, same row width), written back into the arena so
-    the tensor keeps no allocation of its own; the repacked copy is temporary."""
-    from llmx.quant import triton_ops
-
-    prepared = triton_ops.prepare(w)
-    if prepared is not w:
-        w.raw.copy_(prepared.raw)
-        w.packed = prepared.packed
-    return w
+    return prepare_gpu(w) if repack else w
 
 
 @dataclass(frozen=True)
@@ -265,6 +256,11 @@ def load_weights(
     for name, value in placed.items():
         layer, key = group_key(name)
         (top if layer is None else layers.setdefault(layer, {}))[key] = value
+    for group in layers.values():
+        for names in SHARED_INPUT:
+            ws = [group.get(n) for n in names]
+            if all(isinstance(w, QWeight) for w in ws):
+                prepare_shared(ws)
     n_layer = max(layers) + 1 if layers else 0
     groups = [TensorGroup(f"blk.{i}.", layers.get(i, {})) for i in range(n_layer)]
     report.seconds = time.perf_counter() - t0

@@ -105,7 +105,7 @@ def block_parts(
     A block of ELEMS weights and BYTES bytes is NF fp16 fields (its scales; first or last in the
     block) and a body (codes and sub-block scales). Raw GGUF rows keep each block whole, so with
     18-, 34- or 210-byte blocks the codes are only 2-byte aligned; rows repacked by
-    `triton_ops.prepare` (PACKED) hold every body first, then every block's fields, so bodies
+    `layout.prepare` (PACKED) hold every body first, then every block's fields, so bodies
     start on 16-byte boundaries and load as 16-byte vectors.
     """
     BODY: tl.constexpr = BYTES - 2 * NF

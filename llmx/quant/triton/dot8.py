@@ -5,15 +5,15 @@ converting it and multiplying. Here, as in llama.cpp's CUDA decode (mmvq), x is 
 per group of 32 values (`quantize_x_kernel`: int8 codes, a float scale dx = max|x| / 127 and
 dx times the code sums per 16), and the weights are read as 32-bit words whose 4 byte lanes meet
 4 x codes in one `dp4a` instruction (int32 accumulate, exact); each group's scales are applied
-once to its integer sum, for 2-3.5 instructions a weight in all. On an H200 it takes 0.55-0.7x
-the float GEMV's time (bench/RESULTS.md), so `triton_ops.pick_kernel` takes it for every M = 1
-product of these types. The kernels that produce a decode step's activations (RMSNorm, the SiLU
-gate, attention's combine) quantize their output with `store_quantized` as they write it.
+once to its integer sum, for 2-3.5 instructions a weight in all, so `llmx.quant.choice` takes it
+for every M = 1 product of these types. The kernels that produce a decode step's activations
+(RMSNorm, the SiLU gate, attention's combine) quantize their output with `store_quantized` as they
+write it.
 
 Numerics: integer sums are exact; beyond float32 summation, the one rounding is x's quantization
 (at most 1/254 of each group's largest |x| per value), as in llama.cpp's GPU decode.
 
-Types (rows in `triton_ops.prepare`'s layout: Q6_K's and Q8_0's block bodies 16-byte aligned,
+Types (rows in `layout.prepare`'s layout: Q6_K's and Q8_0's block bodies 16-byte aligned,
 Q4_K's 144-byte blocks in place with their scales regrouped by sub-block pair):
     Q8_0: 8 words of int8 codes a block of 32              w = d * q
     Q4_K: 32 words of nibbles a super-block of 256         w = d*sc*q - dmin*m (per 32)
@@ -269,7 +269,7 @@ def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM: tl.constexpr, EV
     blk = u0 + q // 8
     pair = (q % 8) // 2
     # The pair's low scale bits: header bytes 4 + 2 pair, 5 + 2 pair (word 1 or 2); its top bits:
-    # byte 12 + pair (word 3), see triton_ops.prepare_q4_k_scales.
+    # byte 12 + pair (word 3), see layout.prepare_q4_k_scales.
     lows = tl.where((pair < 2)[None, :], _lane(hdr, 1), _lane(hdr, 2)) >> (16 * (pair % 2))[None, :]
     highs = (_lane(hdr, 3) >> (8 * pair)[None, :]) << 4
     sc_lo, mn_lo = paired_scale_min(lows, highs, 0)
@@ -376,16 +376,15 @@ def gemv8_kernel(
     after. It also lets its own successor launch at once: that kernel waits for it to finish before
     touching memory, and is resident when the last wave ends. RES (one weight): the output is
     r + x @ W.T, r [N] read at the store (a block's residual add, which took a kernel of its own).
-    LATE (Q4_K): a step's block headers are loaded when it is computed instead of a step ahead with
-    its codes. Each header shares a 32-byte sector with its block's first codes, which are in the
-    L1 by then, so the load waits on the L1 only; a thread holds half the registers (Q4_K 4/2048/2:
-    63 against 121), so an SM holds twice the warps, which short rows (a few steps a program) need
-    to keep enough loads in flight. STAGGER (with PDL): programs whose id is a multiple of it wait
-    before loading their first step, so that some loads go out as the wait ends, while the programs
-    that loaded ahead compute (Q6_K's short rows +1.5%, bench/RESULTS.md, session 23). SCATTER4
-    (compiled, 4 rows on 4 warps, one column of partial sums a thread): the sums end in
-    `SCATTER4_ASM`'s reduce-scatter instead of tl.sum's all-reduce, which the interpreter cannot run
-    (Q4_K's 14336 x 4096 +2.7% at /r64, bench/RESULTS.md, session 26).
+    LATE: a step's block headers are loaded when it is computed instead of a step ahead with its
+    codes. Each header shares a 32-byte sector with its block's first codes, which are in the L1 by
+    then, so the load waits on the L1 only, and a thread holds about half the registers, so an SM
+    holds twice the warps: what short rows (a few steps a program) need to keep enough loads in
+    flight. STAGGER (with PDL): programs whose id is a multiple of it wait before loading their
+    first step, so that some loads go out as the wait ends, while the programs that loaded ahead
+    compute. SCATTER4 (compiled, 4 rows on 4 warps, one column of partial sums a thread): the sums
+    end in `SCATTER4_ASM`'s reduce-scatter instead of tl.sum's all-reduce, which the interpreter
+    cannot run.
     """
     if PDL:
         gdc_launch_dependents()

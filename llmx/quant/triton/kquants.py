@@ -51,7 +51,7 @@ def k4_scale_min(s, m, sm, first):
 
 @triton.jit
 def paired_scale_min(lows, highs, odd):
-    """int32 scale and min of sub-block 2p + odd of a Q4_K block in `triton_ops.prepare`'s layout
+    """int32 scale and min of sub-block 2p + odd of a Q4_K block in `layout.prepare`'s layout
     (`prepare_q4_k_scales`), from its pair p's fields: `lows` (bits 0-15 of bytes 4 + 2p and 5 + 2p
     as one int32; higher bits ignored) and `highs` (byte 12 + p, at bit 4 and up, lower bits ignored)."""
     sc = ((lows >> (4 * odd)) & 15) | ((highs >> (2 * odd)) & 0x30)

@@ -3,7 +3,7 @@
 The contract every unpack helper (here, in `kquants` and in `iq`) keeps:
     row_off [R, 1] int64  byte offset of each weight row in the raw tensor
     sb      [1, S] int32  which G-weight groups of the row to unpack (group g = weights g*G .. g*G+G-1)
-    K, PACKED             weights per row, and whether rows are in `triton_ops.prepare`'s layout
+    K, PACKED             weights per row, and whether rows are in `layout.prepare`'s layout
                           (only types whose fp16 fields misalign their codes take these two)
 returns (q [R, S, G], a [R, S], b [R, S]), all float32, with weight = a * q + b exactly as
 gguf-py's dequantize computes it (a * q is exact in float32 for every type, so a fused

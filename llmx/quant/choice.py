@@ -1,0 +1,102 @@
+"""Which kernel multiplies a weight: one table, consulted when a weight is made or prepared at load.
+
+The answer depends on the weight's type, its device, how its rows are laid out there, and M (the
+rows of x, in buckets: 1, 2-4, 5-8, 9-15, 16 and more); `kernels` gives one kernel per bucket, which
+the weight keeps (`QWeight.kernels`), so a call only indexes it. Pure: no torch.
+
+GPU kernels (`llmx.quant.triton.matmul`):
+- "float": F32/F16/BF16 weights, torch's matmul;
+- "dot8": M = 1, Q4_K, Q6_K and Q8_0 rows in the repacked layout read as words (WORDS): x quantized
+  to int8 per 32 values, then int8 dot products on the weight codes (llama.cpp's mmvq); faster
+  than "gemv" on every GPU measured (bench/RESULTS.md);
+- "gemv": M <= 4 (IQ4 types: 8), fp32 FMAs on the unpacked codes; its time grows with M;
+- "gemm": M < DEQUANT_MIN_M, tiles dequantized in registers for tl.dot, time flat in M up to its
+  tile; not for IQ4 types, whose per-code table lookups make it slower than "dequant";
+- "dequant": larger M, chunks of rows dequantized to half precision for cuBLAS.
+CPU kernels (`llmx.quant.weight`):
+- "native": GGUF blocks the C kernels read (NATIVE layout), up to NATIVE_MAX_ROWS rows of x;
+- "native_chunks": the same weights for more rows, dequantized by the C kernels a chunk at a time;
+- "packed": `cpu_pack`'s repacked codes (PACKED layout);
+- "chunks": the raw blocks dequantized a chunk at a time for torch.mm.
+Both: "emulated", the whole weight dequantized then one dense matmul: the numerics reference
+(torchao's KernelPreference.EMULATED), forced everywhere by LLMX_KERNEL=emulated.
+
+`preference` is LLMX_KERNEL's value (auto, packed, dequant, emulated: the CPU paths, emulated for
+every device) or, on a GPU, one of GPU_KERNELS forced (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+from llmx.errors import LlmxError
+from llmx.quant import QType
+
+GPU_KERNELS = ("dot8", "gemv", "gemm", "dequant")
+CPU_PREFERENCES = ("auto", "packed", "dequant", "emulated")  # LLMX_KERNEL's values
+
+# Layouts of a weight's rows on its device.
+GGUF = "gguf"  # as the file stores them
+SPLIT = "split"  # GPU: rearranged by `triton.layout.prepare`
+WORDS = "words"  # GPU: SPLIT, every row 4-byte aligned, as the integer-dot GEMV reads them
+NATIVE = "native"  # CPU: GGUF blocks the native C kernels read (`cpu_native`)
+PACKED = "packed"  # CPU: repacked by `cpu_pack`
+
+GEMV_MAX_M = 8  # the float GEMV's limit (a static loop over input rows)
+DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integer-dot passes
+DOT8_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the integer-dot GEMV's types
+DEQUANT_MIN_M = 16  # from here "dequant" beats "gemm" (bench/kernels.py)
+NATIVE_MAX_ROWS = 8  # rows of x one native GEMV call takes (cpu_native.MAX_ROWS)
+
+BUCKET_TOPS = (1, 4, 8, 15)  # the largest M of each bucket but the last, which holds the rest
+BUCKET_OF = (0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3)  # bucket of M < 16 (M = 0: the first)
+LAST_BUCKET = len(BUCKET_TOPS)
+
+
+def bucket(m: int) -> int:
+    """The bucket of M = m rows of x (an index into `kernels`' answer)."""
+    return BUCKET_OF[m] if m < len(BUCKET_OF) else LAST_BUCKET
+
+
+def kernels(qt: QType, device: str, layout: str, preference: str = "auto") -> tuple[str, ...]:
+    """The kernel of each M bucket for a weight of type `qt` on a `device` ("cuda", "cpu"; a GPU
+    without Triton: "cuda-emulated") in `layout`."""
+    return tuple(choose(qt, device, layout, m, preference) for m in (*BUCKET_TOPS, DEQUANT_MIN_M))
+
+
+def choose(qt: QType, device: str, layout: str, m: int, preference: str = "auto") -> str:
+    """The kernel for M = m rows of x (see the module docstring for the table)."""
+    if preference == "emulated" or device == "cuda-emulated":
+        return "emulated"
+    if device == "cuda":
+        return _gpu(qt, layout, m, preference)
+    if preference not in CPU_PREFERENCES:
+        raise LlmxError(f"unknown kernel {preference!r}; choose one of {', '.join(CPU_PREFERENCES)}")
+    if preference == "dequant":
+        return "chunks"
+    if layout == NATIVE:
+        return "native" if m <= NATIVE_MAX_ROWS else "native_chunks"
+    if layout == PACKED or preference == "packed":  # "packed" without a packed form: an error at the call
+        return "packed"
+    return "chunks"
+
+
+def _gpu(qt: QType, layout: str, m: int, preference: str) -> str:
+    if qt.is_float:
+        return "float"
+    if preference in GPU_KERNELS:
+        choice = preference
+    elif preference in CPU_PREFERENCES:  # LLMX_KERNEL's CPU paths leave GPUs to the table
+        choice = _gpu_table(qt.name, m)
+    else:
+        raise LlmxError(f"unknown kernel {preference!r}; choose one of {', '.join(GPU_KERNELS)}")
+    if choice == "dot8" and not (layout == WORDS and m <= DOT8_MAX_M and qt.name in DOT8_TYPES):
+        return "gemv"  # rows it cannot read
+    return choice
+
+
+def _gpu_table(name: str, m: int) -> str:
+    if name in DOT8_TYPES and m <= DOT8_MAX_M:
+        return "dot8"
+    iq4 = name.startswith("IQ4")
+    if m <= (GEMV_MAX_M if iq4 else 4):
+        return "gemv"
+    return "dequant" if iq4 or m >= DEQUANT_MIN_M else "gemm"

@@ -1,0 +1,126 @@
+"""The GEMM's tile configuration for each problem, measured once per GPU and kept on disk.
+
+A problem is (GPU, Triton version, type, layout, M bucket, N, K, x's dtype). The first time one is
+met, every candidate of the GPU kind's tuning (`tuning.Tuning.gemm`) is timed, round by round (so
+a clock change or a neighbour's burst touches them all alike), and the fastest is written to
+`gemm-configs.json` in the cache directory; every later call, and every later process, reads the
+same answer, so repeated runs of one prompt run the same kernels. Timing runs on the caller's
+stream and needs no buffer of its own (`triton.testing.do_bench` allocates 256 MB to flush the L2,
+a peak the planner would have to reserve on every GPU).
+
+Under the interpreter, and with LLMX_TRITON_AUTOTUNE=0, one fixed configuration, nothing timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from functools import cache
+
+import torch
+
+from llmx import settings
+from llmx.cache_dir import read_or_empty
+from llmx.quant.triton.launch import interpreting
+from llmx.quant.triton.tuning import GemmConfig, for_device
+
+CACHE_FILE = "gemm-configs.json"
+UNTUNED = GemmConfig(64, 128, 64, 4, 4)  # LLMX_TRITON_AUTOTUNE=0: one compile per type (tests)
+INTERPRETED = GemmConfig(16, 32, 64, 4, 1)  # the interpreter: small tiles keep it quick
+WARMUP_RUNS = 2  # the first compiles
+ROUNDS = 5  # each candidate timed once a round
+RUNS_A_ROUND = 10  # launches between one pair of events
+
+_chosen: dict[str, GemmConfig] = {}  # this process's answers, by `problem_key`
+
+
+def problem_key(
+    device: torch.device, qt: str, packed: bool, m_bucket: int, n: int, k: int, dtype: torch.dtype
+) -> str:
+    """The cache's key for one GEMM problem on `device`."""
+    return f"{_machine(device)}|{qt}|{'split' if packed else 'gguf'}|M{m_bucket}|{n}x{k}|{dtype}"
+
+
+@cache
+def _machine(device: torch.device) -> str:
+    """The GPU's name and the Triton version: what a measured pick holds for."""
+    import triton
+
+    return f"{torch.cuda.get_device_name(device)}|triton {triton.__version__}"
+
+
+def gemm_config(
+    device: torch.device,
+    key: Callable[[], str],
+    run: Callable[[GemmConfig], None],
+) -> GemmConfig:
+    """The configuration to run the problem `key()` with: fixed (interpreter, autotuning off), this
+    process's or the disk's earlier answer, else the fastest of the candidates, each run by `run`."""
+    if interpreting():
+        return INTERPRETED
+    if not _autotuning():
+        return UNTUNED
+    name = key()
+    chosen = _chosen.get(name)
+    if chosen is None:
+        chosen = _chosen[name] = _remembered(name) or _measure(name, for_device(device).gemm, run)
+    return chosen
+
+
+@cache
+def _autotuning() -> bool:
+    return settings.triton_autotune()
+
+
+def _remembered(name: str) -> GemmConfig | None:
+    text = _read().get(name)
+    return GemmConfig.parse(text) if text else None
+
+
+def _read() -> dict[str, str]:
+    try:
+        found = json.loads(read_or_empty(str(settings.cache_dir() / CACHE_FILE)) or "{}")
+    except json.JSONDecodeError:  # a damaged file only costs measuring again
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _measure(name: str, candidates: tuple[GemmConfig, ...], run: Callable[[GemmConfig], None]) -> GemmConfig:
+    """The fastest candidate, each timed over ROUNDS x RUNS_A_ROUND launches (best round), then
+    written to the cache file beside the answers other processes left there."""
+    best = fastest(candidates, run, _gpu_seconds)
+    path = settings.cache_dir() / CACHE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    answers = _read() | {name: str(best)}
+    written = path.with_name(f"{path.name}.{os.getpid()}")  # whole or not at all, for other processes
+    written.write_text(json.dumps(answers, indent=1, sort_keys=True))
+    written.replace(path)
+    return best
+
+
+def fastest(
+    candidates: tuple[GemmConfig, ...],
+    run: Callable[[GemmConfig], None],
+    seconds: Callable[[Callable[[], None]], float],
+) -> GemmConfig:
+    """The candidate whose best round of RUNS_A_ROUND runs took least (`seconds` times a round);
+    rounds alternate over the candidates. Ties keep the earlier candidate."""
+    for cfg in candidates:
+        for _ in range(WARMUP_RUNS):
+            run(cfg)
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(ROUNDS):
+        for cfg in candidates:
+            best[cfg] = min(best[cfg], seconds(lambda c=cfg: [run(c) for _ in range(RUNS_A_ROUND)]))
+    return min(candidates, key=lambda c: best[c])
+
+
+def _gpu_seconds(fn: Callable[[], None]) -> float:
+    """GPU time of `fn`'s launches, between two events on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3

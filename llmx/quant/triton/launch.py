@@ -1,0 +1,68 @@
+"""What a launch needs to know about its GPU, asked once per device: whether kernels run in
+Triton's interpreter, whether they may launch as programmatic dependents, and the kernel modules
+(imported on first launch, so importing llmx on a CPU-only install never imports triton).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from types import ModuleType
+
+import torch
+
+from llmx import settings
+
+
+@cache
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter (TRITON_INTERPRET=1): no inline PTX."""
+    return settings.triton_interpreting()
+
+
+@cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` may overlap their predecessor's tail (programmatic dependent
+    launch, Hopper and later): the integer-dot GEMV starts loading its weights while the kernel that
+    writes its x finishes, and waits for it (`gdc_wait`) only before reading x. Off under the
+    interpreter, and with LLMX_PDL=0."""
+    if interpreting() or device.type != "cuda" or not settings.programmatic_launch():
+        return False
+    return capability(device) >= (9, 0)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability of `device` (the current GPU where it names no index)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@cache
+def lut(device: torch.device) -> torch.Tensor:
+    """IQ4_NL/IQ4_XS code points on `device` (every kernel takes the pointer; only IQ types read it)."""
+    from gguf.quants import IQ4_NL
+
+    return torch.tensor(IQ4_NL.kvalues, dtype=torch.float32, device=device)
+
+
+@cache
+def kernels() -> ModuleType:
+    """`llmx.quant.triton.kernels`: the GEMV, GEMM and dequantize kernels."""
+    from llmx.quant.triton import kernels
+
+    return kernels
+
+
+@cache
+def dot8() -> ModuleType:
+    """`llmx.quant.triton.dot8`: the integer-dot GEMV and x's quantization."""
+    from llmx.quant.triton import dot8
+
+    return dot8
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

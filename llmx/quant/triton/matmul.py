@@ -1,0 +1,300 @@
+"""Matmul, embedding and dequantize on raw GGUF blocks on a GPU: the launches of the Triton kernels.
+
+Weights stay as the uint8 rows of the GGUF file (`layout.Blocks`); the kernels (`kernels.py`,
+`dot8.py`) unpack blocks in registers. Which kernel runs is `llmx.quant.choice`'s table: a
+`QWeight` keeps its answer per M bucket and hands it to `run`; `linear` asks the table itself (for
+weights that do not keep one, and to force a kernel). Launch shapes come from the device's tuning
+(`tuning.py`), the GEMM's tiles from the autotuner (`autotune.py`). Under TRITON_INTERPRET=1 the
+same code runs on CPU tensors (the tests do that).
+
+"dequant" dequantizes a chunk of rows at a time (DEQUANT_CHUNK_BYTES) to fp16 (or x's dtype when
+that is fp16/bf16), then multiplies with torch's matmul (cuBLAS, fp32 accumulation). Float32 x is
+scaled per row into [-1, 1] and rounded to fp16 for it: a float32 matmul would run at the FP32 rate,
+about a twelfth of the half-precision tensor cores.
+
+Output dtype is x's dtype; accumulation is always float32. GEMM multiplies in x's dtype (fp16 or
+bf16 weight tiles; tf32 for float32 x).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmx.errors import LlmxError
+from llmx.quant import choice as C
+from llmx.quant.triton import autotune, layout
+from llmx.quant.triton.activation import PENDING, HalfX, QuantizedX, half_rows, quantize_x
+from llmx.quant.triton.launch import cdiv, dot8, interpreting, kernels, lut, programmatic_launch
+from llmx.quant.triton.layout import Blocks, label, rows
+from llmx.quant.triton.tuning import GemmConfig, LaunchShape, for_device
+
+DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # the integer-dot GEMV's partial sums a block
+DOT8_MAX_WEIGHTS = 3  # weights sharing one integer-dot launch (q/k/v)
+# Half-precision weight rows dequantized at a time for "dequant": a Llama-3-8B FFN matrix (112 MiB)
+# in one piece, since chunks of rows that split it give cuBLAS too few output tiles.
+DEQUANT_CHUNK_BYTES = 128 << 20
+DEQUANT_ROW_ALIGN = 256  # chunks of "dequant" are whole multiples of this many rows where they can be
+
+
+def layout_of(w: Blocks) -> str:
+    """`w`'s row layout, as `llmx.quant.choice` names it."""
+    if not layout.word_rows(w):
+        return C.SPLIT if w.packed is layout.SPLIT else C.GGUF
+    return C.WORDS
+
+
+def kernel_for(w: Blocks, m: int, kernel: str | None = None) -> str:
+    """The kernel that multiplies `w` by M = m rows of x: the table's, or `kernel` forced ("dot8"
+    becomes "gemv" for rows it cannot read)."""
+    return C.choose(w.qtype, "cuda", layout_of(w), m, kernel or "auto")
+
+
+def linear(
+    x: torch.Tensor,
+    w: Blocks,
+    kernel: str | None = None,
+    gemv: LaunchShape | None = None,
+    qx: QuantizedX | None = None,
+    half: HalfX | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] (fp16/bf16/fp32) @ W.T for W [N, K] -> [..., N] in x's dtype, plus `residual`
+    ([..., N] in x's dtype) where given: the integer-dot GEMV adds it as it stores its output (a
+    block's residual add then costs no kernel of its own), the other paths after.
+
+    The kernel is the table's for M (the product of x's leading dims); `kernel` (one of
+    choice.GPU_KERNELS) forces one and `gemv` the GEMV launch shape, for benchmarks. `qx` is x
+    already quantized by `quantize_x`, `half` x already scaled to fp16 by `half_rows` (both made
+    once by `linear_many` for the weights that share x).
+    """
+    check_width(x, w)
+    x2 = unit_rows(x)
+    return run(x, x2, w, kernel_for(w, x2.shape[0], kernel), gemv, qx, half, residual)
+
+
+def run(
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    w: Blocks,
+    choice: str,
+    gemv: LaunchShape | None = None,
+    qx: QuantizedX | None = None,
+    half: HalfX | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`linear` by the kernel `choice`, for x and its rows x2 [M, K] (`unit_rows`)."""
+    if choice == "dot8":
+        m, n = x2.shape[0], w.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        res = None if residual is None else residual.reshape(m, n).contiguous()
+        _gemv8(qx or PENDING.quantized(x) or quantize_x(x2), [w], [out], gemv, res)
+        return out.reshape(*x.shape[:-1], n)
+    y = _matmul(x2, w, choice, gemv, half).reshape(*x.shape[:-1], w.shape[0])
+    return y if residual is None else y.add_(residual)
+
+
+def check_width(x: torch.Tensor, w: Blocks) -> None:
+    if x.shape[-1] != w.shape[1]:
+        raise LlmxError(f"{label(w)} {tuple(w.shape)} cannot multiply x of shape {tuple(x.shape)}")
+
+
+def _matmul(
+    x2: torch.Tensor, w: Blocks, choice: str, gemv: LaunchShape | None, half: HalfX | None
+) -> torch.Tensor:
+    """x2 [M, K] @ W.T -> [M, N] by `choice` (not the integer-dot GEMV), a new tensor."""
+    (n, k), m = w.shape, x2.shape[0]
+    if choice == "float":
+        return torch.nn.functional.linear(x2, w.raw.to(x2.dtype))
+    if choice == "dequant":
+        return _dequant_matmul(x2, w, half)
+    if choice == "gemv" and m > C.GEMV_MAX_M:
+        raise LlmxError(f"the GEMV kernel takes at most {C.GEMV_MAX_M} rows of x, got {m}")
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    raw, name, packed = rows(w)
+    table = lut(raw.device)
+    strides = (x2.stride(0), raw.stride(0), out.stride(0))
+    group = w.qtype.scale_group
+    if choice == "gemv":
+        bm = 1 << (m - 1).bit_length()
+        cfg = gemv or for_device(raw.device).gemv(name, bm)
+        kernels().gemv_kernel[(cdiv(n, cfg.bn),)](
+            x2, raw, table, out, m, n, k, *strides,
+            QT=name, PACKED=packed, G=group, BM=bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    elif choice == "gemm":
+        m_bucket = min(1 << (m - 1).bit_length(), 4096)
+
+        def launch(c: GemmConfig) -> None:
+            kernels().gemm_kernel[(cdiv(m, c.bm) * cdiv(n, c.bn),)](
+                x2, raw, table, out, m, n, k, *strides, m_bucket,
+                QT=name, PACKED=packed, G=group, BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=8,
+                num_warps=c.num_warps, num_stages=c.num_stages,
+            )  # fmt: skip
+
+        def key() -> str:
+            return autotune.problem_key(raw.device, name, packed, m_bucket, n, k, x2.dtype)
+
+        launch(autotune.gemm_config(raw.device, key, launch))
+    else:
+        raise LlmxError(f"unknown kernel {choice!r}; choose one of {', '.join(C.GPU_KERNELS)}")
+    return out
+
+
+def linear_many(x: torch.Tensor, ws: list[Blocks], qx: QuantizedX | None = None) -> list[torch.Tensor]:
+    """[linear(x, w) for w in ws] for weights that multiply the same x (q/k/v, gate/up): x is
+    quantized once for all the integer-dot GEMVs among them (or `qx` given), and those of one type
+    share launches."""
+    x2 = unit_rows(x)
+    m = x2.shape[0]
+    return run_many(x, x2, ws, [kernel_for(w, m) for w in ws], qx)
+
+
+def run_many(
+    x: torch.Tensor, x2: torch.Tensor, ws: list[Blocks], chosen: list[str], qx: QuantizedX | None = None
+) -> list[torch.Tensor]:
+    """`linear_many` by the kernels `chosen` (one a weight)."""
+    m = x2.shape[0]
+    dot8s = [kernel == "dot8" for kernel in chosen]
+    if not any(dot8s):
+        half = None
+        if "dequant" in chosen and x2.dtype not in (torch.float16, torch.bfloat16):
+            half = half_rows(x2)  # once for all of them
+        return [run(x, x2, w, kernel, half=half) for w, kernel in zip(ws, chosen, strict=True)]
+    qx = qx or PENDING.quantized(x) or quantize_x(x2)
+    outs: dict[int, torch.Tensor] = {}
+    groups: dict[tuple[str, int], list[int]] = {}  # integer-dot weights that one launch can serve
+    for i, w in enumerate(ws):
+        if dot8s[i]:
+            groups.setdefault((w.qtype.name, w.raw.stride(0)), []).append(i)
+        else:
+            outs[i] = run(x, x2, w, chosen[i])
+    for members in groups.values():
+        for part in (members[j : j + DOT8_MAX_WEIGHTS] for j in range(0, len(members), DOT8_MAX_WEIGHTS)):
+            ys = [torch.empty((m, ws[i].shape[0]), dtype=x.dtype, device=x.device) for i in part]
+            _gemv8(qx, [ws[i] for i in part], ys, None)
+            for i, y in zip(part, ys, strict=True):
+                outs[i] = y.reshape(*x.shape[:-1], ws[i].shape[0])
+    return [outs[i] for i in range(len(ws))]
+
+
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as rows [M, K] with a unit stride along K, as the kernels read them (a view
+    where it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _gemv8(
+    qx: QuantizedX,
+    ws: list[Blocks],
+    outs: list[torch.Tensor],
+    gemv: LaunchShape | None,
+    residual: torch.Tensor | None = None,
+) -> None:
+    """outs[i] [1, N_i] = x @ ws[i].T on the integer-dot GEMV, one launch for all (up to
+    DOT8_MAX_WEIGHTS of one type and row width); with one weight, plus `residual` [1, N_0]."""
+    assert residual is None or (len(ws) == 1 and residual.shape == outs[0].shape)
+    raws = [rows(w)[0] for w in ws]
+    qt, k = ws[0].qtype, ws[0].shape[1]
+    name, device = qt.name, raws[0].device
+    cfg = gemv or for_device(device).dot8(name, k)
+    unit = qt.block_elems
+    bu = max(1, cfg.bk // unit)
+    row_words = 4 if raws[0].stride(0) % 16 == 0 else 1
+    args = [(raw, out, w.shape[0]) for raw, out, w in zip(raws, outs, ws, strict=True)]
+    args += [args[0][:2] + (0,)] * (DOT8_MAX_WEIGHTS - len(args))  # unused slots: no programs
+    pdl = programmatic_launch(device)
+    dot8().gemv8_kernel[(sum(cdiv(w.shape[0], cfg.bn) for w in ws),)](
+        qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), outs[0] if residual is None else residual,
+        k, raws[0].stride(0) // (4 * row_words),
+        QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
+        ASM=not interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
+        RES=residual is not None, LATE=cfg.late_headers, STAGGER=cfg.stagger, SCATTER4=scatter_end(name, cfg),
+        num_warps=cfg.num_warps, launch_pdl=pdl, maxnreg=cfg.max_registers,
+    )  # fmt: skip
+
+
+def scatter_end(name: str, cfg: LaunchShape) -> bool:
+    """Whether the integer-dot GEMV at `cfg` ends in `dot8.SCATTER4_ASM`'s reduce-scatter: Q4_K's
+    programs of 4 rows and one 4096-weight step on 4 warps, whose threads hold one column of partial
+    sums each (other types' 128-column shapes lay them out otherwise: `bench/ptx_gemv.py`'s end
+    column), compiled (inline PTX, which the interpreter cannot run: it takes tl.sum's end)."""
+    return name == "Q4_K" and (cfg.bn, cfg.bk, cfg.num_warps) == (4, 4096, 4) and not interpreting()
+
+
+def _dequant_matmul(x2: torch.Tensor, w: Blocks, half: HalfX | None = None) -> torch.Tensor:
+    """x2 [M, K] @ W.T on the half-precision tensor cores, W dequantized a chunk of rows at a time
+    (so the transient buffer stays under DEQUANT_CHUNK_BYTES); the result in x2's dtype. `half` is
+    float32 x2 already scaled into fp16 (`half_rows`, shared by the weights that take the same x).
+
+    A prompt runs this for every weight of every layer, so it keeps to few launches: one to scale
+    x into fp16, one dequantize and one matmul a chunk, one multiply back to x's dtype."""
+    m, k = x2.shape
+    n = w.shape[0]
+    scale = None
+    if x2.dtype in (torch.float16, torch.bfloat16):
+        xh = x2
+    else:  # per-row scaling keeps any activation inside fp16's range
+        xh, scale = half or half_rows(x2)
+    step = max(1, DEQUANT_CHUNK_BYTES // (2 * k))
+    if step >= DEQUANT_ROW_ALIGN:  # whole tiles of the matmul
+        step -= step % DEQUANT_ROW_ALIGN
+    if step >= n:
+        y = xh @ dequantize_rows(w, 0, n, xh.dtype).t()
+    else:
+        y_t = torch.empty((n, m), dtype=xh.dtype, device=x2.device)  # rows of W give rows of y.T
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            torch.mm(dequantize_rows(w, r0, r1, xh.dtype), xh.t(), out=y_t[r0:r1])
+        y = y_t.t()
+    return y.to(x2.dtype) if scale is None else torch.mul(y, scale)  # fp16 * float32 -> float32
+
+
+def embedding(ids: torch.Tensor, w: Blocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` (any shape, integer) of W [N, K], dequantized: [*ids.shape, K] in `dtype`.
+
+    Only the selected rows are read; with dtype float32 the values equal gguf-py's bit for bit.
+    """
+    n, k = w.shape
+    if w.qtype.is_float:
+        return w.raw[ids].to(dtype)
+    flat = ids.reshape(-1).to(device=w.raw.device, dtype=torch.int64)
+    return _dequant(w, flat, 0, flat.numel(), dtype).reshape(*ids.shape, k)
+
+
+def dequantize_rows(
+    w: Blocks, r0: int, r1: int, dtype: torch.dtype = torch.float32, shape: LaunchShape | None = None
+) -> torch.Tensor:
+    """Rows r0..r1 of W [N, K] dequantized, [r1 - r0, K] in `dtype` (float32: bit-exact with gguf-py).
+    `shape` forces the kernel's launch shape (benchmarks)."""
+    if w.qtype.is_float:
+        return w.raw[r0:r1].to(dtype)
+    return _dequant(w, None, r0, r1 - r0, dtype, shape)
+
+
+def dequantize(w: Blocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole weight W [N, K] in `dtype` (float32: bit-exact with gguf-py)."""
+    return dequantize_rows(w, 0, w.shape[0], dtype)
+
+
+def _dequant(
+    w: Blocks,
+    ids: torch.Tensor | None,
+    r0: int,
+    rows_: int,
+    dtype: torch.dtype,
+    shape: LaunchShape | None = None,
+) -> torch.Tensor:
+    """[rows_, K] in `dtype`: rows `ids` of W, or when `ids` is None rows r0..r0+rows_."""
+    n, k = w.shape
+    out = torch.empty((rows_, k), dtype=dtype, device=w.raw.device)
+    if rows_:
+        raw, name, packed = rows(w)
+        cfg = shape or for_device(raw.device).dequantize
+        id_ptr = raw if ids is None else ids  # unread without ids
+        kernels().dequant_kernel[(cdiv(rows_, cfg.bn), cdiv(k, cfg.bk))](
+            raw, lut(raw.device), id_ptr, r0, out, rows_, n, k, raw.stride(0), out.stride(0),
+            QT=name, PACKED=packed, G=w.qtype.scale_group, BR=cfg.bn, BK=cfg.bk, BY_ID=ids is not None,
+            num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,159 @@
+"""Launch shapes of the Triton kernels, as data keyed by the kind of GPU (`launch_shapes.json`).
+
+Each GPU kind ("sm_90": compute capability 9.0, H100 and H200) has one entry; a GPU without one
+takes "default", shapes that run well anywhere rather than ones fitted to one chip. The entry is
+chosen once per device (`for_device`). Under Triton's interpreter the tests run the tuned GPU's
+shapes (TUNED), so they cover what that GPU runs.
+
+An entry holds, per kernel:
+- `dequantize`: the dequantize kernel's rows and weights a program;
+- `gemv` / `gemv_m1`: the float GEMV's shape for one input row and for more, and per type for one;
+- `dot8`, `dot8_one_step`, `dot8_long_rows`, `long_row`: the integer-dot GEMV's shape per type (`any`
+  for the rest), for rows of exactly one step's weights, and for rows of `long_row` weights or more;
+- `gemm`: the GEMM autotuner's candidates (`autotune.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from llmx.quant.triton.launch import capability
+
+TABLE = Path(__file__).with_name("launch_shapes.json")
+TUNED = "sm_90"  # the kind the interpreter borrows
+FALLBACK = "default"
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """Launch shape of a kernel over weight rows: BN rows a program, BK weights a loop step (the
+    GEMVs) or a program (dequantize), and its warps. `late_headers` (the integer-dot GEMV, Q4_K):
+    a step's block headers are loaded as it is computed, from the L1 lines its codes brought in,
+    not a step ahead with the codes: half the registers a thread, so twice the warps an SM.
+    `max_registers` caps a thread's registers (ptxas' maxnreg; None: its own choice). `stagger`
+    (the integer-dot GEMV, launched as a programmatic dependent): one program in `stagger` waits for
+    the kernel before it and only then loads its weights, where the others load theirs first; when
+    the wait ends, those programs' loads keep the memory busy while the rest compute what they
+    loaded ahead (1: none waits first)."""
+
+    bn: int
+    bk: int
+    num_warps: int
+    late_headers: bool = False
+    max_registers: int | None = None
+    stagger: int = 1
+
+    def __str__(self) -> str:
+        """BN/BK/warps, then /late, /rN and /sN where set: the name `parse` reads back (the table
+        and the benchmarks' --shapes use it)."""
+        late = "/late" if self.late_headers else ""
+        regs = f"/r{self.max_registers}" if self.max_registers else ""
+        stagger = f"/s{self.stagger}" if self.stagger > 1 else ""
+        return f"{self.bn}/{self.bk}/{self.num_warps}{late}{regs}{stagger}"
+
+    @staticmethod
+    def parse(text: str) -> LaunchShape:
+        """ "BN/BK/warps[/late][/rN][/sN]" (as `str` spells it) -> LaunchShape."""
+        bn, bk, warps, *extra = text.split("/")
+        regs = next((int(e[1:]) for e in extra if e.startswith("r")), None)
+        stagger = next((int(e[1:]) for e in extra if e.startswith("s")), 1)
+        return LaunchShape(int(bn), int(bk), int(warps), "late" in extra, regs, stagger)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One candidate of the GEMM autotuner: a BM x BN output tile, BK a step, warps and stages."""
+
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"{self.bm}/{self.bn}/{self.bk}/{self.num_warps}/{self.num_stages}"
+
+    @staticmethod
+    def parse(text: str) -> GemmConfig:
+        return GemmConfig(*(int(v) for v in text.split("/")))
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """One GPU kind's launch shapes (an entry of `launch_shapes.json`)."""
+
+    kind: str
+    dequantize: LaunchShape
+    gemv_one_row: LaunchShape
+    gemv_rows: LaunchShape
+    gemv_m1: dict[str, LaunchShape]
+    dot8_any: LaunchShape
+    dot8_by_type: dict[str, LaunchShape]
+    dot8_one_step: dict[str, LaunchShape]
+    dot8_long_rows: dict[str, LaunchShape]
+    long_row: int
+    gemm: tuple[GemmConfig, ...]
+
+    def gemv(self, name: str, bm: int) -> LaunchShape:
+        """The float GEMV's shape for type `name` and BM input rows (a power of two)."""
+        if bm == 1:
+            return self.gemv_m1.get(name, self.gemv_one_row)
+        return self.gemv_rows
+
+    def dot8(self, name: str, k: int) -> LaunchShape:
+        """The integer-dot GEMV's shape (M = 1) for rows of k weights of type `name`: the long-row
+        shape from `long_row` weights on, the one-step shape for rows of exactly its BK weights,
+        else the type's."""
+        if k >= self.long_row and name in self.dot8_long_rows:
+            return self.dot8_long_rows[name]
+        one_step = self.dot8_one_step.get(name)
+        if one_step is not None and k == one_step.bk:
+            return one_step
+        return self.dot8_by_type.get(name, self.dot8_any)
+
+
+def _shapes(entry: dict[str, str]) -> dict[str, LaunchShape]:
+    return {name: LaunchShape.parse(text) for name, text in entry.items()}
+
+
+@cache
+def table() -> dict[str, Tuning]:
+    """Every GPU kind's tuning, read from TABLE once."""
+    devices = json.loads(TABLE.read_text())["devices"]
+    out = {}
+    for kind, e in devices.items():
+        dot8 = _shapes(e["dot8"])
+        out[kind] = Tuning(
+            kind=kind,
+            dequantize=LaunchShape.parse(e["dequantize"]),
+            gemv_one_row=LaunchShape.parse(e["gemv"]["m1"]),
+            gemv_rows=LaunchShape.parse(e["gemv"]["more"]),
+            gemv_m1=_shapes(e["gemv_m1"]),
+            dot8_any=dot8.pop("any"),
+            dot8_by_type=dot8,
+            dot8_one_step=_shapes(e["dot8_one_step"]),
+            dot8_long_rows=_shapes(e["dot8_long_rows"]),
+            long_row=int(e["long_row"]),
+            gemm=tuple(GemmConfig.parse(c) for c in e["gemm"]),
+        )
+    return out
+
+
+def kind_of(device: torch.device) -> str:
+    """The table's key for `device`: "sm_<major><minor>" for a GPU, TUNED under the interpreter."""
+    if device.type != "cuda":
+        return TUNED
+    major, minor = capability(device)
+    return f"sm_{major}{minor}"
+
+
+@cache
+def for_device(device: torch.device) -> Tuning:
+    """`device`'s tuning: its kind's entry, else the fallback."""
+    tunings = table()
+    return tunings.get(kind_of(device), tunings[FALLBACK])

@@ -1,0 +1,166 @@
+"""Kernel choice, launch-shape data and the GEMM autotuner's memory (`llmx.quant.choice`,
+`llmx.quant.triton.{tuning,autotune}`), and the quant package's import graph. No GPU needed."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmx
+from llmx.errors import LlmxError
+from llmx.quant import BLOCK_TYPES, QTYPES, choice, qtype
+from llmx.quant.triton import autotune, tuning
+from llmx.quant.triton.tuning import GemmConfig, LaunchShape
+from llmx.quant.weight import QWeight
+
+ALL_M = range(0, 70)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("layout", [choice.GGUF, choice.SPLIT, choice.WORDS, choice.NATIVE, choice.PACKED])
+@pytest.mark.parametrize("name", [*BLOCK_TYPES, "F32", "F16"])
+def test_a_bucket_holds_one_kernel(device: str, layout: str, name: str) -> None:
+    """What a weight keeps (one kernel per M bucket) is what the table says for every M."""
+    for preference in ("auto", "dequant", "emulated"):
+        kept = choice.kernels(qtype(name), device, layout, preference)
+        for m in ALL_M:
+            assert kept[choice.bucket(m)] == choice.choose(qtype(name), device, layout, m, preference), m
+
+
+def test_the_cpu_table() -> None:
+    q4k = qtype("Q4_K")
+    assert [choice.choose(q4k, "cpu", choice.NATIVE, m) for m in (1, 8, 9)] == ["native"] * 2 + [
+        "native_chunks"
+    ]
+    assert choice.choose(q4k, "cpu", choice.PACKED, 1) == "packed"
+    assert choice.choose(q4k, "cpu", choice.GGUF, 1) == "chunks"
+    assert choice.choose(q4k, "cpu", choice.NATIVE, 1, "dequant") == "chunks"
+    assert choice.choose(q4k, "cpu", choice.GGUF, 1, "packed") == "packed"  # an error at the call
+    assert choice.choose(q4k, "cuda", choice.WORDS, 1, "packed") == "dot8"  # a CPU path: the GPU table
+    assert choice.choose(q4k, "cuda-emulated", choice.WORDS, 1) == "emulated"
+    assert choice.choose(qtype("F16"), "cuda", choice.GGUF, 1, "gemm") == "float"
+    with pytest.raises(LlmxError, match="unknown kernel 'fast'"):
+        choice.choose(q4k, "cuda", choice.WORDS, 1, "fast")
+
+
+def test_a_weight_keeps_its_choice_and_follows_its_bytes(monkeypatch) -> None:
+    """The kernels are chosen when the weight is made and again when its bytes or form change."""
+    from llmx.quant import cpu_native
+
+    monkeypatch.setattr(cpu_native, "available", lambda: False)  # chosen without the native kernels
+    qt = qtype("Q8_0")
+    w = QWeight(torch.zeros(4, qt.row_bytes(64), dtype=torch.uint8), qt, (4, 64), "w")
+    assert w.kernels == choice.kernels(qt, "cpu", choice.GGUF) and w.native is None
+    monkeypatch.undo()
+    if cpu_native.available():
+        w.raw = w.raw.clone()
+        assert w.kernels == choice.kernels(qt, "cpu", choice.NATIVE) and w.native.raws[0] is w.raw
+
+
+def test_every_gpu_kind_has_valid_shapes() -> None:
+    """Each entry of launch_shapes.json names every kernel's shapes; integer-dot steps are whole blocks."""
+    table = tuning.table()
+    assert {tuning.TUNED, tuning.FALLBACK} <= set(table)
+    for t in table.values():
+        for name in choice.DOT8_TYPES:
+            for k in (2048, 4096, t.long_row, 14336):
+                assert t.dot8(name, k).bk % qtype(name).block_elems == 0
+        for name in BLOCK_TYPES:
+            assert t.gemv(name, 1).bk % 32 == 0 and t.gemv(name, 4).num_warps > 0
+        assert t.gemm and t.dequantize.bn > 0
+        for shape in [*t.dot8_by_type.values(), *t.dot8_one_step.values(), *t.dot8_long_rows.values()]:
+            assert LaunchShape.parse(str(shape)) == shape
+        assert all(GemmConfig.parse(str(c)) == c for c in t.gemm)
+
+
+def test_the_tuned_shapes_and_the_fallback(monkeypatch) -> None:
+    """Hopper (sm_90) takes its swept shapes; an unknown GPU the default entry; the interpreter the
+    tuned GPU's, so the tests cover them."""
+    hopper = tuning.table()["sm_90"]
+    assert str(hopper.dot8("Q4_K", 4096)) == "4/4096/4/late/r64"
+    assert str(hopper.dot8("Q4_K", 14336)) == "4/2048/2"
+    assert str(hopper.dot8("Q6_K", 4096)) == "2/2048/1/r128/s4"
+    assert str(hopper.dot8("Q8_0", 4096)) == "2/4096/2" and str(hopper.dot8("Q8_0", 2048)) == "2/2048/2"
+    assert str(hopper.gemv("Q4_K", 1)) == "8/1024/4" and str(hopper.gemv("Q5_0", 2)) == "4/256/2"
+    assert tuning.kind_of(torch.device("cpu")) == tuning.TUNED
+    monkeypatch.setattr(tuning, "capability", lambda device: (12, 0))
+    tuning.for_device.cache_clear()
+    try:
+        assert tuning.for_device(torch.device("cuda", 7)).kind == tuning.FALLBACK
+    finally:
+        tuning.for_device.cache_clear()
+
+
+def test_the_gemm_autotuner_times_every_candidate_and_remembers_its_pick(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LLMX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)
+    monkeypatch.setattr(autotune, "_autotuning", lambda: True)
+    monkeypatch.setattr(autotune, "_chosen", {})
+    candidates = (GemmConfig(64, 64, 32, 4, 3), GemmConfig(128, 64, 32, 8, 3), GemmConfig(16, 64, 64, 4, 2))
+    cost = {candidates[0]: 3.0, candidates[1]: 1.0, candidates[2]: 2.0}
+    runs: list[GemmConfig] = []
+    monkeypatch.setattr(autotune, "for_device", lambda device: type("T", (), {"gemm": candidates}))
+    monkeypatch.setattr(autotune, "_gpu_seconds", lambda fn: (fn(), cost[runs[-1]])[1])
+    pick = autotune.gemm_config(torch.device("cpu"), lambda: "problem", runs.append)
+    assert pick == candidates[1]
+    per_candidate = autotune.WARMUP_RUNS + autotune.ROUNDS * autotune.RUNS_A_ROUND
+    assert all(runs.count(c) == per_candidate for c in candidates)
+    assert json.loads((tmp_path / autotune.CACHE_FILE).read_text()) == {"problem": str(candidates[1])}
+
+    monkeypatch.setattr(autotune, "_chosen", {})  # another process: the file answers, nothing is timed
+    runs.clear()
+    assert autotune.gemm_config(torch.device("cpu"), lambda: "problem", runs.append) == candidates[1]
+    assert runs == []
+
+
+def test_the_type_table_holds_the_kernels_block_facts() -> None:
+    from llmx.quant.triton import layout
+
+    for q in QTYPES.values():
+        if q.supported and not q.is_float:
+            assert q.scale_group and q.block_elems % q.scale_group == 0 and q.half_fields
+            assert all(0 <= off <= q.block_bytes - 2 for off in q.half_fields)
+    for name in layout.SPLIT_TYPES:  # the fields `prepare` moves are one run at a block's start or end
+        nbytes, nf, first = layout.split_fields(name)
+        offsets = qtype(name).half_fields
+        start = 0 if first else nbytes - 2 * nf
+        assert offsets == tuple(range(start, start + 2 * nf, 2))
+
+
+def _imports(path: Path, package: str, modules: set[str]) -> set[str]:
+    """Modules of `modules` that the file imports anywhere (functions and TYPE_CHECKING blocks too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base])
+            named = {f"{base}.{a.name}" for a in node.names} & modules
+            found |= named if len(named) == len(node.names) else named | {base}
+    return found & modules
+
+
+def test_the_quant_package_has_no_import_cycle() -> None:
+    root = Path(llmx.__file__).parent / "quant"
+    files = {}
+    for p in root.rglob("*.py"):
+        parts = ("llmx", "quant", *p.relative_to(root).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {}
+    for name, p in files.items():
+        package = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        graph[name] = _imports(p, package, set(files)) - {name}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(
+            n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start]
+        )
+
+    assert "llmx.quant.triton.matmul" in graph["llmx.quant.weight"]  # the graph is read
+    assert [name for name in graph if reaches(name, name, set())] == []
