@@ -20,8 +20,9 @@ import torch
 
 from llmx.engine import Engine
 from llmx.gguf import ModelFile, open_gguf
+from llmx.model_config import ModelConfig
 from llmx.models import model_class
-from llmx.models.common import Config, Model
+from llmx.models.common import Model
 from llmx.models_on_disk import default_model_path
 from llmx.plan.fit import plan as make_plan
 from llmx.plan.model import ModelSpec
@@ -42,7 +43,7 @@ class LoadedModel:
     """A model on its devices with its tokenizer: `generate`, `stream` and `chat` over text."""
 
     file: ModelFile
-    config: Config
+    config: ModelConfig
     engine: Engine
     tokenizer: Tokenizer
     options: Options
@@ -84,7 +85,7 @@ class LoadedModel:
         return chat_ids(self.tokenizer, messages, add_generation_prompt=True)
 
 
-def kv_shapes(cls: type[Model], config: Config, plan: Plan, shard: int) -> list[LayerShape]:
+def kv_shapes(cls: type[Model], config: ModelConfig, plan: Plan, shard: int) -> list[LayerShape]:
     """What each layer caches on GPU `shard` of a `-sm row` split (0: the main GPU, which also holds
     every layer outside the split; another GPU holds nothing for those)."""
     out = []
@@ -112,9 +113,11 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     torch.set_num_threads(opts.n_threads)
     mf = open_gguf(path or default_model_path(), mmap=not opts.no_mmap)
     cls = model_class(mf.architecture)
-    config = cls.config_from_gguf(mf.metadata)
+    spec = ModelSpec.from_gguf(mf)
+    config = spec.config
+    cls.check_config(config, mf.path.name)
     tokenizer = Tokenizer.from_metadata(mf.metadata)
-    plan = make_plan(ModelSpec.from_gguf(mf), probe(), opts)
+    plan = make_plan(spec, probe(), opts)
     plan.check(suggestion="lower -ngl or -c, or use --fit")
     top, layers, report = load_weights(mf, plan, progress=progress)
     devices = [torch.device(s.device) for s in plan.split]

@@ -74,10 +74,6 @@ class ModelFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
-    def arch_key(self, suffix: str, default: Any = None) -> Any:
-        """`{arch}.{suffix}`, the per-architecture hyperparameter keys."""
-        return self.metadata.get(f"{self.architecture}.{suffix}", default)
-
     @property
     def nbytes(self) -> int:
         return int(self.buffer.nbytes)

@@ -14,7 +14,9 @@ PACKAGE = Path(llmx.__file__).parent
 
 
 def _sources() -> dict[str, ast.Module]:
-    return {str(p.relative_to(PACKAGE.parent)): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+    return {
+        str(p.relative_to(PACKAGE.parent)): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))
+    }
 
 
 def test_only_the_settings_module_reads_the_environment():

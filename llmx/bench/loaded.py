@@ -58,12 +58,11 @@ def load_for_bench(path: str | os.PathLike | None, opts: Options, progress: bool
     model = load_with_options(path, opts, progress=progress_bar)
     plan = model.plan
     memory = GpuMemory.of_load(plan, before)
-    mf = model.file
     tb = plan_token_bytes(
         plan,
-        ((t.name, t.nbytes) for t in mf.tensors.values()),
-        n_expert_used=int(mf.arch_key("expert_used_count", 0)),
-        n_expert=int(mf.arch_key("expert_count", 0)),
+        ((t.name, t.nbytes) for t in model.file.tensors.values()),
+        n_expert_used=model.config.n_expert_used,
+        n_expert=model.config.n_expert,
     )
     per_device = tb.at_depth(0)
     devices = sorted((d for d, n in per_device.items() if n), key=per_device.__getitem__, reverse=True)
