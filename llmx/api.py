@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from llmx.engine import Engine
+from llmx.errors import LlmxError
 from llmx.gguf import ModelFile, open_gguf
 from llmx.model_config import ModelConfig
 from llmx.models import model_class
@@ -28,7 +29,7 @@ from llmx.plan.fit import plan as make_plan
 from llmx.plan.model import ModelSpec
 from llmx.plan.options import Options, options_from_kwargs
 from llmx.plan.placement import Plan
-from llmx.runtime.cache import KVCache, LayerShape
+from llmx.runtime.cache import CACHE_DTYPES, KVCache, LayerShape
 from llmx.runtime.devices import probe
 from llmx.runtime.executor import Executor
 from llmx.runtime.tensor_parallel import Rendezvous, TensorParallel, deal, exchange_reducers
@@ -107,8 +108,29 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> LoadedModel:
     return load_with_options(path, opts)
 
 
+def check_runnable(opts: Options) -> None:
+    """Refuse the options llama.cpp has and this runtime cannot honour yet, before anything loads
+    (`llmx plan` still plans with them: it loads nothing)."""
+    for flag, name in (("-ctk", opts.cache_type_k), ("-ctv", opts.cache_type_v)):
+        if name not in CACHE_DTYPES:
+            supported = ", ".join(CACHE_DTYPES)
+            raise LlmxError(
+                f"{flag} {name}: a quantized KV cache is not supported yet; use one of {supported}"
+            )
+    if opts.attn_max_batch:
+        raise LlmxError("-amb (--attention-max-batch) is not supported: llmx sizes attention scratch itself")
+    if opts.mlock:
+        raise LlmxError("--mlock is not supported yet: llmx does not lock the model's pages in RAM")
+    if opts.devices:
+        raise LlmxError(
+            "--devices describes a machine for `llmx plan`; loading uses this machine's devices "
+            "(choose GPUs with CUDA_VISIBLE_DEVICES)"
+        )
+
+
 def load_with_options(path: str | os.PathLike | None, opts: Options, progress=None) -> LoadedModel:
     """Open, plan, load: the plan (from `llmx.plan`) decides every tensor's and KV layer's device."""
+    check_runnable(opts)
     t0 = time.perf_counter()
     torch.set_num_threads(opts.n_threads)
     mf = open_gguf(path or default_model_path(), mmap=not opts.no_mmap)

@@ -2,7 +2,7 @@
 then what the engine measured: host ms per generated token, the CPU segments' ms and GB/s in
 hybrid runs, bytes streamed by op offload, and each GPU's compute memory beside the plan's estimate.
 
-llmx bench -m model.gguf -p 512 -n 128 -ngl 0,16,99 -ctk f16,q8_0 -o md
+llmx bench -m model.gguf -p 512 -n 128 -ngl 0,16,99 -ctk f16,bf16 -o md
 llmx bench --ceilings          # measure and cache every device's bandwidth and matrix rate
 """
 
@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from llmx.api import check_runnable
     from llmx.bench.ceilings import ceilings_for, visible_devices
     from llmx.bench.loaded import free_memory, load_for_bench
     from llmx.bench.results import environment, model_info
@@ -88,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if not tests or args.repetitions < 1:
         raise LlmxError("nothing to measure: give -p or -n above 0 and -r of at least 1")
     placements = [options_from_args(ns) for ns in option_grid(args)]
+    for opts in placements:  # every row's options, before the first row loads
+        check_runnable(opts)
     env = environment()
     rows = []
     for path in args.model or [None]:

@@ -35,7 +35,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict:
-    return dict(
+    """The sampling keywords of `LoadedModel.stream`, checked here (a bad value is one LlmxError
+    line), so that commands can call this before the model loads."""
+    from llmx.text.sampler import SamplingParams
+
+    sampling = dict(
         temperature=args.temp,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -46,6 +50,8 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
     )
+    SamplingParams(**sampling)
+    return sampling
 
 
 def read_prompt(args: argparse.Namespace) -> str:
