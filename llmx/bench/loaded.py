@@ -47,15 +47,11 @@ def _note(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def load_for_bench(path: str | os.PathLike | None, opts: Options, progress: bool = True) -> BenchModel:
-    """Load `path` with `opts` and work out its roofline inputs (measuring missing ceilings)."""
-    progress_bar = None
-    if progress:
-        from llmx.commands.progress import load_progress
-
-        progress_bar = load_progress()
+def load_for_bench(path: str | os.PathLike | None, opts: Options, progress=None) -> BenchModel:
+    """Load `path` with `opts` (`progress`: the loader's progress callback, as `load_with_options`
+    takes it) and work out its roofline inputs (measuring missing ceilings)."""
     before = allocated(cuda_devices())
-    model = load_with_options(path, opts, progress=progress_bar)
+    model = load_with_options(path, opts, progress=progress)
     plan = model.plan
     memory = GpuMemory.of_load(plan, before)
     tb = plan_token_bytes(

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from llmx.bench.grid import int_list, option_grid
+from llmx.commands.common import add_model_argument
 from llmx.plan.options import add_options, options_from_args
 
 EPILOG = (
@@ -25,15 +25,7 @@ EPILOG = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument(
-        "-m",
-        "--model",
-        type=Path,
-        action="append",
-        default=None,
-        metavar="FILE",
-        help="GGUF file; repeat for several (default: the embedded SmolLM2-135M)",
-    )
+    add_model_argument(parser, several=True)
     parser.add_argument(
         "-p", "--n-prompt", default="512", metavar="N,...", help="prompt tokens (default 512)"
     )
@@ -75,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from llmx.bench.rows import CEILING_COLUMNS, bench_columns, bench_row
     from llmx.bench.runner import Counters, Speed, bench_tests, time_test, warmup_runs
     from llmx.bench.tables import markdown, render
+    from llmx.commands.progress import load_progress
     from llmx.errors import LlmxError
 
     if args.ceilings:
@@ -97,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         for opts in placements:
             if "ctx_size" not in opts.given:  # as llama-bench, a context just large enough for the tests
                 opts = opts.replace(ctx_size=max(t.n_ctx for t in tests))
-            bm = load_for_bench(path, opts)
+            bm = load_for_bench(path, opts, progress=load_progress())
             info = model_info(bm.model.file)
             runs = sum(args.repetitions + warmup_runs(t) for t in tests)
             bar = tqdm(total=runs, desc="benchmarking", leave=False, disable=None)
