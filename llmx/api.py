@@ -24,6 +24,7 @@ from llmx.gguf import ModelFile, open_gguf
 from llmx.model_config import ModelConfig
 from llmx.models import model_class
 from llmx.models.common import Model
+from llmx.models.layout import check_tensors
 from llmx.models_on_disk import default_model_path
 from llmx.plan.fit import plan as make_plan
 from llmx.plan.model import ModelSpec
@@ -108,6 +109,21 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> LoadedModel:
     return load_with_options(path, opts)
 
 
+def open_checked(path: str | os.PathLike, mmap: bool) -> tuple[ModelFile, ModelSpec, type[Model], Tokenizer]:
+    """Open a GGUF and check all that can be checked before its weights load: the architecture, the
+    config, every tensor's shape and type, and the vocabulary. Each failure is one line naming the file."""
+    mf = open_gguf(path, mmap=mmap)
+    try:
+        cls = model_class(mf.architecture)
+    except LlmxError as e:
+        raise LlmxError(f"{mf.path.name}: {e}") from None
+    spec = ModelSpec.from_gguf(mf)
+    cls.check_config(spec.config, mf.path.name)
+    tensors = ((t.name, t.qtype, t.shape) for t in mf.tensors.values())
+    check_tensors(mf.path.name, spec.config, tensors, cls.layer_tensors)
+    return mf, spec, cls, Tokenizer.from_gguf(mf)
+
+
 def check_runnable(opts: Options) -> None:
     """Refuse the options llama.cpp has and this runtime cannot honour yet, before anything loads
     (`llmx plan` still plans with them: it loads nothing)."""
@@ -133,12 +149,8 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     check_runnable(opts)
     t0 = time.perf_counter()
     torch.set_num_threads(opts.n_threads)
-    mf = open_gguf(path or default_model_path(), mmap=not opts.no_mmap)
-    cls = model_class(mf.architecture)
-    spec = ModelSpec.from_gguf(mf)
+    mf, spec, cls, tokenizer = open_checked(path or default_model_path(), mmap=not opts.no_mmap)
     config = spec.config
-    cls.check_config(config, mf.path.name)
-    tokenizer = Tokenizer.from_metadata(mf.metadata)
     plan = make_plan(spec, probe(), opts)
     plan.check(suggestion="lower -ngl or -c, or use --fit")
     top, layers, report = load_weights(mf, plan, progress=progress)

@@ -60,6 +60,8 @@ class ModelConfig:
         arch = md.get("general.architecture")
         if not arch or not isinstance(arch, str):
             raise LlmxError(f"{source}: no general.architecture in the metadata; not a model GGUF")
+        if not arch.isprintable():
+            raise LlmxError(f"{source}: general.architecture is {arch!r}, not a name")
         keys = _Keys(md, arch, source)
         n_embd, n_head = keys.count("embedding_length"), keys.count("attention.head_count")
         head_dim = keys.count("attention.key_length", n_embd // n_head)
@@ -71,6 +73,10 @@ class ModelConfig:
             raise LlmxError(
                 f"{source}: the metadata states no vocabulary ({arch}.vocab_size, tokenizer.ggml.tokens)"
             )
+        rope_dims = keys.size("rope.dimension_count", head_dim)
+        if rope_dims > head_dim or rope_dims % 2:
+            key = f"{arch}.rope.dimension_count"
+            raise LlmxError(f"{source}: {key} is {rope_dims}; it must be even and at most {head_dim}")
         pattern = SLIDING_PATTERNS.get(arch, 0)
         return cls(
             arch=arch,
@@ -88,7 +94,7 @@ class ModelConfig:
             n_expert_used=keys.size("expert_used_count", 0),
             norm_eps=keys.number(f"{arch}.attention.layer_norm_rms_epsilon", None, float),
             rope_base=keys.number(f"{arch}.rope.freq_base", 10000.0, float),
-            rope_dims=keys.size("rope.dimension_count", head_dim),
+            rope_dims=rope_dims,
             rope_scaling=str(md.get(f"{arch}.rope.scaling.type", "none")),
             rope_scaling_factor=keys.number(f"{arch}.rope.scaling.factor", 1.0, float) or 1.0,
             sliding_window=keys.size("attention.sliding_window", 0) if pattern else 0,

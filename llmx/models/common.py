@@ -78,6 +78,11 @@ class Model:
     """
 
     neox_rope: ClassVar[bool] = False
+    # what every layer's block reads (biases and q/k norms are optional)
+    layer_tensors: ClassVar[tuple[str, ...]] = (
+        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+        "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
+    )  # fmt: skip
 
     def __init__(self, config: ModelConfig, top: TensorGroup, layers: list[TensorGroup]) -> None:
         self.config, self.top, self.layers = config, top, layers

@@ -37,6 +37,7 @@ def query_scale(config: ModelConfig) -> float:
 
 class Gemma3(Model):
     neox_rope = True
+    layer_tensors = (*Model.layer_tensors, "post_attention_norm", "post_ffw_norm")
 
     def __init__(self, config: ModelConfig, top: TensorGroup, layers: list[TensorGroup]) -> None:
         super().__init__(config, top, layers)

@@ -32,10 +32,11 @@ class ModelSpec:
     @classmethod
     def from_metadata(cls, name: str, md: dict[str, Any], tensors: list[TensorSpec]) -> ModelSpec:
         config = ModelConfig.from_metadata(md, name)
-        beyond = next((t.name for t in tensors if t.layer is not None and t.layer >= config.n_layer), None)
-        if beyond is not None:
+        layers = {t.layer for t in tensors if t.layer is not None}
+        if len(layers) != config.n_layer or max(layers, default=-1) != config.n_layer - 1:
             raise LlmxError(
-                f"{name}: tensor {beyond} lies beyond the {config.n_layer} layers the metadata states"
+                f"{name}: the metadata states {config.n_layer} layers, the tensors fill "
+                f"{len(layers)} (blk.0 to blk.{max(layers, default=-1)})"
             )
         return cls(name, config, tuple(tensors))
 
