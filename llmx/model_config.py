@@ -120,9 +120,9 @@ class _Keys:
         value = self.md.get(key, default)
         if value is None:
             raise LlmxError(f"{self.source}: metadata key {key} is missing")
-        if isinstance(value, list):  # per-layer arrays: the widest layer sizes buffers and caches
-            value = max(value, default=None)
         try:
+            if isinstance(value, list):  # per-layer arrays: the widest layer sizes buffers and caches
+                value = max(value, default=None)
             return kind(value)
         except (TypeError, ValueError, OverflowError):
             raise LlmxError(f"{self.source}: metadata key {key} is {value!r}, not a number") from None

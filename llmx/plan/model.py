@@ -33,10 +33,11 @@ class ModelSpec:
     def from_metadata(cls, name: str, md: dict[str, Any], tensors: list[TensorSpec]) -> ModelSpec:
         config = ModelConfig.from_metadata(md, name)
         layers = {t.layer for t in tensors if t.layer is not None}
-        if len(layers) != config.n_layer or max(layers, default=-1) != config.n_layer - 1:
+        last = max(layers, default=-1)
+        if len(layers) != config.n_layer or last != config.n_layer - 1:
+            upto = f", up to blk.{last}" if layers else ""
             raise LlmxError(
-                f"{name}: the metadata states {config.n_layer} layers, the tensors fill "
-                f"{len(layers)} (blk.0 to blk.{max(layers, default=-1)})"
+                f"{name}: the metadata states {config.n_layer} layers; the tensors fill {len(layers)}{upto}"
             )
         return cls(name, config, tuple(tensors))
 
