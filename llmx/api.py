@@ -20,16 +20,19 @@ import torch
 
 from llmx import settings
 from llmx.engine import WARM_UP_PROMPTS, Engine
+from llmx.errors import LlmxError
 from llmx.gguf import ModelFile, open_gguf
+from llmx.model_config import ModelConfig
 from llmx.models import model_class
-from llmx.models.common import Config, Model
+from llmx.models.common import Model
+from llmx.models.layout import check_tensors
 from llmx.models_on_disk import default_model_path
 from llmx.ops.cached_attention import AttentionKernels
 from llmx.plan.fit import plan as make_plan
 from llmx.plan.model import ModelSpec
 from llmx.plan.options import Options, options_from_kwargs
 from llmx.plan.placement import Plan
-from llmx.runtime.cache import KVCache, LayerShape
+from llmx.runtime.cache import CACHE_DTYPES, KVCache, LayerShape
 from llmx.runtime.devices import probe
 from llmx.runtime.executor import Executor
 from llmx.runtime.tensor_parallel import Rendezvous, TensorParallel, deal, exchange_reducers
@@ -44,7 +47,7 @@ class LoadedModel:
     """A model on its devices with its tokenizer: `generate`, `stream` and `chat` over text."""
 
     file: ModelFile
-    config: Config
+    config: ModelConfig
     engine: Engine
     tokenizer: Tokenizer
     options: Options
@@ -87,7 +90,7 @@ class LoadedModel:
         return chat_ids(self.tokenizer, messages, add_generation_prompt=True)
 
 
-def kv_shapes(cls: type[Model], config: Config, plan: Plan, shard: int) -> list[LayerShape]:
+def kv_shapes(cls: type[Model], config: ModelConfig, plan: Plan, shard: int) -> list[LayerShape]:
     """What each layer caches on GPU `shard` of a `-sm row` split (0: the main GPU, which also holds
     every layer outside the split; another GPU holds nothing for those)."""
     out = []
@@ -109,15 +112,49 @@ def load(path: str | os.PathLike | None = None, **options: Any) -> LoadedModel:
     return load_with_options(path, opts)
 
 
+def open_checked(path: str | os.PathLike, mmap: bool) -> tuple[ModelFile, ModelSpec, type[Model], Tokenizer]:
+    """Open a GGUF and check all that can be checked before its weights load: the architecture, the
+    config, every tensor's shape and type, and the vocabulary. Each failure is one line naming the file."""
+    mf = open_gguf(path, mmap=mmap)
+    try:
+        cls = model_class(mf.architecture)
+    except LlmxError as e:
+        raise LlmxError(f"{mf.path.name}: {e}") from None
+    spec = ModelSpec.from_gguf(mf)
+    cls.check_config(spec.config, mf.path.name)
+    tensors = ((t.name, t.qtype, t.shape) for t in mf.tensors.values())
+    check_tensors(mf.path.name, spec.config, tensors, cls.layer_tensors)
+    return mf, spec, cls, Tokenizer.from_gguf(mf)
+
+
+def check_runnable(opts: Options) -> None:
+    """Refuse the options llama.cpp has and this runtime cannot honour yet, before anything loads
+    (`llmx plan` still plans with them: it loads nothing)."""
+    for flag, name in (("-ctk", opts.cache_type_k), ("-ctv", opts.cache_type_v)):
+        if name not in CACHE_DTYPES:
+            supported = ", ".join(CACHE_DTYPES)
+            raise LlmxError(
+                f"{flag} {name}: a quantized KV cache is not supported yet; use one of {supported}"
+            )
+    if opts.attn_max_batch:
+        raise LlmxError("-amb (--attention-max-batch) is not supported: llmx sizes attention scratch itself")
+    if opts.mlock:
+        raise LlmxError("--mlock is not supported yet: llmx does not lock the model's pages in RAM")
+    if opts.devices:
+        raise LlmxError(
+            "--devices describes a machine for `llmx plan`; loading uses this machine's devices "
+            "(choose GPUs with CUDA_VISIBLE_DEVICES)"
+        )
+
+
 def load_with_options(path: str | os.PathLike | None, opts: Options, progress=None) -> LoadedModel:
     """Open, plan, load: the plan (from `llmx.plan`) decides every tensor's and KV layer's device."""
+    check_runnable(opts)
     t0 = time.perf_counter()
     torch.set_num_threads(opts.n_threads)
-    mf = open_gguf(path or default_model_path(), mmap=not opts.no_mmap)
-    cls = model_class(mf.architecture)
-    config = cls.config_from_gguf(mf.metadata)
-    tokenizer = Tokenizer.from_metadata(mf.metadata)
-    plan = make_plan(ModelSpec.from_gguf(mf), probe(), opts)
+    mf, spec, cls, tokenizer = open_checked(path or default_model_path(), mmap=not opts.no_mmap)
+    config = spec.config
+    plan = make_plan(spec, probe(), opts)
     plan.check(suggestion="lower -ngl or -c, or use --fit")
     top, layers, report = load_weights(mf, plan, progress=progress)
     devices = [torch.device(s.device) for s in plan.split]

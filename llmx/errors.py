@@ -12,3 +12,9 @@ def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type's name when it has none): enough to say
     why something failed in a one-line message."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def shown(text: str) -> str:
+    """A name read from a file as a one-line message can show it: itself when printable, else its
+    repr (a damaged file's names may hold newlines and control characters)."""
+    return text if text.isprintable() else repr(text)

@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from llmx.errors import LlmxError
+from llmx.errors import LlmxError, shown
 from llmx.quant import QType, qtype
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
 # GGUF metadata value types: id -> struct format of a scalar (strings and arrays are special-cased)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -73,10 +74,6 @@ class ModelFile:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
-
-    def arch_key(self, suffix: str, default: Any = None) -> Any:
-        """`{arch}.{suffix}`, the per-architecture hyperparameter keys."""
-        return self.metadata.get(f"{self.architecture}.{suffix}", default)
 
     @property
     def nbytes(self) -> int:
@@ -179,24 +176,34 @@ def _parse(path: Path, buffer: np.ndarray, mapped: bool) -> ModelFile:
     raw_infos = []
     for _ in range(n_tensors):
         name = cur.string()
-        ne = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
+        n_dims = cur.scalar("I")
+        if n_dims > MAX_DIMS:
+            raise LlmxError(
+                f"{path}: tensor {shown(name)} has {n_dims} dimensions; GGUF allows at most {MAX_DIMS}"
+            )
+        ne = [cur.scalar("Q") for _ in range(n_dims)]
         type_id, rel_offset = cur.scalar("I"), cur.scalar("Q")
         raw_infos.append((name, ne, type_id, rel_offset))
 
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise LlmxError(f"{path}: general.alignment is {alignment!r}, not a power of two")
     data_offset = -(-cur.pos // alignment) * alignment
     tensors: dict[str, TensorInfo] = {}
     for name, ne, type_id, rel_offset in raw_infos:
         try:
             qt = qtype(type_id)
         except LlmxError as e:
-            raise LlmxError(f"{path}: tensor {name} has {e}") from None
+            raise LlmxError(f"{path}: tensor {shown(name)} has {e}") from None
         shape = tuple(int(d) for d in reversed(ne)) or (1,)
-        nbytes = qt.nbytes(shape)
+        try:
+            nbytes = qt.nbytes(shape)
+        except LlmxError as e:
+            raise LlmxError(f"{path}: tensor {shown(name)}: {e}") from None
         start = data_offset + rel_offset
         if start + nbytes > len(buffer):
             raise LlmxError(
-                f"{path} is truncated: tensor {name} ends at byte {start + nbytes} but the file "
+                f"{path} is truncated: tensor {shown(name)} ends at byte {start + nbytes} but the file "
                 f"has {len(buffer)} bytes; download it again"
             )
         tensors[name] = TensorInfo(name, qt, shape, start, nbytes, buffer[start : start + nbytes])

@@ -29,39 +29,86 @@ def test_only_the_settings_module_reads_the_environment():
     assert readers and all(r.startswith("llmx/settings.py:") for r in readers), readers
 
 
+def _module_name(path: str) -> str:
+    parts = Path(path).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _imports() -> dict[str, set[str]]:
-    """Module -> the llmx modules it imports anywhere in its source (function-level and TYPE_CHECKING
-    imports too); the root package, which every module's import passes through, left out."""
-    modules = {}
-    for path, tree in _sources().items():
-        name = path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-        modules[name] = tree
-    edges = {}
-    for name, tree in modules.items():
-        found = set()
+    """Each llmx module's imports of llmx modules, wherever they stand: at the top, inside functions,
+    under TYPE_CHECKING (`from llmx.x import y` counts as importing `llmx.x.y` when that is a module)."""
+    sources = {_module_name(path): tree for path, tree in _sources().items()}
+    graph: dict[str, set[str]] = {}
+    for module, tree in sources.items():
+        names = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
+                names |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        edges[name] = {m for m in found if m in modules and m not in (name, "llmx")}
-    return edges
+                names |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in sources else node.module
+                          for a in node.names}  # fmt: skip
+        graph[module] = {n for n in names if n in sources and n != module}
+    return graph
 
 
-def test_ops_kernels_models_and_runtime_import_no_circle():
-    edges = _imports()
-    layers = ("llmx.ops", "llmx.kernels", "llmx.models", "llmx.runtime")
-    ours = {m for m in edges if m.startswith(layers)}
-
-    def reaches(start: str, goal: str) -> bool:
-        seen, todo = set(), [start]
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (each holds an import circle)."""
+    reach = {m: set() for m in graph}
+    for start in graph:
+        todo = list(graph[start])
         while todo:
-            for m in edges[todo.pop()]:
-                if m == goal:
-                    return True
-                if m not in seen:
-                    seen.add(m)
-                    todo.append(m)
-        return False
+            m = todo.pop()
+            if m not in reach[start]:
+                reach[start].add(m)
+                todo += graph[m]
+    circles: list[set[str]] = []
+    for m in graph:
+        component = {m} | {n for n in reach[m] if m in reach[n]}
+        if len(component) > 1 and component not in circles:
+            circles.append(component)
+    return circles
 
-    assert [m for m in sorted(ours) if reaches(m, m)] == []
+
+def test_no_import_circles():
+    assert _circles(_imports()) == []
+
+
+def test_no_package_imports_itself_through_another():
+    """`llmx.ops` -> `llmx.kernels` -> `llmx.ops` is a circle too, though no module meets itself."""
+    packages: dict[str, set[str]] = {}
+    for module, imported in _imports().items():
+        package = ".".join(module.split(".")[:2])
+        packages.setdefault(package, set()).update(".".join(m.split(".")[:2]) for m in imported)
+    assert _circles({p: deps - {p} for p, deps in packages.items()}) == []
+
+
+def test_models_see_only_the_ops_the_config_and_the_type_table():
+    """A model file reads like the architecture's equations: it calls `llmx.ops` and never reaches
+    for the runtime, the planner, the kernels or a device."""
+    allowed = ("llmx.models", "llmx.ops", "llmx.model_config", "llmx.errors")
+    graph = _imports()
+    # of llmx.quant only its type table (pure data: a model may name the types its tensors take)
+    reached = {
+        m: sorted(n for n in graph[m] if not n.startswith(allowed) and n != "llmx.quant")
+        for m in graph
+        if m.startswith("llmx.models")
+    }
+    assert {m: n for m, n in reached.items() if n} == {}
+    sources = _sources()
+    devices = [p for p, tree in sources.items() if p.startswith("llmx/models/") for node in ast.walk(tree)
+               if isinstance(node, ast.Constant) and node.value in ("cuda", "cpu")]  # fmt: skip
+    assert devices == []
+
+
+def test_circles_are_found():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def test_bench_never_imports_the_commands():
+    graph = _imports()
+    wrong = {
+        m: sorted(n for n in graph[m] if n.startswith("llmx.commands"))
+        for m in graph
+        if m.startswith("llmx.bench")
+    }
+    assert {m: n for m, n in wrong.items() if n} == {}

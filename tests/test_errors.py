@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import llmx.api
 from llmx.cli import main
 from tests.conftest import craft_gguf
 
@@ -140,3 +141,33 @@ def test_out_of_memory_for_the_weights_names_the_device_and_the_sizes(monkeypatc
         LlmxError, match=r"out of memory on cuda:0: its weights need [\d.]+ GiB and 3\.00 GiB are"
     ):
         weights.upload_arena([piece], torch.device("cuda:0"), lambda n: None)
+
+
+# Options llama.cpp has that the runtime cannot honour yet: refused before the file is even opened.
+def _no_loading(*args, **kwargs):
+    pytest.fail("the weights loaded before the option was refused")
+
+
+REFUSED = [
+    (("-ctk", "q8_0"), "-ctk q8_0"),
+    (("-ctv", "q4_0"), "-ctv q4_0"),
+    (("-amb", "256"), "-amb"),
+    (("--mlock",), "--mlock"),
+    (("--devices", "cpu=8GiB"), "--devices"),
+    (("--top-p", "2"), "--top-p"),
+]
+
+
+@pytest.mark.parametrize(("flags", "needle"), REFUSED, ids=[" ".join(f) for f, _ in REFUSED])
+def test_options_the_runtime_cannot_honour_fail_before_loading(
+    capsys, smollm2_path, monkeypatch, flags, needle
+):
+    monkeypatch.setattr(llmx.api, "load_weights", _no_loading)
+    rc, err = run_cli(capsys, "run", "-m", str(smollm2_path), "-p", "hi", "-n", "1", *flags)
+    assert_one_clear_line(rc, err, needle)
+
+
+def test_bench_refuses_every_row_s_options_before_the_first_loads(capsys, smollm2_path, monkeypatch):
+    monkeypatch.setattr(llmx.api, "load_weights", _no_loading)
+    rc, err = run_cli(capsys, "bench", "-m", str(smollm2_path), "-p", "8", "-n", "0", "-ctk", "f16,q8_0")
+    assert_one_clear_line(rc, err, "-ctk q8_0")

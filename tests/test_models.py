@@ -33,7 +33,8 @@ from transformers import AutoModelForCausalLM
 
 import llmx
 from llmx.api import LoadedModel
-from llmx.models.gemma3 import Gemma3Config
+from llmx.model_config import ModelConfig
+from llmx.models.gemma3 import query_scale
 
 # A float32 KV cache, as the references have; one thread, because on a busy machine (tests run beside
 # other work) OpenMP workers waiting for each other cost far more than a second core brings.
@@ -98,7 +99,7 @@ def test_gemma3_prefill_equals_token_by_token_decode(gemma, gemma_ref):
 def test_gemma3_query_scale_follows_llama_cpp():
     """The scale is not in the GGUF: 1/sqrt(head_dim), except Gemma 3 27B's 1/sqrt(n_embd / n_head)."""
 
-    def config(n_layer: int, n_embd: int, n_head: int, head_dim: int) -> Gemma3Config:
+    def scale(n_layer: int, n_embd: int, n_head: int, head_dim: int) -> float:
         keys = {
             "block_count": n_layer,
             "embedding_length": n_embd,
@@ -107,14 +108,14 @@ def test_gemma3_query_scale_follows_llama_cpp():
             "attention.head_count": n_head,
             "attention.key_length": head_dim,
             "attention.layer_norm_rms_epsilon": 1e-6,
+            "vocab_size": 262144,
         }
-        return Gemma3Config.from_gguf(
-            {"general.architecture": "gemma3"} | {f"gemma3.{k}": v for k, v in keys.items()}
-        )
+        meta = {"general.architecture": "gemma3"} | {f"gemma3.{k}": v for k, v in keys.items()}
+        return query_scale(ModelConfig.from_metadata(meta, "gemma3.gguf"))
 
-    assert config(18, 640, 4, 256).query_scale == 1 / 16  # 270M
-    assert config(26, 1152, 4, 256).query_scale == 1 / 16  # 1B: n_embd / n_head = 288 is not used
-    assert config(62, 5376, 32, 128).query_scale == pytest.approx(1 / 168**0.5)  # 27B
+    assert scale(18, 640, 4, 256) == 1 / 16  # 270M
+    assert scale(26, 1152, 4, 256) == 1 / 16  # 1B: n_embd / n_head = 288 is not used
+    assert scale(62, 5376, 32, 128) == pytest.approx(1 / 168**0.5)  # 27B
 
 
 # --- llmx run / llmx chat on Gemma 3 270M ---------------------------------------------------------

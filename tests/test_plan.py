@@ -298,7 +298,9 @@ def test_the_planners_copies_of_runtime_sizes_match_the_runtime():
 
 def test_gpu_prompt_attention_stores_no_scores_but_the_cpu_and_sliding_windows_do():
     m = model("llama3-8b")
-    g = dataclasses.replace(m, sliding_window=1024)  # as Gemma 3's local layers
+    g = dataclasses.replace(
+        m, config=dataclasses.replace(m.config, sliding_window=1024)
+    )  # as Gemma 3's local layers
     opts = Options(ctx_size=32768)
 
     def attn(spec: ModelSpec, gpu: bool, ctx: int) -> int:
@@ -310,7 +312,9 @@ def test_gpu_prompt_attention_stores_no_scores_but_the_cpu_and_sliding_windows_d
     # the CPU's math path stores a score per (head, query, key): over -ub x ctx x heads bytes
     assert attn(m, False, 32768) > 512 * 32768 * 32 * 13
     # sliding-window layers (window < ctx) take the masked path on a GPU too
-    assert attn(g, True, 32768) > 512 * 32768 * g.n_head * 13 and attn(g, True, 1024) == attn(m, True, 1024)
+    assert attn(g, True, 32768) > 512 * 32768 * g.config.n_head * 13 and attn(g, True, 1024) == attn(
+        m, True, 1024
+    )
 
 
 def test_op_offload_buffers_are_reserved_on_the_first_gpu_or_planned_off():
@@ -337,13 +341,15 @@ def test_op_offload_buffers_are_reserved_on_the_first_gpu_or_planned_off():
     layer_scratch = compute_bytes(
         m, Options(n_gpu_layers=0), attention=True, ffn=True, output=False, inp=False, gpu=True
     )
-    streamed = stream_bytes(m, list(range(m.n_layer)))
+    streamed = stream_bytes(m, list(range(m.config.n_layer)))
     assert next(u for u in none_on.usage if u.device == "cuda:1").compute == streamed + layer_scratch
     assert not place(m, parse_devices("cpu=64GiB"), Options(n_gpu_layers=0)).op_offload
 
 
 def test_sliding_window_layers_keep_a_ring_of_window_plus_ubatch_positions():
-    gemma_like = dataclasses.replace(model("llama3-8b"), sliding_window=1024, sliding_window_pattern=6)
+    llama = model("llama3-8b")
+    config = dataclasses.replace(llama.config, sliding_window=1024, sliding_window_pattern=6)
+    gemma_like = dataclasses.replace(llama, config=config)
     opts = Options(ctx_size=32768, ubatch_size=512)
     assert [kv_rows(gemma_like, opts, i) for i in range(7)] == [1536] * 5 + [32768, 1536]
     assert kv_rows(gemma_like, opts.replace(ctx_size=1024), 0) == 1024  # a context below the ring

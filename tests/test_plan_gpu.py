@@ -47,7 +47,13 @@ def test_planned_weights_and_kv_match_measured_allocations(tmp_path, cache_type)
     before = torch.cuda.memory_allocated(0)
     weights = load_weights(mf, p)
     layers = [
-        LayerShape(model.n_head_kv, model.head_dim_k, model.head_dim_v, p.kv_device(i), p.kv_rows[i])
+        LayerShape(
+            model.config.n_head_kv,
+            model.config.head_dim,
+            model.config.head_dim_v,
+            p.kv_device(i),
+            p.kv_rows[i],
+        )
         for i in range(2)
     ]
     cache = KVCache(p.ctx, layers, cache_type, cache_type)

@@ -83,12 +83,16 @@ def test_names_and_keys_are_gguf_vocabulary(name):
     md = shape.metadata("Q8_0")
     assert set(md) <= key_templates
     spec = ModelSpec.from_metadata(name, md, shape.tensors("Q8_0"))
-    assert (spec.n_layer, spec.n_embd, spec.n_vocab) == (shape.n_layer, shape.n_embd, shape.n_vocab)
+    assert (spec.config.n_layer, spec.config.n_embd, spec.config.n_vocab) == (
+        shape.n_layer,
+        shape.n_embd,
+        shape.n_vocab,
+    )
 
 
 def test_mla_metadata_and_cache_dims():
     spec = ModelSpec.from_shape(get_shape("deepseek-r1"), "IQ4_KS")
-    assert (spec.n_head_kv, spec.head_dim_k, spec.head_dim_v) == (1, 576, 0)
+    assert (spec.config.n_head_kv, spec.config.head_dim, spec.config.head_dim_v) == (1, 576, 0)
     types = {t.name: t.qtype for t in spec.tensors}
     assert types["blk.3.ffn_up_exps.weight"] == "IQ4_KS"
     assert types["blk.3.attn_k_b.weight"] == "IQ4_NL"  # 128 columns: not whole 256-blocks

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import ast
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-import llmx
 from llmx.errors import LlmxError
 from llmx.quant import BLOCK_TYPES, QTYPES, choice, qtype
 from llmx.quant.triton import autotune, tuning
@@ -129,38 +126,3 @@ def test_the_type_table_holds_the_kernels_block_facts() -> None:
         offsets = qtype(name).half_fields
         start = 0 if first else nbytes - 2 * nf
         assert offsets == tuple(range(start, start + 2 * nf, 2))
-
-
-def _imports(path: Path, package: str, modules: set[str]) -> set[str]:
-    """Modules of `modules` that the file imports anywhere (functions and TYPE_CHECKING blocks too)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base])
-            named = {f"{base}.{a.name}" for a in node.names} & modules
-            found |= named if len(named) == len(node.names) else named | {base}
-    return found & modules
-
-
-def test_the_quant_package_has_no_import_cycle() -> None:
-    root = Path(llmx.__file__).parent / "quant"
-    files = {}
-    for p in root.rglob("*.py"):
-        parts = ("llmx", "quant", *p.relative_to(root).with_suffix("").parts)
-        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
-    graph = {}
-    for name, p in files.items():
-        package = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
-        graph[name] = _imports(p, package, set(files)) - {name}
-
-    def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(
-            n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start]
-        )
-
-    assert "llmx.quant.triton.matmul" in graph["llmx.quant.weight"]  # the graph is read
-    assert [name for name in graph if reaches(name, name, set())] == []

@@ -17,8 +17,8 @@ from llmx.bench.writer import write_gguf
 from llmx.errors import LlmxError
 from llmx.gguf import open_gguf
 from llmx.models_on_disk import default_model_path
-from llmx.plan.model import TensorSpec
 from llmx.plan.shapes import get_shape
+from llmx.plan.tensors import TensorSpec
 from llmx.quant import qtype
 
 # --- random valid blocks ---

@@ -81,7 +81,10 @@ def test_layers_that_cannot_be_split_stay_whole_and_say_why():
     p = place(ModelSpec.from_shape(get_shape("deepseek-v3"), "Q4_K_M"), inv, row)
     why = "1 KV head(s) and an FFN of 18432 cannot be divided between GPUs"
     assert p.split == () and p.warnings == (f"-sm row: {why}; the layers run whole on cuda:0",)
-    narrow = dataclasses.replace(llama3(), head_dim_k=8, head_dim_v=8)  # 4 heads of 8: half a Q4_K block
+    wide = llama3()
+    narrow = dataclasses.replace(
+        wide, config=dataclasses.replace(wide.config, head_dim=8, head_dim_v=8)
+    )  # 4 heads of 8: half a Q4_K block
     assert (
         shards(narrow, ["cuda:0", "cuda:1"], [1, 1])
         == "its attention heads do not end on Q4_K block boundaries"
@@ -122,7 +125,7 @@ class CpuSplit:
         spec = ModelSpec.from_gguf(mf)
         plan = place(spec, parse_devices(TWO_GPUS), Options(n_gpu_layers=999, split_mode="row"))
         arch = model_class(mf.architecture)
-        config = arch.config_from_gguf(mf.metadata)
+        config = spec.config
         top, whole_layers, _ = load_weights(
             mf, place(spec, parse_devices("cpu=64GiB"), Options()), repack=False
         )

@@ -27,8 +27,8 @@ import torch
 from llmx.bench.blocks import chunk_rng, random_data
 from llmx.bench.synth import synth_metadata, synth_tensors
 from llmx.bench.writer import write_gguf
-from llmx.plan.model import TensorSpec
 from llmx.plan.shapes import ModelShape
+from llmx.plan.tensors import TensorSpec
 from llmx.quant import qtype
 
 N_VOCAB = 1024

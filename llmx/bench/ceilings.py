@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from llmx.cache_dir import cpu_name
 from llmx.errors import LlmxError
 from llmx.settings import cache_dir
 
@@ -50,17 +50,6 @@ class Ceiling:
 
 def cache_path() -> Path:
     return cache_dir() / "ceilings.json"
-
-
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo spells it (falls back to the platform's processor string)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def device_key(device: str) -> str:

@@ -47,23 +47,18 @@ def _note(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def load_for_bench(path: str | os.PathLike | None, opts: Options, progress: bool = True) -> BenchModel:
-    """Load `path` with `opts` and work out its roofline inputs (measuring missing ceilings)."""
-    progress_bar = None
-    if progress:
-        from llmx.commands.progress import load_progress
-
-        progress_bar = load_progress()
+def load_for_bench(path: str | os.PathLike | None, opts: Options, progress=None) -> BenchModel:
+    """Load `path` with `opts` (`progress`: the loader's progress callback, as `load_with_options`
+    takes it) and work out its roofline inputs (measuring missing ceilings)."""
     before = allocated(cuda_devices())
-    model = load_with_options(path, opts, progress=progress_bar)
+    model = load_with_options(path, opts, progress=progress)
     plan = model.plan
     memory = GpuMemory.of_load(plan, before)
-    mf = model.file
     tb = plan_token_bytes(
         plan,
-        ((t.name, t.nbytes) for t in mf.tensors.values()),
-        n_expert_used=int(mf.arch_key("expert_used_count", 0)),
-        n_expert=int(mf.arch_key("expert_count", 0)),
+        ((t.name, t.nbytes) for t in model.file.tensors.values()),
+        n_expert_used=model.config.n_expert_used,
+        n_expert=model.config.n_expert,
     )
     per_device = tb.at_depth(0)
     devices = sorted((d for d, n in per_device.items() if n), key=per_device.__getitem__, reverse=True)

@@ -21,7 +21,7 @@ import psutil
 import torch
 from gguf import LlamaFileType
 
-from llmx.bench.ceilings import cpu_name
+from llmx.cache_dir import cpu_name
 from llmx.errors import LlmxError
 from llmx.gguf import ModelFile
 

@@ -26,9 +26,9 @@ from llmx.bench.blocks import can_generate, chunk_rng, constant_data, random_dat
 from llmx.bench.vocab import synthetic_vocab
 from llmx.bench.writer import Fill, write_gguf
 from llmx.errors import LlmxError
-from llmx.plan.model import TensorSpec
 from llmx.plan.recipes import RECIPES
 from llmx.plan.shapes import ModelShape, get_shape
+from llmx.plan.tensors import TensorSpec
 from llmx.quant import BY_NAME, qtype
 
 

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
 from llmx.errors import LlmxError
-from llmx.plan.model import TensorSpec
+from llmx.plan.tensors import TensorSpec
 from llmx.quant import qtype
 
 CHUNK_BYTES = 32 << 20  # big enough to amortise a task, small enough that 2 x threads of them are cheap

@@ -2,7 +2,7 @@
 then what the engine measured: host ms per generated token, the CPU segments' ms and GB/s in
 hybrid runs, bytes streamed by op offload, and each GPU's compute memory beside the plan's estimate.
 
-llmx bench -m model.gguf -p 512 -n 128 -ngl 0,16,99 -ctk f16,q8_0 -o md
+llmx bench -m model.gguf -p 512 -n 128 -ngl 0,16,99 -ctk f16,bf16 -o md
 llmx bench --ceilings          # measure and cache every device's bandwidth and matrix rate
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from llmx.bench.grid import int_list, option_grid
+from llmx.commands.common import add_model_argument
 from llmx.plan.options import add_options, options_from_args
 
 EPILOG = (
@@ -25,15 +25,7 @@ EPILOG = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument(
-        "-m",
-        "--model",
-        type=Path,
-        action="append",
-        default=None,
-        metavar="FILE",
-        help="GGUF file; repeat for several (default: the embedded SmolLM2-135M)",
-    )
+    add_model_argument(parser, several=True)
     parser.add_argument(
         "-p", "--n-prompt", default="512", metavar="N,...", help="prompt tokens (default 512)"
     )
@@ -68,12 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from llmx.api import check_runnable
     from llmx.bench.ceilings import ceilings_for, visible_devices
     from llmx.bench.loaded import free_memory, load_for_bench
     from llmx.bench.results import environment, model_info
     from llmx.bench.rows import CEILING_COLUMNS, bench_columns, bench_row
     from llmx.bench.runner import Counters, Speed, bench_tests, time_test, warmup_runs
     from llmx.bench.tables import markdown, render
+    from llmx.commands.progress import load_progress
     from llmx.errors import LlmxError
 
     if args.ceilings:
@@ -88,13 +82,15 @@ def run(args: argparse.Namespace) -> int:
     if not tests or args.repetitions < 1:
         raise LlmxError("nothing to measure: give -p or -n above 0 and -r of at least 1")
     placements = [options_from_args(ns) for ns in option_grid(args)]
+    for opts in placements:  # every row's options, before the first row loads
+        check_runnable(opts)
     env = environment()
     rows = []
     for path in args.model or [None]:
         for opts in placements:
             if "ctx_size" not in opts.given:  # as llama-bench, a context just large enough for the tests
                 opts = opts.replace(ctx_size=max(t.n_ctx for t in tests))
-            bm = load_for_bench(path, opts)
+            bm = load_for_bench(path, opts, progress=load_progress())
             info = model_info(bm.model.file)
             runs = sum(args.repetitions + warmup_runs(t) for t in tests)
             bar = tqdm(total=runs, desc="benchmarking", leave=False, disable=None)

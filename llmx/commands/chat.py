@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from llmx.commands.progress import load_progress
     from llmx.text.tokenizer import StreamDecoder
 
+    sampling = sampling_from_args(args)  # a bad sampling flag fails before the model loads
     model = load_with_options(args.model, options_from_args(args), progress=load_progress())
     print_load_report(model)
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
@@ -48,9 +49,7 @@ def run(args: argparse.Namespace) -> int:
         keep = _common_prefix(context, prompt)
         model.engine.n_past = keep  # rewind the cache to the unchanged prefix
         decoder, reply_ids = StreamDecoder(model.tokenizer), []
-        for token in model.stream_ids(
-            prompt[keep:], args.n_predict, keep_context=True, **sampling_from_args(args)
-        ):
+        for token in model.stream_ids(prompt[keep:], args.n_predict, keep_context=True, **sampling):
             reply_ids.append(token)
             sys.stdout.write(decoder.push(token))
             sys.stdout.flush()

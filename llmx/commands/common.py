@@ -1,23 +1,31 @@
-"""Flags and output shared by the commands that load a model (run, chat, bench, serve)."""
+"""Flags and output the commands share: `-m/--model` for every command, sampling flags, timings.
+
+Imports nothing heavy at module level, so `llmx plan` (which must not import torch) can use it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from llmx.engine import Timings
 from llmx.errors import LlmxError
 
+if TYPE_CHECKING:
+    from llmx.engine import Timings
 
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "-m",
-        "--model",
-        type=Path,
-        default=None,
-        help="GGUF file (default: the embedded SmolLM2-135M-Instruct)",
-    )
+DEFAULT_MODEL = "the embedded SmolLM2-135M-Instruct"
+
+
+def add_model_argument(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """-m/--model FILE: the GGUF to use (default: the embedded SmolLM2); with `several`, repeatable
+    and collected into a list."""
+    if several:
+        extra = {"action": "append", "help": f"GGUF file; repeat for several (default: {DEFAULT_MODEL})"}
+    else:
+        extra = {"help": f"GGUF file (default: {DEFAULT_MODEL})"}
+    parser.add_argument("-m", "--model", type=Path, default=None, metavar="FILE", **extra)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +43,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict:
-    return dict(
+    """The sampling keywords of `LoadedModel.stream`, checked here (a bad value is one LlmxError
+    line), so that commands can call this before the model loads."""
+    from llmx.text.sampler import SamplingParams
+
+    sampling = dict(
         temperature=args.temp,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -46,6 +58,8 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
     )
+    SamplingParams(**sampling)
+    return sampling
 
 
 def read_prompt(args: argparse.Namespace) -> str:

@@ -6,18 +6,15 @@ import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from llmx.commands.common import add_model_argument
 from llmx.gguf import open_gguf
 from llmx.models.naming import group_key
 from llmx.models_on_disk import default_model_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model", nargs="?", type=Path, default=None, help="GGUF file (default: embedded SmolLM2)"
-    )
-    parser.add_argument(
-        "-m", "--model-flag", dest="model_flag", type=Path, default=None, help=argparse.SUPPRESS
-    )
+    parser.add_argument("file", nargs="?", type=Path, default=None, help="the GGUF file, or give it with -m")
+    add_model_argument(parser)
     parser.add_argument("--tensors", action="store_true", help="also list every tensor")
 
 
@@ -34,7 +31,7 @@ def gib(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    mf = open_gguf(args.model or args.model_flag or default_model_path())
+    mf = open_gguf(args.file or args.model or default_model_path())
     print(
         f"{mf.path}  (GGUF v{mf.version}, {gib(mf.nbytes).strip()}, {len(mf.tensors)} tensors, "
         f"alignment {mf.alignment})"

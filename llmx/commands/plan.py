@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from llmx.commands.common import add_model_argument
 from llmx.plan import ModelSpec, add_options, options_from_args, parse_shape_spec, plan, suggestion
 from llmx.plan.report import render
 from llmx.plan.shapes import SHAPES
@@ -18,7 +18,7 @@ from llmx.plan.shapes import SHAPES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("-m", "--model", type=Path, default=None, help="GGUF file (default: the embedded SmolLM2-135M)")
+    add_model_argument(parser)
     add("--shape", metavar="NAME[:RECIPE]", help="a known shape, no file: llama3-70b:Q4_K_M ('list': all)")
     add("--json", action="store_true", help="print the plan as JSON")
     add_options(parser)

@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from llmx.api import load_with_options
     from llmx.commands.progress import load_progress
 
-    text = read_prompt(args)  # a bad prompt file fails before the model loads
+    text = read_prompt(args)  # a bad prompt file or sampling flag fails before the model loads
+    sampling = sampling_from_args(args)
     model = load_with_options(args.model, options_from_args(args), progress=load_progress())
     print_load_report(model)
     prompt = (
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.conversation:
         sys.stdout.write(text)
-    for piece in model.stream(prompt, args.n_predict, **sampling_from_args(args)):
+    for piece in model.stream(prompt, args.n_predict, **sampling):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

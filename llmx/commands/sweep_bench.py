@@ -10,18 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from llmx.commands.common import add_model_argument
 from llmx.plan.options import add_options, options_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "-m",
-        "--model",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="GGUF file to sweep (default: the embedded SmolLM2-135M; none when only plotting)",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "-n",
         "--n-gen",
@@ -84,9 +78,10 @@ def sweep_run(args: argparse.Namespace) -> dict:
     from llmx.bench.rows import SWEEP_COLUMNS, memory_columns, sweep_row
     from llmx.bench.sweep import sweep
     from llmx.bench.tables import json_text, markdown
+    from llmx.commands.progress import load_progress
 
     opts = options_from_args(args)
-    bm = load_for_bench(args.model, opts)
+    bm = load_for_bench(args.model, opts, progress=load_progress())
     ub = opts.n_ubatch
     n_gen = ub // 4 if args.n_gen is None else args.n_gen
     # The planner pads the cache to whole 256-token cells, as llama.cpp does; sweep the -c asked for.

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from llmx.text.tokenizer import Tokenizer
 
     mf = open_gguf(args.model or default_model_path())
-    tok = Tokenizer.from_metadata(mf.metadata)
+    tok = Tokenizer.from_gguf(mf)
     ids = tok.encode(read_prompt(args), add_special=not args.no_bos, parse_special=not args.no_parse_special)
     if not args.ids:
         for i in ids:

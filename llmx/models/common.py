@@ -1,4 +1,4 @@
-"""What every architecture shares: the config read from `{arch}.*` keys, the weight tree, the Model base.
+"""What every architecture shares: the weight tree and the Model base (the config is `llmx.model_config`'s).
 
 A model is three functions over token ids and a KV cache: `embed`, `block(i, w, ...)` and `head`.
 The runtime walks the blocks, moving the hidden state to each block's device and handing each its
@@ -7,12 +7,13 @@ weights; models never name devices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Self
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from llmx.errors import LlmxError
+from llmx.model_config import ModelConfig
 from llmx.ops import LayerKV, Rope, causal_mask, embedding, linear, linear_many, rms_norm, rope_attention
 
 
@@ -36,63 +37,6 @@ class TensorGroup:
 
     def items(self):
         return self._tensors.items()
-
-
-@dataclass(frozen=True)
-class Config:
-    """Hyperparameters of the Llama family, read from `{arch}.*` GGUF keys in one place.
-
-    Architectures extend it with their own fields and override `from_gguf` to read them.
-    """
-
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_vocab: int
-    n_ctx_train: int
-    norm_eps: float
-    rope_base: float
-    rope_dims: int
-    rope_scale: float  # linear position scaling (1 = none)
-
-    @classmethod
-    def from_gguf(cls, meta: dict[str, Any], **extra: Any) -> Self:
-        arch = meta["general.architecture"]
-
-        def key(suffix: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{suffix}", default)
-            if value is None:
-                raise LlmxError(f"the model file lacks the metadata key {arch}.{suffix}")
-            return value
-
-        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
-        n_vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
-        scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-        if scaling not in ("none", "linear") and factor != 1.0:
-            raise LlmxError(f"RoPE scaling type {scaling!r} is not supported yet (llmx supports linear)")
-        values = dict(
-            arch=arch,
-            n_layer=int(key("block_count")),
-            n_embd=n_embd,
-            n_ff=int(key("feed_forward_length")),
-            n_head=n_head,
-            n_head_kv=int(key("attention.head_count_kv", n_head)),
-            head_dim=head_dim,
-            n_vocab=int(n_vocab),
-            n_ctx_train=int(key("context_length")),
-            norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope_base=float(key("rope.freq_base", 10000.0)),
-            rope_dims=int(key("rope.dimension_count", head_dim)),
-            rope_scale=factor if scaling == "linear" else 1.0,
-        )
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (values | extra).items() if k in names})
 
 
 @dataclass(frozen=True)
@@ -136,21 +80,30 @@ class Model:
     values and returns the rows attention reads.
     """
 
-    config_class: ClassVar[type[Config]] = Config
     neox_rope: ClassVar[bool] = False
+    # what every layer's block reads (biases and q/k norms are optional)
+    layer_tensors: ClassVar[tuple[str, ...]] = (
+        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+        "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
+    )  # fmt: skip
 
-    def __init__(self, config: Config, top: TensorGroup, layers: list[TensorGroup]) -> None:
+    def __init__(self, config: ModelConfig, top: TensorGroup, layers: list[TensorGroup]) -> None:
         self.config, self.top, self.layers = config, top, layers
         self.rope = Rope(
             config.rope_dims, config.rope_base, self.neox_rope, config.rope_scale, top.optional("rope_freqs")
         )
 
     @classmethod
-    def config_from_gguf(cls, meta: dict[str, Any]) -> Config:
-        return cls.config_class.from_gguf(meta)
+    def check_config(cls, config: ModelConfig, source: str) -> None:
+        """Refuse, before anything loads, what the config asks and this runtime cannot do."""
+        if config.rope_scaling not in ("none", "linear") and config.rope_scaling_factor != 1.0:
+            scaling = config.rope_scaling
+            raise LlmxError(
+                f"{source}: RoPE scaling type {scaling!r} is not supported yet (llmx supports linear)"
+            )
 
     @classmethod
-    def kv_shape(cls, config: Config, layer: int) -> tuple[int, int, int]:
+    def kv_shape(cls, config: ModelConfig, layer: int) -> tuple[int, int, int]:
         """What layer `layer` caches per token: (KV heads, key dim, value dim)."""
         return config.n_head_kv, config.head_dim, config.head_dim
 

@@ -10,11 +10,12 @@ Pure data in, data out (no torch, no I/O), so `llmx plan` can dry-run any machin
 
 from llmx.plan.devices import Device, Inventory, parse_devices
 from llmx.plan.fit import fit, plan, suggestion
-from llmx.plan.model import ModelSpec, TensorSpec
+from llmx.plan.model import ModelSpec
 from llmx.plan.options import Options, add_options, options_from_args, options_from_kwargs
 from llmx.plan.placement import DeviceUse, LayerRow, Plan
 from llmx.plan.planner import place
 from llmx.plan.shapes import ModelShape, get_shape, parse_shape_spec
+from llmx.plan.tensors import TensorSpec
 
 __all__ = [
     "Device", "DeviceUse", "Inventory", "LayerRow", "ModelShape", "ModelSpec", "Options", "Plan",

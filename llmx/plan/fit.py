@@ -68,7 +68,7 @@ def _fit(model: ModelSpec, inv: Inventory, opts: Options) -> tuple[Options, tupl
         if not p.fits(margins):
             raise LlmxError(f"{model.name} does not fit: {_shortfall(p, margins)}")
         return cpu_only, ("--fit: no GPU, everything runs on the CPU",)
-    n = model.n_layer
+    n = model.config.n_layer
     ceiling = n + 1 if opts.n_gpu_layers is None else min(opts.n_gpu_layers, n + 1)
     tried: dict[tuple[int, int], tuple[Options, Plan | None]] = {}
 
@@ -119,7 +119,7 @@ def _layer_counts(
 ) -> list[int] | None:
     """How many of the GPU layers each GPU takes (contiguous, in CUDA order), filling the fastest
     GPU first; None if no partition fits."""
-    n, ngl = model.n_layer, opts.n_gpu_layers or 0
+    n, ngl = model.config.n_layer, opts.n_gpu_layers or 0
     start, act = max(n - ngl, 0), min(ngl, n + 1)
     rules = compile_rules(opts, inv)
     fixed = {g.name: 0 for g in inv.gpus}  # bytes the -ot rules pin to each GPU whatever the split
@@ -211,7 +211,9 @@ def _shortfall(p: Plan | None, margins: dict[str, int]) -> str:
 def _notes(user: Options, chosen: Options, model: ModelSpec, margins: dict[str, int]) -> tuple[str, ...]:
     keep = ", ".join(f"{d} {m // MiB} MiB" for d, m in margins.items())
     notes = [f"--fit chose {' '.join(chosen.to_args()) or 'the defaults'} (keeping free: {keep})"]
-    if user.n_gpu_layers is not None and chosen.n_gpu_layers < min(user.n_gpu_layers, model.n_layer + 1):
+    if user.n_gpu_layers is not None and chosen.n_gpu_layers < min(
+        user.n_gpu_layers, model.config.n_layer + 1
+    ):
         notes.append(f"--fit lowered -ngl {user.n_gpu_layers} to {chosen.n_gpu_layers}")
     if chosen.n_cpu_moe > user.n_cpu_moe:
         notes.append(f"--fit keeps the experts of layers 0-{chosen.n_cpu_moe - 1} on the CPU")

@@ -33,7 +33,7 @@ STREAMED_LAYERS = 3
 
 def context_length(model: ModelSpec, opts: Options) -> int:
     """-c, or the model's training context for -c 0, padded to whole 256-token cells."""
-    ctx = opts.ctx_size or model.ctx_train
+    ctx = opts.ctx_size or model.config.n_ctx_train
     return -(-ctx // CTX_PAD) * CTX_PAD
 
 
@@ -41,7 +41,7 @@ def kv_rows(model: ModelSpec, opts: Options, layer: int) -> int:
     """Positions layer `layer`'s cache holds: the whole context, or for a sliding-window layer a ring
     of window + -ub positions (a batch's first query still finds its window after the batch's own
     keys have been written)."""
-    ctx, window = context_length(model, opts), model.window(layer)
+    ctx, window = context_length(model, opts), model.config.window(layer)
     return ctx if window is None else min(ctx, window + opts.n_ubatch)
 
 
@@ -54,8 +54,9 @@ def kv_read_bytes(layers: Iterable[tuple[float, int]], n_kv: float) -> float:
 
 def kv_layer_bytes(model: ModelSpec, opts: Options, layer: int) -> int:
     """Layer `layer`'s K and V cache."""
-    k = qtype(opts.cache_type_k).row_bytes(model.n_head_kv * model.head_dim_k) if model.head_dim_k else 0
-    v = qtype(opts.cache_type_v).row_bytes(model.n_head_kv * model.head_dim_v) if model.head_dim_v else 0
+    c = model.config
+    k = qtype(opts.cache_type_k).row_bytes(c.n_head_kv * c.head_dim) if c.head_dim else 0
+    v = qtype(opts.cache_type_v).row_bytes(c.n_head_kv * c.head_dim_v) if c.head_dim_v else 0
     return kv_rows(model, opts, layer) * (k + v)
 
 
@@ -72,23 +73,23 @@ def compute_bytes(
     ub, ctx = opts.n_ubatch, context_length(model, opts)
     total = 0
     if attention or ffn:
-        total += 4 * ub * model.n_embd * F32  # residual stream, normed input, op output, sum
+        total += 4 * ub * model.config.n_embd * F32  # residual stream, normed input, op output, sum
         attn = _attention_bytes(model, ub, ctx, gpu) if attention else 0
         total += max(attn, 2 * ub * _ffn_width(model) * F32 if ffn else 0)  # gate and up (silu in place)
         total += _matmul_bytes(model, ub, gpu)
         if gpu:
             total += CUBLAS_WORKSPACES
     if output:
-        total += ub * model.n_vocab * F32  # worst case: logits for every token of the batch
+        total += ub * model.config.n_vocab * F32  # worst case: logits for every token of the batch
     if inp:
-        total += ub * model.n_embd * F32
+        total += ub * model.config.n_embd * F32
     return total
 
 
 def exchange_bytes(model: ModelSpec, opts: Options, n_gpus: int) -> int:
     """What each GPU of a `-sm row` split holds to add partial sums across the GPUs: a receive slot
     of one batch's hidden states from every GPU, twice (`llmx.kernels.exchange`), and its flags."""
-    return 2 * n_gpus * opts.n_ubatch * model.n_embd * F32 + EXCHANGE_FLAGS * (2 * n_gpus + 1) * 4
+    return 2 * n_gpus * opts.n_ubatch * model.config.n_embd * F32 + EXCHANGE_FLAGS * (2 * n_gpus + 1) * 4
 
 
 def stream_bytes(model: ModelSpec, cpu_layers: list[int]) -> int:
@@ -103,18 +104,20 @@ def stream_bytes(model: ModelSpec, cpu_layers: list[int]) -> int:
 
 
 def _ffn_width(model: ModelSpec) -> int:
-    return max(model.n_ff, model.n_ff_exp * max(model.n_expert_used, 1))
+    c = model.config
+    return max(c.n_ff, c.n_ff_exp * max(c.n_expert_used, 1))
 
 
 def _attention_bytes(model: ModelSpec, ub: int, ctx: int, gpu: bool) -> int:
     """The attention phase of one block for `ub` queries over a full cache of `ctx` positions."""
-    h, hk = model.n_head, model.n_head_kv
-    d = max(model.head_dim_k, model.head_dim_v)
+    c = model.config
+    h, hk = c.n_head, c.n_head_kv
+    d = max(c.head_dim, c.head_dim_v)
     total = ub * (h + 2 * hk) * d * F32  # q, k, v
     total += 3 * ub * h * d * F32  # RoPE's rotated halves and products
     total += 2 * (1 << max(8, (ctx - 1).bit_length())) * (d // 2) * F32  # RoPE tables, kept
     total += 3 * ub * h * d * F32  # the output, in the cache's dtype, then float, then reshaped
-    if gpu and not (model.sliding_window and model.sliding_window < ctx):
+    if gpu and not (c.sliding_window and c.sliding_window < ctx):
         # PyTorch's fused causal kernels: no scores; after the first batch of a sequence K and V
         # are repeated to every query head (the bottom-right causal variant needs it).
         return total + 2 * ctx * h * d * F16 + ub * h * d * F16

@@ -295,7 +295,13 @@ _ARGUMENTS: list[tuple[tuple[str, ...], str, str | None, str, dict[str, Any]]] =
     (("-nkvo", "--no-kv-offload"), "no_kv_offload", None, "keep the KV cache on the CPU", _FLAG),
     (("-nopo", "--no-op-offload"), "no_op_offload", None, "CPU layers' prompts stay on the CPU", _FLAG),
     (("-c", "--ctx-size"), "ctx_size", "N", "context length (default 4096; 0: the model's own)", {}),
-    (("-ctk", "--cache-type-k"), "cache_type_k", "TYPE", f"K cache type: {', '.join(CACHE_TYPES)}", {}),
+    (
+        ("-ctk", "--cache-type-k"),
+        "cache_type_k",
+        "TYPE",
+        f"K cache type: {', '.join(CACHE_TYPES)} (run: f32, f16, bf16)",
+        {},
+    ),
     (("-ctv", "--cache-type-v"), "cache_type_v", "TYPE", "V cache type (default f16)", {}),
     (("-b", "--batch-size"), "batch_size", "N", "logical batch size (default 2048)", {}),
     (("-ub", "--ubatch-size"), "ubatch_size", "N", "physical batch size (default 512)", {}),
@@ -303,7 +309,7 @@ _ARGUMENTS: list[tuple[tuple[str, ...], str, str | None, str, dict[str, Any]]] =
         ("-amb", "--attention-max-batch"),
         "attn_max_batch",
         "MiB",
-        "accepted; llmx picks attention kernels itself",
+        "not supported: llmx sizes attention scratch itself (run refuses it)",
         {},
     ),
     (
@@ -314,11 +320,11 @@ _ARGUMENTS: list[tuple[tuple[str, ...], str, str | None, str, dict[str, Any]]] =
         _ON,
     ),
     (("--no-mmap",), "no_mmap", None, "read the model file instead of mapping it", _FLAG),
-    (("--mlock",), "mlock", None, "lock the model's pages in RAM", _FLAG),
+    (("--mlock",), "mlock", None, "lock the model's pages in RAM (not supported yet: run refuses it)", _FLAG),
     (("-fit", "--fit"), "fit", "on|off", "auto-choose -ngl/-ncmoe/-ts (default: on without -ngl)", _ON),
     (("--fit-margin",), "fit_margin_mib", "MiB", "free memory --fit keeps on every device (1024)", {}),
     (("-gfm", "--gpu-fit-margin"), "gpu_fit_margin", "I=MiB,...", "per-GPU --fit margin: 0=1024,1=512", {}),
-    (("--devices",), "devices", "DESC", "described devices, e.g. cuda0=16GiB,cuda1=8GiB,cpu=64GiB", {}),
+    (("--devices",), "devices", "DESC", "plan for described devices: cuda0=16GiB,cuda1=8GiB,cpu=64GiB", {}),
     (("-t", "--threads"), "threads", "N", "CPU threads (default: physical cores)", {}),
 ]
 

@@ -28,11 +28,12 @@ from llmx.plan.memory import (
     kv_rows,
     stream_bytes,
 )
-from llmx.plan.model import ROLES, ModelSpec, TensorSpec
+from llmx.plan.model import ModelSpec
 from llmx.plan.options import ALL_LAYERS, Options
 from llmx.plan.placement import DeviceUse, LayerRow, Plan
 from llmx.plan.rules import Rule, compile_rules
 from llmx.plan.tensor_parallel import Shard, cut, kv_parts, shards
+from llmx.plan.tensors import ROLES, TensorSpec
 
 OUTPUT_TENSORS = ("output_norm.weight", "output.weight")
 ROW_ROUNDING = 64  # row-split boundaries fall on multiples of 64 rows, as ggml-cuda rounds them
@@ -139,13 +140,13 @@ def place(model: ModelSpec, inv: Inventory, opts: Options, notes: tuple[str, ...
     return Plan(
         model=model.name,
         options=opts,
-        n_layer=model.n_layer,
+        n_layer=model.config.n_layer,
         ctx=context_length(model, opts),
         tensor_device=tensor_device,
         layer_device=tuple(layer_dev),
         output_device=output_dev,
         kv_devices=kv_devices,
-        kv_rows=tuple(kv_rows(model, opts, i) for i in range(model.n_layer)),
+        kv_rows=tuple(kv_rows(model, opts, i) for i in range(model.config.n_layer)),
         usage=usage,
         layers=_layer_rows(model, opts, where),
         n_offloaded=n_offloaded,
@@ -221,7 +222,7 @@ def assign_layers(
     model: ModelSpec, opts: Options, gpus: list[Device], inv: Inventory
 ) -> tuple[list[str], str, int]:
     """(device of each repeating layer, device of the output layer, number of offloaded layers)."""
-    n = model.n_layer
+    n = model.config.n_layer
     if not gpus:
         return ["cpu"] * n, "cpu", 0
     ngl = ALL_LAYERS if opts.n_gpu_layers is None else opts.n_gpu_layers
@@ -315,7 +316,7 @@ def _usage(model: ModelSpec, inv: Inventory, opts: Options, where: _Where) -> tu
         if t.name in where.extra_copies:
             weights[where.extra_copies[t.name]] += t.nbytes
     kv = {d.name: 0 for d in inv.devices}
-    for layer in range(model.n_layer):
+    for layer in range(model.config.n_layer):
         for dev, share in where.kv_parts(layer):
             kv[dev] += round(kv_layer_bytes(model, opts, layer) * share)
     for dev in where.layer_dev:
@@ -349,7 +350,7 @@ def _usage(model: ModelSpec, inv: Inventory, opts: Options, where: _Where) -> tu
 def _layer_rows(model: ModelSpec, opts: Options, where: _Where) -> tuple[LayerRow, ...]:
     groups: dict[int | str, list[TensorSpec]] = {
         "input": [],
-        **{i: [] for i in range(model.n_layer)},
+        **{i: [] for i in range(model.config.n_layer)},
         "output": [],
     }
     for t in model.tensors:

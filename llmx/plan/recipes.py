@@ -11,13 +11,21 @@ IQ4_KS mix follows that fork's rules for the same tensor categories.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from llmx.plan.model import TensorSpec
+from llmx.plan.tensors import TensorSpec
 from llmx.quant import qtype
 
-if TYPE_CHECKING:
-    from llmx.plan.shapes import ModelShape
+
+class ShapeFacts(Protocol):
+    """What llama.cpp's type rules look at (a `llmx.plan.shapes.ModelShape` has it)."""
+
+    arch: str
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_expert: int
+    tied_embeddings: bool
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ _FALLBACK = {
 }
 
 
-def assign_types(shape: ModelShape, raw: list[tuple[str, tuple[int, ...]]], recipe: str) -> list[TensorSpec]:
+def assign_types(shape: ShapeFacts, raw: list[tuple[str, tuple[int, ...]]], recipe: str) -> list[TensorSpec]:
     """Give each (name, shape) its type under `recipe` and its exact byte size."""
     r = RECIPES[recipe.upper()]
     out = []
@@ -74,7 +82,7 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def _type_for(s: ModelShape, r: Recipe, name: str, dims: tuple[int, ...]) -> str:
+def _type_for(s: ShapeFacts, r: Recipe, name: str, dims: tuple[int, ...]) -> str:
     if not _quantizable(name, dims):
         return "F32" if len(dims) == 1 or "ffn_gate_inp" in name else "F16"
     if r.base in ("F16", "BF16"):
@@ -87,7 +95,7 @@ def _type_for(s: ModelShape, r: Recipe, name: str, dims: tuple[int, ...]) -> str
     return t
 
 
-def _mixed(s: ModelShape, r: Recipe, name: str, dims: tuple[int, ...]) -> str:
+def _mixed(s: ShapeFacts, r: Recipe, name: str, dims: tuple[int, ...]) -> str:
     """The per-category rules of llama_tensor_get_type_impl for the recipes in RECIPES."""
     f, t = r.name, r.base
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1

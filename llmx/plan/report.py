@@ -9,8 +9,8 @@ line; then notes, warnings and errors.
 from __future__ import annotations
 
 from llmx.plan.devices import GiB, fmt_bytes
-from llmx.plan.model import ROLES
 from llmx.plan.placement import LayerRow, Plan
+from llmx.plan.tensors import ROLES
 
 _HEAD = {
     "attn": "attention",

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmx.errors import LlmxError
-from llmx.plan.recipes import RECIPES, TensorSpec, assign_types
+from llmx.plan.recipes import RECIPES, assign_types
+from llmx.plan.tensors import TensorSpec
 
 # --- the table ---
 

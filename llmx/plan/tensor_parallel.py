@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmx.plan.model import ModelSpec, TensorSpec
+from llmx.plan.model import ModelSpec
+from llmx.plan.tensors import TensorSpec
 from llmx.quant import qtype
 
 QUERY_ROWS = ("attn_q",)
@@ -48,8 +49,9 @@ class Cut:
 
 def shards(model: ModelSpec, devices: list[str], shares: list[float]) -> tuple[Shard, ...] | str:
     """Each device's heads and FFN width, or why the model's layers cannot be split this way."""
-    if model.n_head_kv < 2 or not model.n_ff or model.n_head % model.n_head_kv:
-        return f"{model.n_head_kv} KV head(s) and an FFN of {model.n_ff} cannot be divided between GPUs"
+    c = model.config
+    if c.n_head_kv < 2 or not c.n_ff or c.n_head % c.n_head_kv:
+        return f"{c.n_head_kv} KV head(s) and an FFN of {c.n_ff} cannot be divided between GPUs"
     layer_tensors = [t for t in model.tensors if t.layer is not None and len(t.shape) > 1]
     other = sorted({t.short for t in layer_tensors} - set(SPLIT))
     if other:
@@ -57,14 +59,14 @@ def shards(model: ModelSpec, devices: list[str], shares: list[float]) -> tuple[S
     headed = sorted({t.qtype for t in layer_tensors if t.short in SPLIT and qtype(t.qtype).row_meta_bytes})
     if headed:
         return f"{', '.join(headed)} rows start with a scale of their own and cannot be cut into columns"
-    heads = _apportion(model.n_head_kv, shares)
+    heads = _apportion(c.n_head_kv, shares)
     unit = max(_columns_unit(t) for t in layer_tensors if t.short in FFN_COLUMNS)
-    ff = _apportion(model.n_ff // unit, shares) if model.n_ff % unit == 0 else None
+    ff = _apportion(c.n_ff // unit, shares) if c.n_ff % unit == 0 else None
     if ff is None or min(b - a for a, b in heads) == 0 or min(b - a for a, b in ff) == 0:
         return f"{len(devices)} GPUs cannot each take a whole KV head and {unit} FFN columns"
-    group = model.n_head // model.n_head_kv
+    group = c.n_head // c.n_head_kv
     for t in layer_tensors:  # the attention output's column cuts must fall between its blocks
-        if t.short in HEAD_COLUMNS and any(a * group * model.head_dim_v % _columns_unit(t) for a, _ in heads):
+        if t.short in HEAD_COLUMNS and any(a * group * c.head_dim_v % _columns_unit(t) for a, _ in heads):
             return f"its attention heads do not end on {t.qtype} block boundaries"
     return tuple(
         Shard(d, h, (f0 * unit, f1 * unit)) for d, h, (f0, f1) in zip(devices, heads, ff, strict=True)
@@ -74,7 +76,8 @@ def shards(model: ModelSpec, devices: list[str], shares: list[float]) -> tuple[S
 def cut(t: TensorSpec, model: ModelSpec, split: tuple[Shard, ...]) -> Cut:
     """How tensor `t` of a split layer is divided among `split`'s devices."""
     short = t.short
-    group, dk, dv = model.n_head // model.n_head_kv, model.head_dim_k, model.head_dim_v
+    c = model.config
+    group, dk, dv = c.n_head // c.n_head_kv, c.head_dim, c.head_dim_v
 
     def ranges(scale: int, of: str) -> tuple[tuple[str, int, int], ...]:
         return tuple((s.device, getattr(s, of)[0] * scale, getattr(s, of)[1] * scale) for s in split)

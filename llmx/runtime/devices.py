@@ -9,6 +9,7 @@ the probed one.
 
 from __future__ import annotations
 
+from llmx.cache_dir import cpu_name
 from llmx.plan.devices import Device, Inventory, parse_devices
 
 
@@ -23,7 +24,7 @@ def probe() -> Inventory:
     import torch
 
     ram = psutil.virtual_memory()
-    cpu = Device("cpu", int(ram.total), int(ram.available), label=_cpu_label())
+    cpu = Device("cpu", int(ram.total), int(ram.available), label=cpu_name())
     gpus = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -48,16 +49,3 @@ def _bandwidth(props) -> float:
     clock_khz = getattr(props, "memory_clock_rate", 0) or 0
     bus_bits = getattr(props, "memory_bus_width", 0) or 0
     return 2.0 * clock_khz * 1e3 * bus_bits / 8
-
-
-def _cpu_label() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor()

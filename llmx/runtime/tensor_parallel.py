@@ -27,7 +27,8 @@ from functools import partial
 
 import torch
 
-from llmx.models.common import Config, Model, Step, TensorGroup
+from llmx.model_config import ModelConfig
+from llmx.models.common import Model, Step, TensorGroup
 from llmx.ops import PartialSum, current_device
 from llmx.runtime.cache import KVCache
 from llmx.runtime.weights import Sharded
@@ -143,7 +144,7 @@ def meeting(
 
 def deal(
     cls: type[Model],
-    config: Config,
+    config: ModelConfig,
     top: TensorGroup,
     groups: list[TensorGroup],
     reducers: list[Callable[[torch.Tensor], torch.Tensor]],

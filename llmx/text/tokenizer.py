@@ -23,12 +23,15 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import IntEnum
 from functools import cached_property
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from llmx.errors import LlmxError
+from llmx.errors import LlmxError, first_line
 from llmx.text.bpe import ByteLevelBPE
 from llmx.text.pretokenize import preset
 from llmx.text.spm import SentencePieceBPE
+
+if TYPE_CHECKING:
+    from llmx.gguf import ModelFile
 
 
 class TokenType(IntEnum):
@@ -107,6 +110,16 @@ class Tokenizer:
         self._bytes = [self._piece(text, kind) for text, kind in zip(self._tokens, self._types, strict=True)]
         parsed = [i for i, kind in enumerate(self._types) if kind in _PARSED_TYPES and self._tokens[i]]
         self._special_ids = {self._tokens[i]: i for i in parsed}
+
+    @classmethod
+    def from_gguf(cls, mf: ModelFile) -> Tokenizer:
+        """The tokenizer of an opened GGUF; whatever stops it being built is one LlmxError naming the file."""
+        try:
+            return cls.from_metadata(mf.metadata)
+        except LlmxError as e:
+            raise LlmxError(f"{mf.path.name}: {e}") from None
+        except Exception as e:  # a damaged vocabulary fails inside the tokenizer library
+            raise LlmxError(f"{mf.path.name}: its vocabulary cannot be built ({first_line(e)})") from None
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:

@@ -1,0 +1,142 @@
+"""A model's hyperparameters as its GGUF metadata states them: one reader, one set of defaults.
+
+The planner (`llmx.plan.model.ModelSpec.config`) and the models (`llmx.models.common.Model.config`) hold
+the same `ModelConfig`, read here from the `{arch}.*` keys, so both size the same layers, heads and
+caches. Keys llama.cpp requires are required here; optional keys take llama.cpp's defaults. A value
+that is not a number, or a count that is not positive, is one `LlmxError` naming the file and the key.
+Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmx.errors import LlmxError
+
+# Architectures whose layers attend through sliding windows, and their default pattern (llama.cpp's
+# for gemma3: every 6th layer is global). Other architectures ignore a sliding_window key.
+SLIDING_PATTERNS = {"gemma3": 6}
+
+
+def layer_window(layer: int, window: int, pattern: int) -> int | None:
+    """The sliding window of layer `layer` (counted from 0), or None when it sees the whole context:
+    with a window and a pattern, every pattern-th layer is global."""
+    if not window or not pattern or (layer + 1) % pattern == 0:
+        return None
+    return window
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Per layer and token, attention caches `n_head_kv` keys of `head_dim` and values of `head_dim_v`
+    (MLA: one latent of kv_lora_rank + rope dims as the key, and the values read from that same latent,
+    so `head_dim_v` is 0, as llama.cpp caches it)."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int
+    n_vocab: int
+    n_ctx_train: int
+    n_ff: int  # the widest dense FFN (0 if none)
+    n_ff_exp: int  # one routed expert's FFN width (0 without experts)
+    n_expert: int  # routed experts per layer (0: a dense model)
+    n_expert_used: int
+    norm_eps: float
+    rope_base: float
+    rope_dims: int
+    rope_scaling: str  # "none", "linear", "yarn", ...
+    rope_scaling_factor: float
+    sliding_window: int = 0  # tokens a local-attention layer sees (Gemma 3); 0 = none
+    sliding_window_pattern: int = 0  # every pattern-th layer is global (0: none is local)
+
+    @classmethod
+    def from_metadata(cls, md: dict[str, Any], source: str) -> ModelConfig:
+        """Read from GGUF metadata; `source` (the file's name) starts every error message."""
+        arch = md.get("general.architecture")
+        if not arch or not isinstance(arch, str):
+            raise LlmxError(f"{source}: no general.architecture in the metadata; not a model GGUF")
+        if not arch.isprintable():
+            raise LlmxError(f"{source}: general.architecture is {arch!r}, not a name")
+        keys = _Keys(md, arch, source)
+        n_embd, n_head = keys.count("embedding_length"), keys.count("attention.head_count")
+        head_dim = keys.count("attention.key_length", n_embd // n_head)
+        head_dim_v = keys.count("attention.value_length", head_dim)
+        if f"{arch}.attention.kv_lora_rank" in md and f"{arch}.attention.key_length_mla" in md:
+            head_dim_v = 0  # MLA: V is a view of the K latent (llama.cpp), nothing more is cached
+        n_vocab = keys.number(f"{arch}.vocab_size", 0, int) or len(md.get("tokenizer.ggml.tokens") or ())
+        if n_vocab <= 0:
+            raise LlmxError(
+                f"{source}: the metadata states no vocabulary ({arch}.vocab_size, tokenizer.ggml.tokens)"
+            )
+        rope_dims = keys.size("rope.dimension_count", head_dim)
+        if rope_dims > head_dim or rope_dims % 2:
+            key = f"{arch}.rope.dimension_count"
+            raise LlmxError(f"{source}: {key} is {rope_dims}; it must be even and at most {head_dim}")
+        pattern = SLIDING_PATTERNS.get(arch, 0)
+        return cls(
+            arch=arch,
+            n_layer=keys.count("block_count"),
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=keys.count("attention.head_count_kv", n_head),
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
+            n_vocab=n_vocab,
+            n_ctx_train=keys.count("context_length"),
+            n_ff=keys.size("feed_forward_length", 0),
+            n_ff_exp=keys.size("expert_feed_forward_length", 0),
+            n_expert=keys.size("expert_count", 0),
+            n_expert_used=keys.size("expert_used_count", 0),
+            norm_eps=keys.number(f"{arch}.attention.layer_norm_rms_epsilon", None, float),
+            rope_base=keys.number(f"{arch}.rope.freq_base", 10000.0, float),
+            rope_dims=rope_dims,
+            rope_scaling=str(md.get(f"{arch}.rope.scaling.type", "none")),
+            rope_scaling_factor=keys.number(f"{arch}.rope.scaling.factor", 1.0, float) or 1.0,
+            sliding_window=keys.size("attention.sliding_window", 0) if pattern else 0,
+            sliding_window_pattern=keys.size("attention.sliding_window_pattern", pattern) if pattern else 0,
+        )
+
+    @property
+    def rope_scale(self) -> float:
+        """The linear position scaling factor (1: none); other scaling types are the runtime's to refuse."""
+        return self.rope_scaling_factor if self.rope_scaling == "linear" else 1.0
+
+    def window(self, layer: int) -> int | None:
+        return layer_window(layer, self.sliding_window, self.sliding_window_pattern)
+
+
+class _Keys:
+    """`{arch}.*` lookups that turn a missing required key or a value of the wrong kind into one line."""
+
+    def __init__(self, md: dict[str, Any], arch: str, source: str) -> None:
+        self.md, self.arch, self.source = md, arch, source
+
+    def number(self, key: str, default: Any, kind: type) -> Any:
+        value = self.md.get(key, default)
+        if value is None:
+            raise LlmxError(f"{self.source}: metadata key {key} is missing")
+        try:
+            if isinstance(value, list):  # per-layer arrays: the widest layer sizes buffers and caches
+                value = max(value, default=None)
+            return kind(value)
+        except (TypeError, ValueError, OverflowError):
+            raise LlmxError(f"{self.source}: metadata key {key} is {value!r}, not a number") from None
+
+    def size(self, suffix: str, default: int | None = None) -> int:
+        """A non-negative integer `{arch}.{suffix}`."""
+        value = self.number(f"{self.arch}.{suffix}", default, int)
+        if value < 0:
+            raise LlmxError(f"{self.source}: metadata key {self.arch}.{suffix} is {value}, below 0")
+        return value
+
+    def count(self, suffix: str, default: int | None = None) -> int:
+        """A positive integer `{arch}.{suffix}`: a count or width that a model cannot have zero of."""
+        value = self.size(suffix, default)
+        if value == 0:
+            raise LlmxError(f"{self.source}: metadata key {self.arch}.{suffix} is 0")
+        return value
