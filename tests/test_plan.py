@@ -315,6 +315,12 @@ def test_gpu_prompt_attention_stores_no_scores_but_the_cpu_and_sliding_windows_d
     assert attn(g, True, 32768) > 512 * 32768 * g.config.n_head * 13 and attn(g, True, 1024) == attn(
         m, True, 1024
     )
+    # -fa off: a GPU attends over stored scores as the CPU does (llama.cpp's attention without -fa)
+    off = opts.replace(flash_attn="off")
+    assert (
+        compute_bytes(m, off, attention=True, ffn=False, output=False, inp=False, gpu=True)
+        > 512 * 32768 * 32 * 13
+    )
 
 
 def test_op_offload_buffers_are_reserved_on_the_first_gpu_or_planned_off():

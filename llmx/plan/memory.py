@@ -20,12 +20,12 @@ CTX_PAD = 256
 F32 = 4
 F16 = 2
 MiB = 2**20
-# What the runtime allocates (llmx.quant.triton_ops, llmx.quant.weight, llmx.runtime.offload):
+# What the runtime allocates (llmx.quant.choice, llmx.quant.triton.matmul, llmx.quant.weight):
 GPU_DEQUANT_MIN_M = 16  # from this many rows a GPU matmul dequantizes the weight for cuBLAS ...
 GPU_DEQUANT_CHUNK_BYTES = 128 * MiB  # ... this much of it at a time
 CPU_DEQUANT_CHUNK_BYTES = 4 * MiB  # the CPU's float32 chunk of weight rows for a prompt matmul
 # cuBLAS takes a workspace per stream it runs on: 32 MiB each on Hopper. Two: the compute stream
-# and the one stream a GPU's CUDA graphs are captured on (`Executor._side_stream`).
+# and the one stream a GPU's CUDA graphs are captured on (`runtime.graphs.GraphCache._side_stream`).
 CUBLAS_WORKSPACES = 2 * 32 * MiB
 EXCHANGE_FLAGS = 64  # programs of an exchange kernel, each with its own flags (llmx.kernels.exchange)
 STREAMED_LAYERS = 3
@@ -74,7 +74,8 @@ def compute_bytes(
     total = 0
     if attention or ffn:
         total += 4 * ub * model.config.n_embd * F32  # residual stream, normed input, op output, sum
-        attn = _attention_bytes(model, ub, ctx, gpu) if attention else 0
+        fused = gpu and opts.flash_attn != "off"  # -fa off: every device attends over stored scores
+        attn = _attention_bytes(model, ub, ctx, fused) if attention else 0
         total += max(attn, 2 * ub * _ffn_width(model) * F32 if ffn else 0)  # gate and up (silu in place)
         total += _matmul_bytes(model, ub, gpu)
         if gpu:
@@ -108,8 +109,9 @@ def _ffn_width(model: ModelSpec) -> int:
     return max(c.n_ff, c.n_ff_exp * max(c.n_expert_used, 1))
 
 
-def _attention_bytes(model: ModelSpec, ub: int, ctx: int, gpu: bool) -> int:
-    """The attention phase of one block for `ub` queries over a full cache of `ctx` positions."""
+def _attention_bytes(model: ModelSpec, ub: int, ctx: int, fused: bool) -> int:
+    """The attention phase of one block for `ub` queries over a full cache of `ctx` positions; `fused`:
+    a GPU's flash or memory-efficient kernels, which never store the scores."""
     c = model.config
     h, hk = c.n_head, c.n_head_kv
     d = max(c.head_dim, c.head_dim_v)
@@ -117,11 +119,11 @@ def _attention_bytes(model: ModelSpec, ub: int, ctx: int, gpu: bool) -> int:
     total += 3 * ub * h * d * F32  # RoPE's rotated halves and products
     total += 2 * (1 << max(8, (ctx - 1).bit_length())) * (d // 2) * F32  # RoPE tables, kept
     total += 3 * ub * h * d * F32  # the output, in the cache's dtype, then float, then reshaped
-    if gpu and not (c.sliding_window and c.sliding_window < ctx):
+    if fused and not (c.sliding_window and c.sliding_window < ctx):
         # PyTorch's fused causal kernels: no scores; after the first batch of a sequence K and V
         # are repeated to every query head (the bottom-right causal variant needs it).
         return total + 2 * ctx * h * d * F16 + ub * h * d * F16
-    # The masked math path (the CPU; a GPU's sliding-window layers): q, K and V in f32, K and V
+    # The masked math path (the CPU, a GPU's sliding-window layers, -fa off): q, K and V in f32, K and V
     # repeated to every query head and K scaled, then per score the product, its softmax, the
     # NaN-safe select over it and a bool (13 bytes), plus the mask in bool and float.
     total += ctx * (2 * hk + 3 * h) * d * F32
