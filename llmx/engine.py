@@ -15,13 +15,14 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from llmx.errors import LlmxError
+from llmx.quant.choice import BUCKET_TOPS
 from llmx.runtime.executor import Executor
 
-# Prompt lengths that between them run every kind of step a GPU takes for a prompt: the GEMV of 2 and
-# of 3-4 rows, the fused GEMM's two small-M buckets (5-8, 9-16) and dequantize + matmul from 16 rows
-# on (`llmx.quant`'s kernel choice), then one decode step (the integer-dot GEMV, the fused decode
-# attention, the decode graph).
-WARM_UP_PROMPTS = (2, 3, 5, 9, 17)
+# Prompt lengths that between them run every kernel a GPU compiles for prompts: the float GEMV of 2
+# rows and of 3-4 (its loop over rows is compiled for a power of two), then the first M of each
+# larger bucket of `llmx.quant.choice` (the fused GEMM's two, dequantize + matmul's); `warm_up` ends
+# with a decode step (the integer-dot GEMV, the fused decode attention, the decode graph).
+WARM_UP_PROMPTS = (2, 3, *(top + 1 for top in BUCKET_TOPS[1:]))
 
 
 @dataclass
