@@ -112,3 +112,34 @@ def test_bench_never_imports_the_commands():
         if m.startswith("llmx.bench")
     }
     assert {m: n for m, n in wrong.items() if n} == {}
+
+
+# llmx/__init__.py's layers, core first: prefixes of module names (the longest prefix places a module).
+LAYERS = (
+    ("llmx.settings", "llmx.errors"),
+    ("llmx.quant", "llmx.gguf", "llmx.model_config", "llmx.cache_dir", "llmx.models_on_disk"),
+    ("llmx.quant.",),
+    ("llmx.plan",),
+    ("llmx.kernels", "llmx.ops"),
+    ("llmx.models",),
+    ("llmx.runtime",),
+    ("llmx.engine", "llmx.text", "llmx.api"),
+    ("llmx.server", "llmx.bench", "llmx.commands", "llmx.cli", "llmx"),
+)
+
+
+def _layer(module: str) -> int:
+    matches = [
+        (len(prefix), i)
+        for i, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix if prefix.endswith(".") else prefix + ".")
+    ]
+    assert matches, f"{module} is in no layer of llmx/__init__.py's list"
+    return max(matches)[1]
+
+
+def test_every_module_imports_only_its_own_layer_and_earlier_ones():
+    graph = _imports()
+    upward = [f"{m} -> {n}" for m in sorted(graph) for n in sorted(graph[m]) if _layer(n) > _layer(m)]
+    assert upward == []
