@@ -78,8 +78,9 @@ def test_segments_group_consecutive_devices():
         {"n_gpu_layers": "all", "override_tensor": ["ffn=CPU"]},
         {"n_gpu_layers": "all", "no_kv_offload": True},
         {"n_gpu_layers": 15, "override_tensor": [r"attn_output\.weight=CUDA0"]},
+        {"n_gpu_layers": "all", "flash_attn": "off"},
     ],
-    ids=["all-gpu", "ngl-15", "ffn-on-cpu", "no-kv-offload", "cpu-layers-attn-output-on-gpu"],
+    ids=["all-gpu", "ngl-15", "ffn-on-cpu", "no-kv-offload", "cpu-layers-attn-output-on-gpu", "fa-off"],
 )
 def test_gpu_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options):
     model = llmx.load(model_path, ctx_size=512, **options)
