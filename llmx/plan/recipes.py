@@ -18,14 +18,20 @@ from llmx.quant import qtype
 
 
 class ShapeFacts(Protocol):
-    """What llama.cpp's type rules look at (a `llmx.plan.shapes.ModelShape` has it)."""
+    """What llama.cpp's type rules look at (a `llmx.plan.shapes.ModelShape` has it); read-only."""
 
-    arch: str
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    n_expert: int
-    tied_embeddings: bool
+    @property
+    def arch(self) -> str: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def n_head(self) -> int: ...
+    @property
+    def n_head_kv(self) -> int: ...
+    @property
+    def n_expert(self) -> int: ...
+    @property
+    def tied_embeddings(self) -> bool: ...
 
 
 @dataclass(frozen=True)
