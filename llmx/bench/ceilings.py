@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from llmx.cache_dir import cpu_name
+from llmx.cpu_info import cpu_name
 from llmx.errors import LlmxError
 from llmx.settings import cache_dir
 

@@ -21,7 +21,7 @@ import psutil
 import torch
 from gguf import LlamaFileType
 
-from llmx.cache_dir import cpu_name
+from llmx.cpu_info import cpu_name
 from llmx.errors import LlmxError
 from llmx.gguf import ModelFile
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmx.cache_dir import cpu_features, read_or_empty
+from llmx.cpu_info import cpu_features, read_or_empty
 from llmx.errors import LlmxError, first_line
 from llmx.quant import QType, qtype
 from llmx.settings import c_compiler, cache_dir, cpu_gemv, cpu_prefetch, pin_threads

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from llmx.cache_dir import cpu_features
+from llmx.cpu_info import cpu_features
 from llmx.errors import first_line
 from llmx.quant import QType
 from llmx.quant import torch_ops as T

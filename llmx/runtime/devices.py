@@ -9,7 +9,7 @@ the probed one.
 
 from __future__ import annotations
 
-from llmx.cache_dir import cpu_name
+from llmx.cpu_info import cpu_name
 from llmx.plan.devices import Device, Inventory, parse_devices
 
 

@@ -21,7 +21,7 @@ from functools import cache
 import torch
 
 from llmx import settings
-from llmx.cache_dir import read_or_empty
+from llmx.cpu_info import read_or_empty
 from llmx.quant.triton.launch import interpreting
 from llmx.quant.triton.tuning import GemmConfig, for_device
 
