@@ -42,9 +42,9 @@ def model_path(tmp_path_factory):
 @pytest.fixture
 def stream_every_prompt(monkeypatch):
     """Op offload streams CPU layers from 2 prompt tokens on (the measured threshold varies by machine)."""
-    from llmx.runtime import executor
+    from llmx.runtime import offload
 
-    monkeypatch.setattr(executor, "offload_threshold", lambda layers, device: 2)
+    monkeypatch.setattr(offload, "offload_threshold", lambda layers, device: 2)
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:

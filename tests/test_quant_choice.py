@@ -1,5 +1,5 @@
 """Kernel choice, launch-shape data and the GEMM autotuner's memory (`llmx.quant.choice`,
-`llmx.quant.triton.{tuning,autotune}`), and the quant package's import graph. No GPU needed."""
+`llmx.quant.triton.{tuning,autotune}`). No GPU needed."""
 
 from __future__ import annotations
 
@@ -112,6 +112,21 @@ def test_the_gemm_autotuner_times_every_candidate_and_remembers_its_pick(tmp_pat
     runs.clear()
     assert autotune.gemm_config(torch.device("cpu"), lambda: "problem", runs.append) == candidates[1]
     assert runs == []
+
+
+def test_the_gemm_autotuner_leaves_out_what_the_gpu_cannot_hold() -> None:
+    from triton.runtime.errors import OutOfResources
+
+    candidates = (GemmConfig(128, 256, 64, 8, 3), GemmConfig(64, 128, 64, 4, 4))
+
+    def run(cfg: GemmConfig) -> None:
+        if cfg is candidates[0]:
+            raise OutOfResources(294912, 232448, "shared memory")
+
+    # the larger tiles, first and as fast as the others, are left out rather than failing the call
+    assert autotune.fastest(candidates, run, lambda fn: 1.0, autotune._unfit()) == candidates[1]
+    with pytest.raises(LlmxError, match="no GEMM tile configuration fits"):
+        autotune.fastest(candidates[:1], run, lambda fn: 1.0, autotune._unfit())
 
 
 def test_the_type_table_holds_the_kernels_block_facts() -> None:

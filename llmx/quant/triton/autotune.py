@@ -22,6 +22,7 @@ import torch
 
 from llmx import settings
 from llmx.cpu_info import read_or_empty
+from llmx.errors import LlmxError
 from llmx.quant.triton.launch import interpreting
 from llmx.quant.triton.tuning import GemmConfig, for_device
 
@@ -89,7 +90,7 @@ def _read() -> dict[str, str]:
 def _measure(name: str, candidates: tuple[GemmConfig, ...], run: Callable[[GemmConfig], None]) -> GemmConfig:
     """The fastest candidate, each timed over ROUNDS x RUNS_A_ROUND launches (best round), then
     written to the cache file beside the answers other processes left there."""
-    best = fastest(candidates, run, _gpu_seconds)
+    best = fastest(candidates, run, _gpu_seconds, _unfit())
     path = settings.cache_dir() / CACHE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     answers = _read() | {name: str(best)}
@@ -103,17 +104,34 @@ def fastest(
     candidates: tuple[GemmConfig, ...],
     run: Callable[[GemmConfig], None],
     seconds: Callable[[Callable[[], None]], float],
+    unfit: tuple[type[Exception], ...] = (),
 ) -> GemmConfig:
     """The candidate whose best round of RUNS_A_ROUND runs took least (`seconds` times a round);
-    rounds alternate over the candidates. Ties keep the earlier candidate."""
+    rounds alternate over the candidates. Ties keep the earlier candidate. A candidate whose first
+    run raises one of `unfit` (the GPU cannot hold its tiles: a float32 x doubles them) is left out."""
+    fitting = []
     for cfg in candidates:
-        for _ in range(WARMUP_RUNS):
-            run(cfg)
+        try:
+            for _ in range(WARMUP_RUNS):
+                run(cfg)
+        except unfit:
+            continue
+        fitting.append(cfg)
+    if not fitting:
+        raise LlmxError(f"no GEMM tile configuration fits this GPU; tried {', '.join(map(str, candidates))}")
+    candidates = tuple(fitting)
     best = dict.fromkeys(candidates, float("inf"))
     for _ in range(ROUNDS):
         for cfg in candidates:
             best[cfg] = min(best[cfg], seconds(lambda c=cfg: [run(c) for _ in range(RUNS_A_ROUND)]))
     return min(candidates, key=lambda c: best[c])
+
+
+def _unfit() -> tuple[type[Exception], ...]:
+    """What Triton raises for a configuration this GPU cannot run (too much shared memory)."""
+    from triton.runtime.errors import OutOfResources
+
+    return (OutOfResources,)
 
 
 def _gpu_seconds(fn: Callable[[], None]) -> float:
