@@ -96,9 +96,10 @@ class Engine:
         kernel compilation (or loading from Triton's cache), autotuning, lazy import or decode-graph
         capture; `tick(1)` after each step. Returns the seconds it took; the context is empty after."""
         t0 = time.perf_counter()
-        for n in (n for n in WARM_UP_PROMPTS if n < self.n_ctx):  # leaves room for the decode step
-            self.reset()
-            self.prefill([0] * n)
+        for n in WARM_UP_PROMPTS:
+            if n < self.n_ctx:  # leaves room for the decode step
+                self.reset()
+                self.prefill([0] * n)
             tick(1)
         self.decode(0)
         tick(1)
