@@ -32,11 +32,9 @@ class PinnedStaging:
     """A reused pinned host buffer through which the hidden state crosses from the CPU to a GPU.
 
     A copy from pageable memory first has the host copy the rows into the driver's own staging
-    memory, competing with whatever else the host does at that moment; from pinned memory the GPU
-    reads the rows itself. On an H200, repetitions of a 512-token prompt (an 8 MiB hop) in one
-    process ranged 12.6-20.2k tokens/s with pageable copies and 20.0-20.4k with pinned ones
-    (bench/results/h200-20261203-s27-first-run-pp512.txt, call 4). The buffer is written again only
-    after the copy out of it has ended.
+    memory, competing with whatever else the host does at that moment, which made a prompt's time
+    vary between repetitions (bench/RESULTS.md); from pinned memory the GPU reads the rows itself.
+    The buffer is written again only after the copy out of it has ended.
     """
 
     def __init__(self) -> None:
