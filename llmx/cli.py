@@ -18,6 +18,7 @@ COMMANDS = {
     "plan": "print where every tensor would go, without loading weights",
     "bench": "llama-bench style prompt/generation speed table",
     "sweep-bench": "speed as the context fills, window by window",
+    "perplexity": "llama-perplexity's perplexity of a text, and KL divergence from a saved base run",
     "synth": "write a synthetic GGUF of a real model's shape",
     "serve": "OpenAI-compatible HTTP server",
 }
