@@ -27,6 +27,7 @@ def test_chunks_are_whole_and_bos_replaces_only_the_first_token():
     tokens = list(range(100, 121))  # 21 tokens: two chunks of 8, a tail of 5 dropped
     assert quality.chunks(tokens, 8) == [list(range(100, 108)), list(range(108, 116))]
     assert quality.chunks(tokens, 8, n_chunks=1) == [list(range(100, 108))]
+    assert len(quality.chunks(tokens, 8, n_chunks=-1)) == 2  # llama.cpp: --chunks -1 is all
     assert quality.model_input([5, 6, 7, 8], bos_id=1) == [1, 6, 7, 8]
     assert quality.model_input([5, 6, 7, 8], bos_id=None) == [5, 6, 7, 8]
     # llama.cpp: first = n_ctx/2; the logits at 4, 5, 6 predict the tokens at 5, 6, 7

@@ -27,7 +27,7 @@ def first_scored(n_ctx: int) -> int:
 
 def chunks(tokens: Sequence[int], n_ctx: int, n_chunks: int | None = None) -> list[list[int]]:
     """The text's tokens cut into whole chunks of `n_ctx` (the tail that fills no chunk is dropped), at most
-    `n_chunks` of them (all when None or 0)."""
+    `n_chunks` of them (all when None or not positive, as llama.cpp's default --chunks -1)."""
     if n_ctx < 4:
         raise LlmxError(f"-c {n_ctx} is too small to score anything: perplexity needs a context of 4 or more")
     n = len(tokens) // n_ctx
@@ -36,7 +36,7 @@ def chunks(tokens: Sequence[int], n_ctx: int, n_chunks: int | None = None) -> li
             f"the text has {len(tokens)} tokens, fewer than one chunk of -c {n_ctx}; "
             "use a longer text or a smaller -c"
         )
-    if n_chunks:
+    if n_chunks is not None and n_chunks > 0:
         n = min(n, n_chunks)
     return [list(tokens[i * n_ctx : (i + 1) * n_ctx]) for i in range(n)]
 

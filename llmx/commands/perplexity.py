@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     texts = quality.chunks(tokenizer.encode(text, parse_special=False), n_ctx, args.chunks) if text else None
     if base:
         base.check(vocab, name, texts)
-        chunks = base.chunks[: args.chunks or None]
+        chunks = base.chunks[: args.chunks] if args.chunks > 0 else base.chunks
     else:
         assert texts is not None
         chunks = texts
