@@ -30,6 +30,10 @@ DEFAULT_CTX = 512  # llama-perplexity's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        f"-c is the chunk size, {DEFAULT_CTX} unless given (llama-perplexity's default); the second half of "
+        "each chunk is scored."
+    )
     add_model_argument(parser)
     parser.add_argument("-f", "--file", default=None, metavar="TEXT", help="the text to score")
     parser.add_argument(
@@ -53,7 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its tokens)",
     )
     add_options(parser)
-    parser.set_defaults(prompt=None)  # read_prompt's -p, which this command has not
 
 
 def run(args: argparse.Namespace) -> int:
