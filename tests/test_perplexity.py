@@ -102,6 +102,10 @@ def test_perplexity_equals_transformers_on_the_same_chunks(capsys, smollm2_path)
     assert code == 0
     progress = [float(x) for x in re.findall(r"\[\d+\]([\d.]+),", out)]
     ppl, err = map(float, re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out).groups())
+    # -b below the chunk (one call per batch, as llama.cpp): scored rows 32-47 from one call, 48-62 the next
+    code, out, _ = perplexity_run(capsys, smollm2_path, "-f", str(TEXT), "-b", "48", "-ub", "16")
+    assert code == 0
+    ppl_in_batches = float(re.search(r"Final estimate: PPL = ([\d.]+)", out).group(1))
 
     tokenizer = Tokenizer.from_gguf(open_gguf(smollm2_path))
     ids = tokenizer.encode(TEXT.read_text(), parse_special=False)
@@ -119,6 +123,7 @@ def test_perplexity_equals_transformers_on_the_same_chunks(capsys, smollm2_path)
             assert progress[k] == pytest.approx(math.exp(np.mean(nll)), rel=1e-3)
     assert len(nll) == N_CHUNKS * (N_CTX - 1 - N_CTX // 2)
     assert ppl == pytest.approx(math.exp(np.mean(nll)), rel=1e-3)
+    assert ppl_in_batches == pytest.approx(math.exp(np.mean(nll)), rel=1e-3)
     assert err == pytest.approx(math.exp(np.mean(nll)) * np.std(nll) / math.sqrt(len(nll) - 1), rel=1e-2)
 
 
