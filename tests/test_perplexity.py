@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from llmx.bench import quality
-from llmx.bench.kld_base import BaseWriter
+from llmx.bench.kld_base import BaseFile, BaseWriter
 from llmx.cli import main
 from llmx.errors import LlmxError
 
@@ -191,3 +191,12 @@ def test_a_base_of_another_text_vocabulary_or_format_is_one_line(capsys, smollm2
     assert code == 1 and "is not a base file of `llmx perplexity --kl-divergence-base`" in err
     code, _, err = perplexity_run(capsys, smollm2_path, "-c", "128", *compare)
     assert code == 1 and "base.npz was computed with -c 64; run with -c 64" in err
+
+
+def test_a_base_file_appears_only_once_written_whole(tmp_path):
+    path = tmp_path / "base.npz"
+    writer = BaseWriter(path, "vocab", "model", [[1, 2, 3, 4]])
+    writer.add(np.zeros((1, 8)), np.zeros(1))
+    assert not path.exists()  # a run stopped here would leave no half base under the name asked for
+    writer.close()
+    assert BaseFile(path).chunks == [[1, 2, 3, 4]] and not list(tmp_path.glob("*.partial"))

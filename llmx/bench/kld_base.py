@@ -31,14 +31,17 @@ def vocab_fingerprint(tokens: Sequence[str]) -> str:
 
 
 class BaseWriter:
-    """Writes a base file chunk by chunk: `add(logprobs, nll)` per chunk, then `close()`."""
+    """Writes a base file chunk by chunk: `add(logprobs, nll)` per chunk, then `close()`. The chunks go
+    to `path` + ".partial", renamed to `path` by `close`: a run that stops early leaves any earlier
+    file at `path` as it was, never half a base."""
 
     def __init__(
         self, path: str | os.PathLike, vocab: str, model: str, chunks: Sequence[Sequence[int]]
     ) -> None:
         self.path = Path(path)
+        self._partial = self.path.with_name(self.path.name + ".partial")
         try:
-            self._zip = zipfile.ZipFile(self.path, "w", zipfile.ZIP_STORED, allowZip64=True)
+            self._zip = zipfile.ZipFile(self._partial, "w", zipfile.ZIP_STORED, allowZip64=True)
         except OSError as e:
             raise LlmxError(f"cannot write {path}: {e.strerror}") from None
         self._nll: list[np.ndarray] = []
@@ -58,6 +61,7 @@ class BaseWriter:
     def close(self) -> None:
         self._put("nll", np.stack(self._nll))
         self._zip.close()
+        self._partial.replace(self.path)
 
 
 class BaseFile:
