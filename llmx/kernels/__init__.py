@@ -9,12 +9,3 @@ load triton.
 - `norm`: RMSNorm, residual add + RMSNorm, and silu(g) * u of a few rows, one launch each.
 - `cpu_attention`: one CPU token over its cache, in one call of the native CPU kernels (no triton).
 """
-
-from functools import cache
-from importlib.util import find_spec
-
-
-@cache
-def has_triton() -> bool:
-    """Whether Triton is installed (without importing it)."""
-    return find_spec("triton") is not None

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from llmx import settings
-from llmx.kernels import has_triton
 from llmx.quant import cpu_native
+from llmx.quant.triton.launch import has_triton
 
 # "auto": the kernels above; "off": PyTorch's ops everywhere (to compare); "on": the Triton kernels on
 # the CPU too (tests, under TRITON_INTERPRET=1). Read once at import; tests set the module attribute.

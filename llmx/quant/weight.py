@@ -22,12 +22,10 @@ Every CPU path computes in float32 from the exact weights, so they differ only i
 
 from __future__ import annotations
 
-import importlib.util
 import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 
 import torch
 
@@ -40,6 +38,7 @@ from llmx.quant import cpu_pack as P
 from llmx.quant import torch_ops as T
 from llmx.quant.triton import layout as L
 from llmx.quant.triton import matmul as G
+from llmx.quant.triton.launch import has_triton
 
 KERNELS = settings.CPU_KERNELS
 KERNEL = settings.cpu_kernel()  # read once; `linear(..., kernel=)` overrides per call
@@ -88,7 +87,7 @@ class QWeight:
         layout = _layout(self)
         device = self.raw.device.type
         if device == "cuda":
-            device = "cuda" if _has_triton() else "cuda-emulated"
+            device = "cuda" if has_triton() else "cuda-emulated"
             preference = "emulated" if KERNEL == "emulated" else "auto"
         else:
             preference = KERNEL
@@ -148,11 +147,6 @@ def _native_blocks(w: QWeight) -> bool:
     return cpu_blocks and N.supports(w.qtype, w.shape) and N.available()
 
 
-@cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 # --- preparing at load ----------------------------------------------------------------------------
 
 
@@ -175,7 +169,7 @@ def prepare_gpu(w: QWeight) -> QWeight:
     """The Triton kernels' row layout (same bytes, same row width, `triton.layout.prepare`), written
     back into `w.raw` in place so the tensor keeps no allocation of its own; the repacked copy is
     temporary. Not where Triton is missing (the emulated path reads GGUF rows)."""
-    if not _has_triton():
+    if not has_triton():
         return w
     prepared = L.prepare(w)
     if prepared is not w:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from llmx.errors import LlmxError
-from llmx.kernels import has_triton
 from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels, native_cpu_decode
 from llmx.ops.rope import Rope
+from llmx.quant.triton.launch import has_triton
 
 CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

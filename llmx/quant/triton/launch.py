@@ -1,16 +1,25 @@
-"""What a launch needs to know about its GPU, asked once per device: whether kernels run in
-Triton's interpreter, whether they may launch as programmatic dependents, and the kernel modules
-(imported on first launch, so importing llmx on a CPU-only install never imports triton).
+"""What a launch needs to know, asked once (per device): whether Triton is installed, whether
+kernels run in Triton's interpreter, whether they may launch as programmatic dependents, and the
+kernel modules (imported on first launch, so importing llmx on a CPU-only install never imports
+triton).
 """
 
 from __future__ import annotations
 
 from functools import cache
+from importlib.util import find_spec
 from types import ModuleType
 
 import torch
 
 from llmx import settings
+
+
+@cache
+def has_triton() -> bool:
+    """Whether Triton is installed (without importing it): GPU weights take these kernels, else the
+    emulated path."""
+    return find_spec("triton") is not None
 
 
 @cache
