@@ -23,13 +23,13 @@ and the layers' at M = 512, a prompt's. Weights stream from RAM as in real decod
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 
 from llmx.bench.tables import Column, markdown
 from llmx.gguf import open_gguf
+from llmx.measured import best_seconds
 from llmx.models_on_disk import default_model_path
 from llmx.quant import cpu_pack, reference, weight
 from llmx.quant import torch_ops as T
@@ -38,13 +38,7 @@ from llmx.runtime.weights import host_view
 
 
 def best_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+    return best_seconds(fn, repeat) * 1e3
 
 
 def int4pack(w: QWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:

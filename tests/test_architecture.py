@@ -117,7 +117,7 @@ def test_bench_never_imports_the_commands():
 # llmx/__init__.py's layers, core first: prefixes of module names (the longest prefix places a module).
 LAYERS = (
     ("llmx.settings", "llmx.errors"),
-    ("llmx.quant", "llmx.gguf", "llmx.model_config", "llmx.cpu_info", "llmx.models_on_disk"),
+    ("llmx.quant", "llmx.gguf", "llmx.model_config", "llmx.cpu_info", "llmx.measured", "llmx.models_on_disk"),
     ("llmx.quant.",),
     ("llmx.plan",),
     ("llmx.kernels", "llmx.ops"),

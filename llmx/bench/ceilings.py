@@ -26,6 +26,7 @@ import torch
 
 from llmx.cpu_info import cpu_name
 from llmx.errors import LlmxError
+from llmx.measured import best_seconds
 from llmx.settings import cache_dir
 
 CACHE_VERSION = 2  # 2: the CPU read over 4 GiB (ram_probe_bytes), not 1
@@ -66,23 +67,6 @@ def device_key(device: str) -> str:
 # --- measurements -----------------------------------------------------------------------------------
 
 
-def _best_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
-    """Fastest of `reps` timed calls after one warm-up: the ceiling is the best the device managed."""
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _no_sync() -> None:
-    return None
-
-
 def ram_probe_bytes() -> int:
     """The RAM read's buffer: 4 GiB, or a quarter of the free memory where that is less. Last-level
     caches reach hundreds of MiB (300 MiB on the H200 host): there a 1 GiB sum read 92 and 121 GB/s
@@ -98,9 +82,9 @@ def measure_cpu(size_bytes: int | None = None, matmul_n: int = 2048, reps: int =
     """RAM read bandwidth (sum of a float32 buffer) and f32 matmul rate, with torch's thread count."""
     size_bytes = size_bytes or ram_probe_bytes()
     x = torch.ones(size_bytes // 4, dtype=torch.float32)
-    read = _best_seconds(lambda: x.sum(), reps, _no_sync)
+    read = best_seconds(lambda: x.sum(), reps)
     a = torch.randn(matmul_n, matmul_n)
-    mm = _best_seconds(lambda: a @ a, reps, _no_sync)
+    mm = best_seconds(lambda: a @ a, reps)
     return Ceiling(
         key=device_key("cpu"),
         kind="cpu",
@@ -128,16 +112,16 @@ def measure_cuda(device: str, size_bytes: int | None = None, matmul_n: int = 819
 
     src = torch.empty(size_bytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    d2d = _best_seconds(lambda: dst.copy_(src), reps, sync)
+    d2d = best_seconds(lambda: dst.copy_(src), reps, sync)
     # Host copies are slower: a quarter of the size keeps the measurement short and still steady.
     host_bytes = size_bytes // 4
     pinned = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
     pageable = torch.empty(host_bytes, dtype=torch.uint8)
     on_dev = dst[:host_bytes]
-    h2d_pinned = _best_seconds(lambda: on_dev.copy_(pinned, non_blocking=True), reps, sync)
-    h2d_pageable = _best_seconds(lambda: on_dev.copy_(pageable), reps, sync)
+    h2d_pinned = best_seconds(lambda: on_dev.copy_(pinned, non_blocking=True), reps, sync)
+    h2d_pageable = best_seconds(lambda: on_dev.copy_(pageable), reps, sync)
     a = torch.randn(matmul_n, matmul_n, device=dev, dtype=torch.bfloat16)
-    mm = _best_seconds(lambda: a @ a, reps, sync)
+    mm = best_seconds(lambda: a @ a, reps, sync)
     return Ceiling(
         key=device_key(device),
         kind="cuda",

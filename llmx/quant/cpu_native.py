@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -36,6 +35,7 @@ import torch
 
 from llmx.cpu_info import cpu_features, read_or_empty
 from llmx.errors import LlmxError, first_line
+from llmx.measured import remember, remembered
 from llmx.quant import QType, qtype
 from llmx.settings import c_compiler, cache_dir, cpu_gemv, cpu_prefetch, pin_threads
 
@@ -45,6 +45,7 @@ MAX_ROWS = 8  # rows of x a `gemv` call takes
 MAX_WEIGHTS = 4  # matrices one `gemv` call takes (cpu_blocks.c's MAX_WEIGHTS)
 PREFETCH_CHOICES = (1024, 2048, 4096, 8192)  # bytes ahead of its rows a GEMV thread asks for weights
 PREFETCH_MATRIX = 128 << 20  # bytes of the matrix timed to choose: past any CPU's last-level cache
+PREFETCH_FILE = "cpu-prefetch.json"  # the distances chosen, by CPU and thread count
 
 
 def supports(qt: QType, shape: tuple[int, ...]) -> bool:
@@ -179,18 +180,11 @@ def prefetch_distance(lib: ctypes.CDLL, threads: int) -> int:
     if forced is not None:
         return forced
     key = f"{hashlib.sha256(cpu_features().encode()).hexdigest()[:16]}|{threads} threads"
-    path = cache_dir() / "cpu-prefetch.json"
-    try:
-        cached = json.loads(read_or_empty(str(path)) or "{}")
-    except json.JSONDecodeError:  # a damaged file only costs measuring again
-        cached = {}
-    if key not in cached:
-        cached[key] = _fastest_prefetch(lib)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        written = path.with_name(f"{path.name}.{os.getpid()}")  # whole or not at all, for other processes
-        written.write_text(json.dumps(cached, indent=1))
-        written.replace(path)
-    return int(cached[key])
+    distance = remembered(PREFETCH_FILE).get(key)
+    if distance is None:
+        distance = _fastest_prefetch(lib)
+        remember(PREFETCH_FILE, key, distance)
+    return int(distance)
 
 
 def _fastest_prefetch(lib: ctypes.CDLL) -> int:

@@ -10,20 +10,19 @@ measured on this machine and cached.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from llmx.measured import best_seconds, remember, remembered
 from llmx.models.common import TensorGroup
 from llmx.quant.weight import QWeight, linear
-from llmx.settings import cache_dir
 
 MEASURE_TOKENS = 64
+THRESHOLD_FILE = "offload.json"  # the thresholds measured, by GPU and thread count
 NEVER = sys.maxsize  # the threshold where no CPU layer holds a CPU-resident matrix
 
 
@@ -104,10 +103,9 @@ def offload_threshold(layers: Iterable[TensorGroup], device: torch.device) -> in
     if mats is None:
         return NEVER
     key = f"offload|{torch.cuda.get_device_name(device)}|{torch.get_num_threads()} threads"
-    path = cache_dir() / "offload.json"
-    cached = json.loads(path.read_text()) if path.exists() else {}
-    if key in cached:
-        return int(cached[key])
+    kept = remembered(THRESHOLD_FILE).get(key)
+    if kept is not None:
+        return int(kept)
     x = {w.shape[1]: torch.randn(MEASURE_TOKENS, w.shape[1]) for w in mats}
     pinned = [w.raw.pin_memory() for w in mats]
 
@@ -118,25 +116,10 @@ def offload_threshold(layers: Iterable[TensorGroup], device: torch.device) -> in
     def copy() -> None:
         for p in pinned:
             p.to(device, non_blocking=True)
-        torch.cuda.synchronize(device)
 
-    cpu_per_token = _fastest(compute) / MEASURE_TOKENS
-    copy_seconds = _fastest(copy)
+    # each the quickest of three runs: the threshold is kept for every later process
+    cpu_per_token = best_seconds(compute, 3) / MEASURE_TOKENS
+    copy_seconds = best_seconds(copy, 3, lambda: torch.cuda.synchronize(device))
     threshold = max(2, math.ceil(copy_seconds / cpu_per_token))
-    cached[key] = threshold
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cached, indent=1))
+    remember(THRESHOLD_FILE, key, threshold)
     return threshold
-
-
-def _fastest(work: Callable[[], None], runs: int = 3) -> float:
-    """The quickest of `runs` timed runs of `work`, after one untimed: a first run pays for cold
-    caches, lazy loading and first-touch page faults, and any one run for whatever else the machine
-    does meanwhile; the threshold is kept for every later process, so it is measured with care."""
-    work()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - t0)
-    return min(times)

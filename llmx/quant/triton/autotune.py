@@ -13,16 +13,14 @@ Under the interpreter, and with LLMX_TRITON_AUTOTUNE=0, one fixed configuration,
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from functools import cache
 
 import torch
 
 from llmx import settings
-from llmx.cpu_info import read_or_empty
 from llmx.errors import LlmxError
+from llmx.measured import remember, remembered
 from llmx.quant.triton.launch import interpreting
 from llmx.quant.triton.tuning import GemmConfig, for_device
 
@@ -75,28 +73,15 @@ def _autotuning() -> bool:
 
 
 def _remembered(name: str) -> GemmConfig | None:
-    text = _read().get(name)
-    return GemmConfig.parse(text) if text else None
-
-
-def _read() -> dict[str, str]:
-    try:
-        found = json.loads(read_or_empty(str(settings.cache_dir() / CACHE_FILE)) or "{}")
-    except json.JSONDecodeError:  # a damaged file only costs measuring again
-        return {}
-    return found if isinstance(found, dict) else {}
+    text = remembered(CACHE_FILE).get(name)
+    return GemmConfig.parse(text) if isinstance(text, str) else None
 
 
 def _measure(name: str, candidates: tuple[GemmConfig, ...], run: Callable[[GemmConfig], None]) -> GemmConfig:
-    """The fastest candidate, each timed over ROUNDS x RUNS_A_ROUND launches (best round), then
-    written to the cache file beside the answers other processes left there."""
+    """The fastest candidate, each timed over ROUNDS x RUNS_A_ROUND launches (best round), then kept
+    in the cache file beside the answers other processes left there."""
     best = fastest(candidates, run, _gpu_seconds, _unfit())
-    path = settings.cache_dir() / CACHE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    answers = _read() | {name: str(best)}
-    written = path.with_name(f"{path.name}.{os.getpid()}")  # whole or not at all, for other processes
-    written.write_text(json.dumps(answers, indent=1, sort_keys=True))
-    written.replace(path)
+    remember(CACHE_FILE, name, str(best))
     return best
 
 
