@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
 def scored_logprobs(engine: Engine, ids: list[int], n_batch: int) -> np.ndarray:
     """Run one chunk from an empty context in batches of `n_batch` tokens (as llama.cpp's `-b`); the
     log-probabilities [n_ctx/2 - 1, vocab] (float32) of the scored positions n_ctx/2 .. n_ctx - 2."""
-    import torch
+    import numpy as np
 
-    from llmx.bench.quality import first_scored
+    from llmx.bench.quality import first_scored, log_softmax
 
     engine.reset()
     first, rows = first_scored(len(ids)), []
@@ -149,8 +149,8 @@ def scored_logprobs(engine: Engine, ids: list[int], n_batch: int) -> np.ndarray:
         logits = engine.prefill(ids[start : start + n_batch], all_logits=True)
         lo, hi = max(first - start, 0), min(len(ids) - 1 - start, len(logits))
         if lo < hi:
-            rows.append(torch.log_softmax(logits[lo:hi].float(), dim=-1))
-    return torch.cat(rows).numpy()
+            rows.append(logits[lo:hi].float().numpy())
+    return log_softmax(np.concatenate(rows))
 
 
 # --- llama.cpp's KL divergence output ---------------------------------------------------------------
