@@ -16,6 +16,16 @@ from pathlib import Path
 
 from llmx.errors import LlmxError
 
+CPU_GEMV_PATHS = ("auto", "aot", "jit", "eager")
+CPU_KERNELS = ("auto", "packed", "dequant", "emulated")
+FUSED_MODES = ("auto", "on", "off")
+FLAG = ("1", "0")
+
+
+def _listed(choices: tuple[str, ...]) -> str:
+    """A setting's choices as the README's table shows them."""
+    return ", ".join(f"`{c}`" for c in choices)
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -35,34 +45,34 @@ SETTINGS = (
     ),
     Setting(
         "LLMX_CPU_GEMV",
-        "`auto`, `aot`, `jit`, `eager`",
+        _listed(CPU_GEMV_PATHS),
         "auto",
         "the CPU decode kernel of repacked types: AOTInductor packages, else `torch.compile`, else "
         "dequantize + matmul (`eager` also turns the native C kernels off)",
     ),
     Setting(
         "LLMX_KERNEL",
-        "`auto`, `packed`, `dequant`, `emulated`",
+        _listed(CPU_KERNELS),
         "auto",
         "force one CPU matmul path (`emulated`: the whole weight dequantized, the numerics reference)",
     ),
     Setting(
         "LLMX_PDL",
-        "`1`, `0`",
+        _listed(FLAG),
         "1",
         "on Hopper GPUs, let each decode GEMV start loading its weights while the kernel that writes "
         "its input finishes (programmatic dependent launch); `0` turns it off",
     ),
     Setting(
         "LLMX_FUSED_ATTENTION",
-        "`auto`, `on`, `off`",
+        _listed(FUSED_MODES),
         "auto",
         "one-token steps: RoPE, KV write and attention in fused kernels (Triton on GPUs, native on the "
         "CPU); `off`: PyTorch's ops everywhere; `on` forces the Triton kernel on the CPU too (tests)",
     ),
     Setting(
         "LLMX_FUSED_NORM",
-        "`auto`, `on`, `off`",
+        _listed(FUSED_MODES),
         "auto",
         "RMSNorm, residual add + RMSNorm and SwiGLU's gate in one kernel each for small steps; `off`: "
         "PyTorch's ops; `on` forces the Triton kernels on the CPU too (tests)",
@@ -76,13 +86,13 @@ SETTINGS = (
     ),
     Setting(
         "LLMX_PIN_THREADS",
-        "`1`, `0`",
+        _listed(FLAG),
         "1",
         "`0`: leave torch's OpenMP workers unpinned (by default each runs on a CPU of its own)",
     ),
     Setting(
         "LLMX_TRITON_AUTOTUNE",
-        "`1`, `0`",
+        _listed(FLAG),
         "1",
         "`0`: one GEMM configuration instead of autotuning (quicker tests)",
         user=False,
@@ -92,58 +102,47 @@ SETTINGS = (
 )
 
 
+_DEFAULTS = {s.name: s.default for s in SETTINGS}
+
+
 def _get(name: str) -> str | None:
     return os.environ.get(name)
 
 
-def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    value = _get(name) or default
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    value = _get(name) or _DEFAULTS[name]
     if value not in choices:
         raise LlmxError(f"{name}={value!r} is not one of {', '.join(choices)}")
     return value
 
 
-def _flag(name: str, default: bool) -> bool:
-    value = _get(name)
-    if value in (None, ""):
-        return default
-    if value not in ("0", "1"):
-        raise LlmxError(f"{name}={value!r} is not one of 1, 0")
-    return value == "1"
+def _flag(name: str) -> bool:
+    return _choice(name, FLAG) == "1"
 
 
 def cache_dir() -> Path:
     """Where llmx keeps what it measures or builds once per machine."""
-    return Path(_get("LLMX_CACHE_DIR") or Path.home() / ".cache" / "llmx")
-
-
-CPU_GEMV_PATHS = ("auto", "aot", "jit", "eager")
+    return Path(_get("LLMX_CACHE_DIR") or Path(_DEFAULTS["LLMX_CACHE_DIR"]).expanduser())
 
 
 def cpu_gemv() -> str:
-    return _choice("LLMX_CPU_GEMV", CPU_GEMV_PATHS, "auto")
-
-
-CPU_KERNELS = ("auto", "packed", "dequant", "emulated")
+    return _choice("LLMX_CPU_GEMV", CPU_GEMV_PATHS)
 
 
 def cpu_kernel() -> str:
-    return _choice("LLMX_KERNEL", CPU_KERNELS, "auto")
+    return _choice("LLMX_KERNEL", CPU_KERNELS)
 
 
 def programmatic_launch() -> bool:
-    return _flag("LLMX_PDL", True)
-
-
-FUSED_MODES = ("auto", "on", "off")
+    return _flag("LLMX_PDL")
 
 
 def fused_attention() -> str:
-    return _choice("LLMX_FUSED_ATTENTION", FUSED_MODES, "auto")
+    return _choice("LLMX_FUSED_ATTENTION", FUSED_MODES)
 
 
 def fused_norm() -> str:
-    return _choice("LLMX_FUSED_NORM", FUSED_MODES, "auto")
+    return _choice("LLMX_FUSED_NORM", FUSED_MODES)
 
 
 def cpu_prefetch() -> int | None:
@@ -157,11 +156,11 @@ def cpu_prefetch() -> int | None:
 
 
 def pin_threads() -> bool:
-    return _flag("LLMX_PIN_THREADS", True)
+    return _flag("LLMX_PIN_THREADS")
 
 
 def triton_autotune() -> bool:
-    return _flag("LLMX_TRITON_AUTOTUNE", True)
+    return _flag("LLMX_TRITON_AUTOTUNE")
 
 
 def triton_interpreting() -> bool:
