@@ -11,7 +11,8 @@ Layout, from the pure core outwards: a module imports only from its own layer or
 
     settings, errors      the environment (read in settings only: tested), the one error type
     quant's type table,   the GGML types (`llmx.quant` itself, pure), the file, its hyperparameters
-      gguf, model_config    (one reader for planner and models)
+      gguf, model_config,   (one reader for planner and models), the machine's CPU, answers measured
+      cpu_info, measured    once and kept for later processes
     quant                 kernel choice (pure); reference, CPU and Triton kernels
     plan                  devices, options, placement, memory (no torch: tested in test_plan)
     kernels, ops          fused kernels; the compute API models see (matmul, norms, rope, attention)
