@@ -184,20 +184,31 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     warm_up = None
     if any(d.startswith("cuda") for d in plan.tensor_device.values()):
         tick = progress("warming up", len(WARM_UP_PROMPTS) + 1, "steps") if progress else (lambda n: None)
-        before = _compiled_kernels()
+        gpus = sorted({d for d in plan.tensor_device.values() if d.startswith("cuda")})
+        before, held = _compiled_kernels(), _allocated(gpus)
         seconds = engine.warm_up(tick)
-        warm_up = WarmUp(seconds, len(_compiled_kernels() - before), _kernel_cache_folder())
+        retained = {d: n - held[d] for d, n in _allocated(gpus).items()}
+        warm_up = WarmUp(seconds, len(_compiled_kernels() - before), _kernel_cache_folder(), retained)
     return LoadedModel(mf, config, engine, tokenizer, opts, plan, report, time.perf_counter() - t0, warm_up)
 
 
 @dataclass(frozen=True)
 class WarmUp:
-    """What `Engine.warm_up` did at load: its seconds, and the kernels it compiled into Triton's cache
-    folder (none once an earlier run on this machine compiled them)."""
+    """What `Engine.warm_up` did at load: its seconds, the kernels it compiled into Triton's cache
+    folder (none once an earlier run on this machine compiled them), and the bytes it left allocated
+    on each GPU (captured graphs' pools and their buffers: compute memory, not weights or KV)."""
 
     seconds: float
     compiled: int
     cache_folder: str
+    retained: dict[str, int]
+
+
+def _allocated(gpus: list[str]) -> dict[str, int]:
+    """Bytes torch has allocated on each of `gpus`, their queued work done."""
+    for d in gpus:
+        torch.cuda.synchronize(d)
+    return {d: torch.cuda.memory_allocated(d) for d in gpus}
 
 
 def _kernel_cache_folder() -> str:

@@ -99,7 +99,7 @@ def test_weights_kv_and_compute_peak_stay_within_the_plan(model_path, stream_eve
     release()
     before = allocated(cuda_devices())
     model = llmx.load(model_path, ctx_size=CTX, ubatch_size=ub, **options)
-    memory = GpuMemory.of_load(model.plan, before)
+    memory = GpuMemory.of_load(model.plan, before, model.warm_up.retained)
     assert memory.devices == gpus_of(model.plan) and memory.devices
     memory.start()
     exercise(model.engine, ub)

@@ -1,13 +1,14 @@
 """GPU memory during a benchmark, measured beside what the plan said it would take.
 
 Per GPU the plan has three numbers: weights, KV cache and compute (scratch). Right after loading,
-the bytes torch has allocated on a GPU are its weights and KV (issue #4 asks for 5% of the plan);
-while the tests run, the peak allocated beyond that is its compute memory: activations, weights
-dequantized for large batches, attention scores, cuBLAS workspaces, layers streamed by op offload.
-The plan's compute estimate is meant to err high, so a measured peak above it is a bug in the
-estimate (`llmx.plan.memory`). The peak reserved by the caching allocator (what the process holds
-from the driver, fragmentation and CUDA-graph pools included) is kept too: that is what must stay
-within the GPU's free memory for a run not to fail.
+the bytes torch has allocated on a GPU, less what the load's warm-up keeps (captured graphs' pools),
+are its weights and KV (issue #4 asks for 5% of the plan); while the tests run, the peak allocated
+beyond that is its compute memory: the warm-up's graphs, activations, weights dequantized for
+large batches, attention scores, cuBLAS workspaces, layers streamed by op offload. The plan's
+compute estimate is meant to err high, so a measured peak above it is a bug in the estimate
+(`llmx.plan.memory`). The peak reserved by the caching allocator (what the process holds from the
+driver, fragmentation and CUDA-graph pools included) is kept too: that is what must stay within
+the GPU's free memory for a run not to fail.
 
 Only memory allocated through torch is seen (not the CUDA context, nor cuBLAS's own handles).
 """
@@ -42,15 +43,18 @@ class GpuMemory:
     """The GPUs a plan uses: allocated bytes before and after loading, and the plan's bill for each."""
 
     before: dict[str, int]  # allocated before loading (other models freed)
-    loaded: dict[str, int]  # allocated after loading: weights and KV on top of `before`
+    loaded: dict[str, int]  # allocated after loading, less the warm-up's: weights and KV on top of `before`
     planned: dict[str, dict[str, int]]  # device -> {"weights", "kv", "compute"} from the plan
 
     @classmethod
-    def of_load(cls, plan: Plan, before: dict[str, int]) -> GpuMemory:
-        """Call right after loading `plan`, with `allocated(...)` taken just before loading."""
+    def of_load(cls, plan: Plan, before: dict[str, int], warm_up: dict[str, int] | None = None) -> GpuMemory:
+        """Call right after loading `plan`, with `allocated(...)` taken just before loading and the bytes
+        the load's warm-up left allocated (`WarmUp.retained`): those are compute memory, not weights."""
         used = [u for u in plan.usage if u.device.startswith("cuda") and u.used and u.device in before]
         planned = {u.device: {"weights": u.weights, "kv": u.kv, "compute": u.compute} for u in used}
-        return cls({d: before[d] for d in planned}, allocated(planned), planned)
+        kept = warm_up or {}
+        loaded = {d: n - kept.get(d, 0) for d, n in allocated(planned).items()}
+        return cls({d: before[d] for d in planned}, loaded, planned)
 
     @property
     def devices(self) -> list[str]:

@@ -53,7 +53,7 @@ def load_for_bench(path: str | os.PathLike | None, opts: Options, progress=None)
     before = allocated(cuda_devices())
     model = load_with_options(path, opts, progress=progress)
     plan = model.plan
-    memory = GpuMemory.of_load(plan, before)
+    memory = GpuMemory.of_load(plan, before, model.warm_up and model.warm_up.retained)
     tb = plan_token_bytes(
         plan,
         ((t.name, t.nbytes) for t in model.file.tensors.values()),
