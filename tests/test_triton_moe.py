@@ -11,13 +11,18 @@ for the GEMM.
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import pytest
 import torch
 
+from llmx.bench.blocks import chunk_rng, random_data
 from llmx.errors import LlmxError
 from llmx.quant import choice, qtype
 from llmx.quant.triton import autotune, moe
+from llmx.quant.triton import layout as lay
+from llmx.quant.triton import matmul as tops
 from tests.test_triton import DEVICE, GEMM_TOL, TOL, Weight, laid_out, random_weight, rel_err, width
 
 GEMV_T = choice.MOE_GEMV_MAX_TOKENS  # the most tokens the grouped GEMV takes
@@ -226,3 +231,93 @@ def test_clear_errors_for_what_the_kernels_cannot_take() -> None:
         moe.moe_linear(torch.zeros(2, 32, device=DEVICE), w, ids)
     with pytest.raises(LlmxError, match="differ in shape"):
         moe.moe_swiglu(torch.zeros(1, 32, device=DEVICE), w, experts("Q8_0", 2, 4, 32, seed=33)[0], ids)
+
+
+# --- GPU: Qwen3-30B-A3B's experts, and CUDA graphs --------------------------------------------------
+
+QWEN3_30B = (128, 2048, 768, 8)  # experts, n_embd, n_ff_exp, top-k
+
+
+def gpu_experts(name: str, e: int, n: int, k: int, seed: int) -> tuple[Weight, torch.Tensor]:
+    """A prepared stacked expert weight on the GPU (random valid blocks, `llmx.bench.blocks`) and its
+    float32 [E, N, K] dequantization there (`matmul.dequantize`, bit-exact with gguf-py)."""
+    qt = qtype(name)
+    raw = torch.from_numpy(random_data(qt, e * n * k, 0.02, chunk_rng(seed, qt.ggml_id))).to(DEVICE)
+    w = lay.prepare(Weight(raw.view(e * n, -1), qt, (e * n, k)))
+    dense = tops.dequantize(w).view(e, n, k)
+    w.shape = (e, n, k)
+    return w, dense
+
+
+def dense_per_slot(x: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[T, k, N] float32: x[t] (or x[t, j]) @ dense[ids[t, j]].T, one expert at a time."""
+    t, k = ids.shape
+    xs = (x[:, None, :].expand(t, k, -1) if x.dim() == 2 else x).float().reshape(t * k, -1)
+    flat = ids.reshape(-1)
+    out = torch.empty(t * k, dense.shape[1], device=x.device)
+    for e in flat.unique().tolist():
+        sel = (flat == e).nonzero().squeeze(1)
+        out[sel] = xs[sel] @ dense[e].t()
+    return out.view(t, k, -1)
+
+
+@cache
+def qwen3_30b_layer() -> tuple[tuple[Weight, torch.Tensor], ...]:
+    """One MoE layer of Qwen3-30B-A3B Q4_K_M: Q4_K gate and up, Q6_K down."""
+    e, d, f, _ = QWEN3_30B
+    return gpu_experts("Q4_K", e, f, d, 1), gpu_experts("Q4_K", e, f, d, 2), gpu_experts("Q6_K", e, d, f, 3)
+
+
+def qwen3_30b_routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-8 of 128 softmax router probabilities, renormalised: ids int32 [t, 8], weights [t, 8]."""
+    e, _, _, k = QWEN3_30B
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    top, ids = torch.topk(logits.softmax(-1), k)
+    return ids.to(torch.int32), top / top.sum(-1, keepdim=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "dtype"), [(1, torch.float32), (4, torch.float32), (8, torch.bfloat16),
+                                          (64, torch.float32), (512, torch.bfloat16)])  # fmt: skip
+def test_gpu_qwen3_30b_experts(t: int, dtype: torch.dtype) -> None:
+    (gate, dg), (up, du), (down, dd) = qwen3_30b_layer()
+    ids, topw = qwen3_30b_routing(t, seed=t)
+    x = torch.randn(t, QWEN3_30B[1], generator=torch.Generator().manual_seed(t + 1)).to(DEVICE, dtype)
+    kernel_tol = TOL if choice.moe(t) == "gemv" else GEMM_TOL
+    tol = max(kernel_tol[dtype], 1e-4)  # a chain of three products
+    h = moe.moe_swiglu(x, gate, up, ids)
+    h_ref = torch.nn.functional.silu(dense_per_slot(x, dg, ids)) * dense_per_slot(x, du, ids)
+    assert h.dtype == dtype and rel_err(h, h_ref.double().cpu().numpy()) < tol
+    y = moe.moe_linear(h, down, ids, topw)
+    y_ref = (dense_per_slot(h, dd, ids) * topw[:, :, None]).sum(1)
+    assert y.shape == (t, QWEN3_30B[1]) and rel_err(y, y_ref.double().cpu().numpy()) < tol
+    ffn = moe.moe_ffn(x, gate, up, down, ids, topw)
+    assert rel_err(ffn, y_ref.double().cpu().numpy()) < tol
+    unfused = moe.moe_ffn(x, gate, up, down, ids, topw, fused=False)
+    assert rel_err(unfused, y_ref.double().cpu().numpy()) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64])
+def test_gpu_moe_ffn_needs_no_host_sync_and_replays_in_a_cuda_graph(t: int) -> None:
+    """The routing stays on the device: the eager call runs with host syncs made errors, and a
+    captured graph replayed on new ids and x gives the eager result bit for bit."""
+    (gate, _), (up, _), (down, _) = qwen3_30b_layer()
+    ids, topw = qwen3_30b_routing(t, seed=100 + t)
+    x = torch.randn(t, QWEN3_30B[1], generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    moe.moe_ffn(x, gate, up, down, ids, topw)  # compiles outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe.moe_ffn(x, gate, up, down, ids, topw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_ffn(x, gate, up, down, ids, topw)
+    new_ids, new_topw = qwen3_30b_routing(t, seed=200 + t)
+    ids.copy_(new_ids)
+    topw.copy_(new_topw)
+    x.copy_(torch.randn(t, QWEN3_30B[1], generator=torch.Generator().manual_seed(8)).to(DEVICE))
+    graph.replay()
+    assert torch.equal(out, moe.moe_ffn(x, gate, up, down, ids, topw))

@@ -72,7 +72,8 @@ def moe_gemv_kernel(
             y += tl.load(topw_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
         else:
             y += tl.sum(acc, axis=1)
-        y2 += tl.sum(acc2, axis=1)
+        if GATED:
+            y2 += tl.sum(acc2, axis=1)
     if GATED:
         y = y * tl.sigmoid(y) * y2
     tl.store(out_ptr + row.to(tl.int64) * som + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
