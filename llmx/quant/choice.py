@@ -18,6 +18,8 @@ CPU kernels (`llmx.quant.weight`):
 - "native_chunks": the same weights for more rows, dequantized by the C kernels a chunk at a time;
 - "packed": `cpu_pack`'s repacked codes (PACKED layout);
 - "chunks": the raw blocks dequantized a chunk at a time for torch.mm.
+Stacked expert weights (`llmx.quant.triton.moe`, by `moe` on the tokens): "gemv" for decode batches,
+"gemm" over the pairs sorted by expert for more.
 Both: "emulated", the whole weight dequantized then one dense matmul: the numerics reference
 (torchao's KernelPreference.EMULATED), forced everywhere by LLMX_KERNEL=emulated.
 
@@ -44,11 +46,20 @@ GEMV_MAX_M = 8  # the float GEMV's limit (a static loop over input rows)
 DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integer-dot passes
 DOT8_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the integer-dot GEMV's types
 DEQUANT_MIN_M = 16  # from here "dequant" beats "gemm" (bench/kernels.py)
+MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a GPU
 NATIVE_MAX_ROWS = 8  # rows of x one native GEMV call takes (cpu_native.MAX_ROWS)
 
 BUCKET_TOPS = (1, 4, 8, 15)  # the largest M of each bucket but the last, which holds the rest
 BUCKET_OF = (0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3)  # bucket of M < 16 (M = 0: the first)
 LAST_BUCKET = len(BUCKET_TOPS)
+
+
+def moe(tokens: int) -> str:
+    """The grouped expert kernel for `tokens` rows of x (`triton.moe`): "gemv" reads each (token,
+    slot) pair's expert rows by itself, which costs nothing extra while few pairs share an expert;
+    "gemm" sorts the pairs by expert on the device and reads each expert's blocks once for up to
+    a tile of its pairs."""
+    return "gemv" if tokens <= MOE_GEMV_MAX_TOKENS else "gemm"
 
 
 def bucket(m: int) -> int:

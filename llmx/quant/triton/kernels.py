@@ -7,6 +7,8 @@ raw uint8 rows of `swn` bytes (whole blocks; K a multiple of the group size G):
     gemm_kernel:     out[M, N] = x[M, K] @ W.T, tiles dequantized into registers for tl.dot
     dequant_kernel:  out[R, K] = W[ids[R], :]  (embedding rows), or W[row0:row0+R, :]
     half_rows_kernel: x [M, K] float32 -> fp16 x / s and s [M] = max |x| of each row
+Their steps (`group_dot`, `weight_tile`, `grouped_tile`) serve the grouped expert kernels
+(`moe_kernels.py`) too.
 Out-of-range rows and groups are clamped to valid ones instead of masked in the helpers: their
 x is masked to 0 (GEMV, GEMM) or their store is masked (dequantize), so they never count.
 """
@@ -58,6 +60,34 @@ def _row_offsets(rows, N, swn):
 
 
 @triton.jit
+def group_dot(q, a, b, x):
+    """[R, S] dot products of weight groups (codes q [R, S, G], weight = a*q + b per group) with x
+    [S, G]: the codes' sum times a, plus b times x's sum (one FMA a weight, as llama.cpp's mmvq)."""
+    return a * tl.sum(q * x[None, :, :], axis=2) + b * tl.sum(x, axis=1)[None, :]
+
+
+@triton.jit
+def weight_tile(QT: tl.constexpr, w_ptr, row_off, k0, K, PACKED: tl.constexpr, lut_ptr, G: tl.constexpr,
+                BK: tl.constexpr):  # fmt: skip
+    """[R, BK] float32 weights k0..k0+BK of the rows at `row_off` [R, 1], dequantized (columns past
+    K read a valid group: their x must be 0)."""
+    sb = k0 // G + tl.arange(0, BK // G)
+    q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, K // G - 1)[None, :], K, PACKED, lut_ptr)
+    return tl.reshape(a[:, :, None] * q + b[:, :, None], (row_off.shape[0], BK))
+
+
+@triton.jit
+def grouped_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of program `pid`: programs walk GROUP_M tiles down M before moving
+    along N, so the weight tiles a group shares are still in L2 (the weight is read from HBM about
+    once)."""
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
 def gemv_kernel(
     x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sxm, swn, som,
     QT: tl.constexpr, PACKED: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -84,7 +114,7 @@ def gemv_kernel(
         for m in tl.static_range(BM):
             x_ok = (sb < n_groups)[:, None] & (tl.full([1, 1], m, tl.int32) < M)
             x = tl.load(x_ptr + m * sxm + x_off, mask=x_ok, other=0.0).to(tl.float32)
-            part = a * tl.sum(q * x[None, :, :], axis=2) + b * tl.sum(x, axis=1)[None, :]  # [BN, S]
+            part = group_dot(q, a, b, x)
             if BM == 1:
                 acc1 += part
             else:
@@ -103,32 +133,19 @@ def gemm_kernel(
 ):  # fmt: skip
     """One program: a BM x BN output tile. Weight tiles are dequantized to x's dtype for tl.dot.
 
-    Programs are ordered GROUP_M tiles down M before moving along N, so the weight tiles a group
-    shares are still in L2 (the weight is read from HBM about once). M_BUCKET only keys autotuning.
+    Programs are ordered by `grouped_tile`. M_BUCKET only keys autotuning.
     """
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    S: tl.constexpr = BK // G
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     row_off = _row_offsets(rn, N, swn)
-    n_groups = K // G
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
-        sb = k0 // G + tl.arange(0, S)
-        q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], K, PACKED, lut_ptr)
         rk = k0 + tl.arange(0, BK)
         x = tl.load(
             x_ptr + rm[:, None] * sxm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
         )
-        w = tl.reshape(a[:, :, None] * q + b[:, :, None], (BN, BK)).to(x.dtype)
+        w = weight_tile(QT, w_ptr, row_off, k0, K, PACKED, lut_ptr, G, BK).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
     o_ptr = out_ptr + rm[:, None] * som + rn[None, :]
     tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))

@@ -66,6 +66,14 @@ def kernels() -> ModuleType:
 
 
 @cache
+def moe_kernels() -> ModuleType:
+    """`llmx.quant.triton.moe_kernels`: the grouped expert GEMV and GEMM."""
+    from llmx.quant.triton import moe_kernels
+
+    return moe_kernels
+
+
+@cache
 def dot8() -> ModuleType:
     """`llmx.quant.triton.dot8`: the integer-dot GEMV and x's quantization."""
     from llmx.quant.triton import dot8

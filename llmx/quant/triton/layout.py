@@ -11,6 +11,7 @@ apart with a few shifts. Every kernel reads both layouts exactly (`PACKED`).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -108,12 +109,14 @@ def word_rows(w: Blocks) -> bool:
 
 
 def rows(w: Blocks) -> tuple[torch.Tensor, str, bool]:
-    """The raw [N, row_bytes] uint8 rows of `w`, checked; its type name; whether `prepare`d."""
+    """The raw [N, row_bytes] uint8 rows of `w`, checked; its type name; whether `prepare`d. A stacked
+    expert tensor of shape (E, N, K) has E * N rows, expert e's from e * N on."""
     name = w.qtype.name
     if name not in TRITON_TYPES:
         raise LlmxError(f"{label(w)} has no Triton kernel; types with one: {', '.join(TRITON_TYPES)}")
     raw = w.raw
-    n, k = w.shape
+    *lead, k = w.shape
+    n = math.prod(lead)
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1:
         raise LlmxError(f"{label(w)}: raw blocks must be uint8 [{n}, row bytes] with contiguous rows")
     if raw.shape[1] != w.qtype.row_bytes(k):

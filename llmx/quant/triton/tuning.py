@@ -10,7 +10,9 @@ An entry holds, per kernel:
 - `gemv` / `gemv_m1`: the float GEMV's shape for one input row and for more, and per type for one;
 - `dot8`, `dot8_one_step`, `dot8_long_rows`, `long_row`: the integer-dot GEMV's shape per type (`any`
   for the rest), for rows of exactly one step's weights, and for rows of `long_row` weights or more;
-- `gemm`: the GEMM autotuner's candidates (`autotune.py`).
+- `gemm`: the GEMM autotuner's candidates (`autotune.py`);
+- `moe_gemm`: the grouped expert GEMM's tile (`moe.py`), whose BM is also the block its pairs are
+  sorted into.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class Tuning:
     dot8_long_rows: dict[str, LaunchShape]
     long_row: int
     gemm: tuple[GemmConfig, ...]
+    moe_gemm: GemmConfig
 
     def gemv(self, name: str, bm: int) -> LaunchShape:
         """The float GEMV's shape for type `name` and BM input rows (a power of two)."""
@@ -140,6 +143,7 @@ def table() -> dict[str, Tuning]:
             dot8_long_rows=_shapes(e["dot8_long_rows"]),
             long_row=int(e["long_row"]),
             gemm=tuple(GemmConfig.parse(c) for c in e["gemm"]),
+            moe_gemm=GemmConfig.parse(e["moe_gemm"]),
         )
     return out
 

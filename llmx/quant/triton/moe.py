@@ -1,0 +1,218 @@
+"""Routed experts on a GPU: grouped matmuls over stacked expert weights kept in raw GGUF blocks.
+
+An expert weight is a `layout.Blocks` of shape (E, N, K) whose raw rows are uint8 [E * N, row bytes]
+(GGUF's `ffn_*_exps`, expert e's matrix in rows e * N .. e * N + N), as loaded, or `prepare`d. The
+routing is expert_ids [T, k] (int32; any integer dtype is converted) on the weights' device: slot j
+of token t takes expert expert_ids[t, j], which must lie in 0..E-1. Nothing here reads a tensor's
+values on the host, and every shape follows from T and k alone, so each call is free of host
+syncs and a CUDA graph can capture it. Results are in x's dtype (float32, float16, bfloat16),
+accumulated in float32.
+
+    moe_ffn(x, gate, up, down, expert_ids, topk_weights, fused=True) -> Tensor
+        x [T, D] -> [T, D]: sum over j of topk_weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t])
+        with e = expert_ids[t, j]; topk_weights [T, k] float. fused=False runs gate and up as two
+        launches (-no-fmoe).
+    moe_linear(x, w, expert_ids, topk_weights=None, route=None) -> Tensor
+        x [T, K] (every slot of token t multiplies x[t]) or [T, k, K] (slot j multiplies x[t, j])
+        -> y [T, k, N], y[t, j] = W[expert_ids[t, j]] @ x; with topk_weights [T, k] the weighted
+        sum over the slots instead, [T, N].
+    moe_swiglu(x, gate, up, expert_ids, route=None) -> Tensor
+        x [T, K] -> [T, k, N]: silu(gate_e x[t]) * up_e x[t] in one launch (ik_llama.cpp's -fmoe);
+        gate and up of one shape, their types may differ.
+    route(expert_ids, n_expert) -> Route
+        the (token, slot) pairs sorted by expert and padded to the grouped GEMM's tile, on the
+        device: made once a layer and passed to its projections (made by each call otherwise).
+
+Which kernel runs is `choice.moe`'s call on T:
+- few tokens ("gemv"): one program a (token, slot) pair and BN output rows, reading only the chosen
+  experts' rows (`moe_kernels.moe_gemv_kernel`); the down projection sums the k slots, weighted,
+  inside its program: one launch and no [T, k, N] buffer, where a sum after it would cost a launch
+  and that buffer's write and read;
+- prompts ("gemm"): `route` sorts the pairs by expert (vLLM's moe_align_block_size, in torch ops),
+  and one grouped GEMM launch multiplies every expert's blocks of pairs, dequantizing weight tiles
+  for tl.dot (`moe_kernels.moe_gemm_kernel`); its rows go back to their pairs, and the down
+  projection's are weighted there and summed over the slots by one torch sum (deterministic,
+  where atomic adds into [T, N] are not; next to the GEMM its traffic is small).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmx.errors import LlmxError
+from llmx.quant import choice as C
+from llmx.quant.triton import autotune
+from llmx.quant.triton.launch import cdiv, interpreting, lut, moe_kernels
+from llmx.quant.triton.layout import Blocks, label, rows
+from llmx.quant.triton.matmul import unit_rows
+from llmx.quant.triton.tuning import GemmConfig, for_device
+
+GROUP_M = 8  # blocks of pairs walked down before moving along N: an expert's tiles stay in L2
+
+
+@dataclass(frozen=True)
+class Route:
+    """A routing's (token, slot) pairs p = t * k + j grouped by expert for the grouped GEMM.
+
+    pairs:        int32 [blocks * block_m]: each expert's pairs in order, its group padded with
+                  n_pairs to a whole number of blocks; the groups in expert order
+    block_expert: int32 [blocks]: the expert of each block of block_m, E past the last group
+    n_pairs:      T * k
+    block_m:      the GEMM's BM
+    """
+
+    pairs: torch.Tensor
+    block_expert: torch.Tensor
+    n_pairs: int
+    block_m: int
+
+
+def moe_ffn(
+    x: torch.Tensor,
+    gate: Blocks,
+    up: Blocks,
+    down: Blocks,
+    expert_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fused: bool = True,
+) -> torch.Tensor:
+    """The routed experts' SwiGLU FFN, weighted and summed: x [T, D] -> [T, D] (see the module
+    docstring)."""
+    r = route(expert_ids, gate.shape[0]) if C.moe(x.shape[0]) == "gemm" else None
+    if fused:
+        h = moe_swiglu(x, gate, up, expert_ids, r)
+    else:
+        g, u = moe_linear(x, gate, expert_ids, route=r), moe_linear(x, up, expert_ids, route=r)
+        h = torch.nn.functional.silu(g) * u
+    return moe_linear(h, down, expert_ids, topk_weights, r)
+
+
+def moe_linear(
+    x: torch.Tensor,
+    w: Blocks,
+    expert_ids: torch.Tensor,
+    topk_weights: torch.Tensor | None = None,
+    route: Route | None = None,
+) -> torch.Tensor:
+    """x [T, K] or [T, k, K] times the chosen experts of W [E, N, K] -> [T, k, N], or with
+    topk_weights [T, k] their weighted sum [T, N] (see the module docstring)."""
+    return _run(x, w, None, expert_ids, topk_weights, route)
+
+
+def moe_swiglu(
+    x: torch.Tensor, gate: Blocks, up: Blocks, expert_ids: torch.Tensor, route: Route | None = None
+) -> torch.Tensor:
+    """silu(x [T, K] @ gate_e.T) * (x @ up_e.T) for each slot's expert e -> [T, k, N], one launch."""
+    if tuple(gate.shape) != tuple(up.shape):
+        raise LlmxError(
+            f"{label(gate)} {tuple(gate.shape)} and {label(up)} {tuple(up.shape)} differ in shape"
+        )
+    if x.dim() != 2:
+        raise LlmxError(f"the fused gate and up take x [T, K], got {tuple(x.shape)}")
+    return _run(x, gate, up, expert_ids, None, route)
+
+
+def route(expert_ids: torch.Tensor, n_expert: int, block_m: int | None = None) -> Route:
+    """expert_ids [T, k]'s pairs sorted by expert, each expert's padded to whole blocks of block_m
+    (None: the grouped GEMM's BM on their device), by torch ops on the device.
+
+    The buffers are sized for the most blocks any routing of T * k pairs over n_expert experts
+    takes (each used expert wastes at most block_m - 1 rows), so their shapes do not depend on the
+    ids."""
+    ids = expert_ids.reshape(-1)
+    device, n = ids.device, ids.numel()
+    bm = block_m or _gemm_config(device).bm
+    counts = torch.zeros(n_expert, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, ids.long(), torch.ones(n, dtype=torch.int64, device=device))
+    ends = torch.cumsum((counts + bm - 1) // bm * bm, 0)  # each group's padded end
+    padded_starts = ends - (counts + bm - 1) // bm * bm
+    starts = torch.cumsum(counts, 0) - counts  # each group's start among the sorted pairs
+    sorted_ids, order = torch.sort(ids, stable=True)
+    sorted_ids = sorted_ids.long()
+    dest = padded_starts[sorted_ids] + torch.arange(n, device=device) - starts[sorted_ids]
+    blocks = (n + min(n_expert, n) * (bm - 1)) // bm
+    pairs = torch.full((blocks * bm,), n, dtype=torch.int32, device=device)
+    pairs[dest] = order.to(torch.int32)
+    first_rows = torch.arange(blocks, device=device) * bm
+    block_expert = torch.searchsorted(ends, first_rows, right=True).to(torch.int32)
+    return Route(pairs, block_expert, n, bm)
+
+
+# --- launches ---------------------------------------------------------------------------------------
+
+
+def _experts(w: Blocks) -> tuple[torch.Tensor, str, bool, tuple[int, int, int]]:
+    """`layout.rows` of a stacked expert weight, and its (E, N, K)."""
+    if len(w.shape) != 3:
+        raise LlmxError(
+            f"{label(w)}: expert weights are (experts, rows, columns), got shape {tuple(w.shape)}"
+        )
+    raw, name, packed = rows(w)
+    e, n, k = w.shape
+    return raw, name, packed, (e, n, k)
+
+
+def _run(
+    x: torch.Tensor,
+    w: Blocks,
+    w2: Blocks | None,
+    expert_ids: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    r: Route | None,
+) -> torch.Tensor:
+    """x times W's chosen experts, gated by W2's (silu(x W) * x W2) where given, or weighted and
+    summed over the slots with topk_weights: the launches behind the public calls."""
+    raw, name, packed, (n_expert, n, k) = _experts(w)
+    raw2, name2, packed2, _ = (raw, name, packed, None) if w2 is None else _experts(w2)
+    t, slots = expert_ids.shape
+    if x.shape[-1] != k or x.shape[0] != t or (x.dim() == 3 and x.shape[1] != slots) or x.dim() not in (2, 3):
+        raise LlmxError(
+            f"{label(w)} {tuple(w.shape)} cannot multiply x {tuple(x.shape)} routed as {(t, slots)}"
+        )
+    if topk_weights is not None and tuple(topk_weights.shape) != (t, slots):
+        raise LlmxError(f"topk_weights {tuple(topk_weights.shape)} do not match expert_ids {(t, slots)}")
+    ids = expert_ids.to(torch.int32).contiguous()
+    x2 = unit_rows(x)
+    x_div = slots if x.dim() == 2 else 1
+    weights = ids if topk_weights is None else topk_weights.contiguous()  # read only with SUM/SCALE
+    table = lut(raw.device)
+    g, g2 = w.qtype.scale_group, (w2 or w).qtype.scale_group
+    if C.moe(t) == "gemv":
+        out = torch.empty((t if topk_weights is not None else t * slots, n), dtype=x.dtype, device=x.device)
+        cfg = for_device(raw.device).gemv(name, 1)
+        bk = min(cfg.bk, 1 << (k - 1).bit_length())  # short rows (a down projection's) in one step
+        if out.numel():
+            moe_kernels().moe_gemv_kernel[(cdiv(n, cfg.bn), out.shape[0])](
+                x2, raw, raw2, table, ids, weights, out, n, k, n_expert, slots, x_div, x2.stride(0),
+                raw.stride(0), raw2.stride(0), out.stride(0),
+                QT=name, QT2=name2, PACKED=packed, PACKED2=packed2, G=g, G2=g2, BN=cfg.bn, BK=bk,
+                GATED=w2 is not None, SUM=topk_weights is not None, num_warps=cfg.num_warps,
+            )  # fmt: skip
+        return out if topk_weights is not None else out.reshape(t, slots, n)
+    r = r or route(ids, n_expert)
+    c = _gemm_config(raw.device)
+    if r.block_m != c.bm or r.n_pairs != t * slots:
+        raise LlmxError(
+            f"a route of {r.n_pairs} pairs in blocks of {r.block_m} does not fit {t * slots} pairs"
+            f" in blocks of {c.bm}"
+        )
+    out = torch.empty((t * slots, n), dtype=x.dtype, device=x.device)
+    blocks = r.block_expert.numel()
+    if out.numel():
+        moe_kernels().moe_gemm_kernel[(blocks * cdiv(n, c.bn),)](
+            x2, raw, raw2, table, r.pairs, r.block_expert, weights, out, r.n_pairs, n, k, n_expert, blocks,
+            x_div, x2.stride(0), raw.stride(0), raw2.stride(0), out.stride(0),
+            QT=name, QT2=name2, PACKED=packed, PACKED2=packed2, G=g, G2=g2, BM=c.bm, BN=c.bn, BK=c.bk,
+            GROUP_M=GROUP_M, GATED=w2 is not None, SCALE=topk_weights is not None,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )  # fmt: skip
+    if topk_weights is not None:
+        return out.reshape(t, slots, n).sum(dim=1)
+    return out.reshape(t, slots, n)
+
+
+def _gemm_config(device: torch.device) -> GemmConfig:
+    """The grouped GEMM's tile on `device`: the tuning table's, or the interpreter's small one."""
+    return autotune.INTERPRETED if interpreting() else for_device(device).moe_gemm

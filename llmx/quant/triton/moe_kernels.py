@@ -1,0 +1,117 @@
+"""Grouped GEMV and GEMM over stacked expert weights in raw GGUF rows (the launches are `moe.py`).
+
+A stacked expert tensor W [E, N, K] is E * N raw rows of `swn` bytes, expert e's rows from e * N
+on. A (token, slot) pair p = t * k + j of a routing with k slots a token multiplies x row p // x_div
+(x_div = k: every slot of a token takes the token's x; 1: each pair its own row) by the expert
+ids[p]. Both kernels decode blocks with `kernels`' per-type steps, so they take every type those
+unpack, and both may multiply two weights at once (GATED: out = silu(x @ W.T) * (x @ W2.T), the
+gate and up projections of a SwiGLU expert, ik_llama.cpp's -fmoe), whose types may differ.
+
+    moe_gemv_kernel: grid (N / BN, pairs), or (N / BN, tokens) with SUM: one program, BN outputs of
+                     one pair, or of one token summed over its k slots weighted by topw (the down
+                     projection's weighted sum, with no [T, k, N] buffer and no atomics)
+    moe_gemm_kernel: grid (blocks * N / BN): one program, a BM x BN tile of one block of `moe.Route`'s
+                     pairs sorted by expert (all of one expert); its rows are scattered to out[pair],
+                     times topw[pair] with SCALE
+Expert ids are read on the device: no host sync, and launches that a CUDA graph can capture.
+"""
+
+import triton
+import triton.language as tl
+
+from llmx.quant.triton.kernels import group_dot, grouped_tile, unpack, weight_tile
+
+
+@triton.jit
+def _expert_rows(e, rn, N, swn):
+    """[BN, 1] int64 byte offsets of rows rn of expert e (rows past N clamped to the last one)."""
+    return (e.to(tl.int64) * N + tl.minimum(rn, N - 1))[:, None] * swn
+
+
+@triton.jit
+def _gemv_step(QT: tl.constexpr, w_ptr, row_off, lut_ptr, x_ptr, k0, K, PACKED: tl.constexpr, G: tl.constexpr,
+               BK: tl.constexpr):  # fmt: skip
+    """[BN, BK / G] partial dot products of the rows at `row_off` with x's weights k0..k0+BK."""
+    n_groups = K // G
+    sb = k0 // G + tl.arange(0, BK // G)
+    q, a, b = unpack(QT, w_ptr, row_off, tl.minimum(sb, n_groups - 1)[None, :], K, PACKED, lut_ptr)
+    x_off = sb[:, None] * G + tl.arange(0, G)[None, :]
+    x = tl.load(x_ptr + x_off, mask=(sb < n_groups)[:, None], other=0.0).to(tl.float32)
+    return group_dot(q, a, b, x)
+
+
+@triton.jit
+def moe_gemv_kernel(
+    x_ptr, w_ptr, w2_ptr, lut_ptr, ids_ptr, topw_ptr, out_ptr, N, K, E, SLOTS, x_div, sxm, swn, swn2, som,
+    QT: tl.constexpr, QT2: tl.constexpr, PACKED: tl.constexpr, PACKED2: tl.constexpr, G: tl.constexpr,
+    G2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, SUM: tl.constexpr,
+):  # fmt: skip
+    """One program: BN outputs of pair program_id(1), or with SUM of token program_id(1) over its
+    SLOTS pairs. Per-group sums stay [BN, BK / G] until the end of a pair, as in `gemv_kernel`."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    row = tl.program_id(1)
+    first, count = row, 1
+    if SUM:
+        first, count = row * SLOTS, SLOTS
+    y = tl.zeros([BN], tl.float32)
+    y2 = tl.zeros([BN], tl.float32)
+    for j in range(count):
+        pair = first + j
+        # clamped: an id out of range reads a wrong expert rather than past the tensor
+        e = tl.minimum(tl.maximum(tl.load(ids_ptr + pair), 0), E - 1)
+        x_row = x_ptr + (pair // x_div).to(tl.int64) * sxm
+        row_off = _expert_rows(e, rn, N, swn)
+        row_off2 = _expert_rows(e, rn, N, swn2)
+        acc = tl.zeros([BN, BK // G], tl.float32)
+        acc2 = tl.zeros([BN, BK // G2], tl.float32)
+        for k0 in range(0, K, BK):  # gate and up in one loop: both rows' loads in flight at once
+            acc += _gemv_step(QT, w_ptr, row_off, lut_ptr, x_row, k0, K, PACKED, G, BK)
+            if GATED:
+                acc2 += _gemv_step(QT2, w2_ptr, row_off2, lut_ptr, x_row, k0, K, PACKED2, G2, BK)
+        if SUM:
+            y += tl.load(topw_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
+        else:
+            y += tl.sum(acc, axis=1)
+        if GATED:
+            y2 += tl.sum(acc2, axis=1)
+    if GATED:
+        y = y * tl.sigmoid(y) * y2
+    tl.store(out_ptr + row.to(tl.int64) * som + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def moe_gemm_kernel(
+    x_ptr, w_ptr, w2_ptr, lut_ptr, pairs_ptr, block_expert_ptr, topw_ptr, out_ptr,
+    n_pairs, N, K, E, n_blocks, x_div, sxm, swn, swn2, som,
+    QT: tl.constexpr, QT2: tl.constexpr, PACKED: tl.constexpr, PACKED2: tl.constexpr, G: tl.constexpr,
+    G2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    GATED: tl.constexpr, SCALE: tl.constexpr,
+):  # fmt: skip
+    """One program: a BM x BN tile of one block of sorted pairs. Blocks past the last one in use
+    (their expert E) return at once: the grid is sized for the most blocks a routing can take."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_blocks, tl.cdiv(N, BN), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= E:
+        return
+    pairs = tl.load(pairs_ptr + pid_m * BM + tl.arange(0, BM))
+    ok = pairs < n_pairs  # padding holds n_pairs
+    x_rows = x_ptr + (tl.minimum(pairs, n_pairs - 1) // x_div).to(tl.int64)[:, None] * sxm
+    rn = pid_n * BN + tl.arange(0, BN)
+    row_off = _expert_rows(e, rn, N, swn)
+    row_off2 = _expert_rows(e, rn, N, swn2)
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc2 = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        x = tl.load(x_rows + rk[None, :], mask=ok[:, None] & (rk[None, :] < K), other=0.0)
+        w = weight_tile(QT, w_ptr, row_off, k0, K, PACKED, lut_ptr, G, BK).to(x.dtype)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            w2 = weight_tile(QT2, w2_ptr, row_off2, k0, K, PACKED2, lut_ptr, G2, BK).to(x.dtype)
+            acc2 = tl.dot(x, tl.trans(w2), acc2)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc2
+    if SCALE:
+        acc = acc * tl.load(topw_ptr + pairs, mask=ok, other=0.0).to(tl.float32)[:, None]
+    o_ptr = out_ptr + pairs.to(tl.int64)[:, None] * som + rn[None, :]
+    tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (rn[None, :] < N))

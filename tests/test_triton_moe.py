@@ -1,0 +1,323 @@
+"""The grouped expert kernels (`llmx.quant.triton.moe`) against dense float64 matmuls per chosen expert.
+
+Expert weights are random valid blocks (`test_triton.random_weight`), dequantized by gguf-py for the
+reference. Without CUDA the kernels run in Triton's interpreter on small shapes: ragged routings
+(unused experts, one expert taken by more pairs than a GEMM tile holds), T = 1, few tokens (the
+grouped GEMV) and more than a tile (the grouped GEMM). The `gpu`-marked tests add Qwen3-30B-A3B's
+shapes (2048 x 768 experts, 128 of them, top-8), with the reference dequantized on the GPU, and
+CUDA-graph capture. Tolerances are test_triton's: float32 sums for the GEMV, tf32 or fp16 tiles
+for the GEMM.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+
+from llmx.bench.blocks import chunk_rng, random_data
+from llmx.errors import LlmxError
+from llmx.quant import choice, qtype
+from llmx.quant.triton import autotune, moe
+from llmx.quant.triton import layout as lay
+from llmx.quant.triton import matmul as tops
+from tests.test_triton import DEVICE, GEMM_TOL, TOL, Weight, laid_out, random_weight, rel_err, width
+
+GEMV_T = choice.MOE_GEMV_MAX_TOKENS  # the most tokens the grouped GEMV takes
+BM = autotune.INTERPRETED.bm if DEVICE == "cpu" else None  # the interpreter's GEMM tile
+
+
+def experts(name: str, e: int, n: int, k: int, seed: int, layout: str = "raw") -> tuple[Weight, np.ndarray]:
+    """A stacked expert weight (E, N, K) of random valid blocks, and its float64 [E, N, K] reference."""
+    w, ref = random_weight(name, e * n, k, seed)
+    w = laid_out(w, name, layout)
+    w.shape = (e, n, k)
+    return w, ref.reshape(e, n, k)
+
+
+def ids_tensor(ids: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def per_slot(x: np.ndarray, ref: np.ndarray, ids: torch.Tensor) -> np.ndarray:
+    """[T, k, N]: ref[ids[t, j]] @ x[t] (x [T, K]) or @ x[t, j] (x [T, k, K])."""
+    e = ids.cpu().numpy()
+    xs = x if x.ndim == 3 else np.repeat(x[:, None, :], e.shape[1], axis=1)
+    return np.einsum("tjnk,tjk->tjn", ref[e], xs)
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def gate_input(t: int, ref_gate: np.ndarray, seed: int) -> torch.Tensor:
+    """x [t, K] scaled so that the gate's products are of order 1, where silu is not yet linear or
+    zero (random blocks' weights are large: products of plain normal x reach hundreds)."""
+    x = randn(t, ref_gate.shape[2], seed=seed)
+    return x * (2.0 / float(np.std(x.double().numpy() @ ref_gate[0].T)))
+
+
+def ragged(t: int, k: int, e: int, seed: int) -> list[list[int]]:
+    """A routing of t tokens over e experts, k distinct a token: expert 1 in every token (more pairs
+    than a GEMM tile when t > BM), expert 0 never, the rest at random."""
+    rng = np.random.default_rng(seed)
+    return [[1, *(rng.choice(np.arange(2, e), k - 1, replace=False).tolist())] for _ in range(t)]
+
+
+# --- the layout of a routing: torch ops only ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ids", "n_expert", "block_m"),
+    [(ragged(20, 3, 7, 1), 7, 16), ([[2]], 4, 16), ([[0, 1], [2, 3]], 4, 1), ([[3, 3, 3]] * 11, 5, 4)],
+    ids=["ragged", "one pair", "unpadded", "one expert"],
+)
+def test_route_groups_every_pair_once_by_expert(ids: list[list[int]], n_expert: int, block_m: int) -> None:
+    r = moe.route(torch.tensor(ids, dtype=torch.int32), n_expert, block_m)
+    flat = np.array(ids).reshape(-1)
+    n = flat.size
+    pairs, block_expert = r.pairs.numpy(), r.block_expert.numpy()
+    assert r.n_pairs == n and r.block_m == block_m
+    assert pairs.size == block_expert.size * block_m  # sized for any routing of n pairs
+    assert sorted(pairs[pairs < n].tolist()) == list(range(n)) and (pairs[pairs >= n] == n).all()
+    owner = np.repeat(block_expert, block_m)
+    used = pairs < n
+    assert (owner[used] == flat[pairs[used]]).all()  # each block holds one expert's pairs
+    assert (np.diff(block_expert) >= 0).all() and block_expert[-1] <= n_expert
+    counts = np.bincount(flat, minlength=n_expert)
+    assert (block_expert < n_expert).sum() == (-(-counts // block_m)).sum()  # no block more than needed
+    for e in range(n_expert):  # each expert's pairs in their order
+        assert pairs[used & (owner == e)].tolist() == np.flatnonzero(flat == e).tolist()
+
+
+# --- few tokens: the grouped GEMV ---------------------------------------------------------------------
+
+KEY_TYPES = ["Q4_K", "Q6_K", "Q8_0"]  # the experts of Q4_K_M files
+OTHER_TYPES = ["Q4_0", "Q5_1", "Q2_K", "Q5_K", "IQ4_XS"]
+
+
+@pytest.mark.parametrize("name", KEY_TYPES)
+@pytest.mark.parametrize("layout", ["raw", "prepared"])
+def test_gemv_reads_each_pairs_expert(name: str, layout: str) -> None:
+    # 5 experts (0 and 3 unused), N = 9 (a partial program), 2 blocks a row
+    w, ref = experts(name, 5, 9, width(name, 2), seed=1, layout=layout)
+    ids = ids_tensor([[4, 1], [1, 4], [2, 1]])
+    x = randn(3, w.shape[2], seed=2)
+    y = moe.moe_linear(x.to(DEVICE), w, ids)
+    assert y.shape == (3, 2, 9) and y.dtype == torch.float32
+    assert rel_err(y, per_slot(x.double().numpy(), ref, ids)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("name", OTHER_TYPES)
+def test_gemv_other_types(name: str) -> None:
+    w, ref = experts(name, 3, 5, width(name, 1), seed=3)
+    ids = ids_tensor([[2, 0]])
+    x = randn(1, w.shape[2], seed=4)
+    assert rel_err(moe.moe_linear(x.to(DEVICE), w, ids), per_slot(x.double().numpy(), ref, ids)) < 1e-5
+
+
+def test_gemv_one_token_one_slot_in_fp16() -> None:
+    w, ref = experts("Q4_K", 4, 6, 256, seed=5)
+    ids = ids_tensor([[3]])
+    x = randn(1, 256, seed=6).half()
+    y = moe.moe_linear(x.to(DEVICE), w, ids)
+    assert y.dtype == torch.float16 and y.shape == (1, 1, 6)
+    assert rel_err(y, per_slot(x.double().numpy(), ref, ids)) < TOL[torch.float16]
+
+
+def test_gemv_fused_gate_and_up_of_two_types() -> None:
+    # Q4_K_M files can give gate and up different types: each keeps its own decoding in the launch
+    gate, ref_g = experts("Q4_K", 5, 7, 512, seed=7, layout="prepared")
+    up, ref_u = experts("Q6_K", 5, 7, 512, seed=8)
+    ids = ids_tensor([[0, 3, 4], [4, 2, 0]])
+    x = gate_input(2, ref_g, seed=9)
+    h = moe.moe_swiglu(x.to(DEVICE), gate, up, ids)
+    xd = x.double().numpy()
+    assert h.shape == (2, 3, 7)
+    assert rel_err(h, silu(per_slot(xd, ref_g, ids)) * per_slot(xd, ref_u, ids)) < TOL[torch.float32]
+
+
+def test_gemv_down_sums_the_slots_weighted() -> None:
+    w, ref = experts("Q6_K", 6, 9, 256, seed=10)
+    ids = ids_tensor([[5, 2], [2, 2], [0, 5], [1, 3]])  # a token may take one expert twice
+    h, topw = randn(4, 2, 256, seed=11), torch.rand(4, 2, generator=torch.Generator().manual_seed(12))
+    per = per_slot(h.double().numpy(), ref, ids)
+    y = moe.moe_linear(h.to(DEVICE), w, ids, topw.to(DEVICE))
+    assert y.shape == (4, 9)
+    assert rel_err(y, np.einsum("tjn,tj->tn", per, topw.double().numpy())) < TOL[torch.float32]
+    assert rel_err(moe.moe_linear(h.to(DEVICE), w, ids), per) < TOL[torch.float32]  # per slot: [T, k, N]
+
+
+# --- prompts: the grouped GEMM ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", KEY_TYPES)
+def test_gemm_over_sorted_pairs(name: str) -> None:
+    # T = 20 > GEMV_T and > the tile's 16 rows: expert 1 takes 20 pairs (two blocks), expert 0 none
+    w, ref = experts(name, 6, 33, 256, seed=13, layout="prepared")
+    ids = ids_tensor(ragged(20, 2, 6, seed=14))
+    x = randn(20, 256, seed=15)
+    y = moe.moe_linear(x.to(DEVICE), w, ids)
+    assert choice.moe(20) == "gemm" and y.shape == (20, 2, 33)
+    assert rel_err(y, per_slot(x.double().numpy(), ref, ids)) < GEMM_TOL[torch.float32]
+
+
+def test_gemm_fused_gate_up_then_weighted_down_share_one_route() -> None:
+    t, k, e, d, f = 17, 2, 7, 256, 64  # expert 1 takes 17 pairs: two blocks of 16
+    gate, ref_g = experts("Q4_K", e, f, d, seed=16, layout="prepared")
+    up, ref_u = experts("Q4_K", e, f, d, seed=17, layout="prepared")
+    down, ref_d = experts("Q8_0", e, d, f, seed=18)
+    ids = ids_tensor(ragged(t, k, e, seed=19))
+    x, topw = gate_input(t, ref_g, seed=20), torch.rand(t, k, generator=torch.Generator().manual_seed(21))
+    r = moe.route(ids, e)
+    h = moe.moe_swiglu(x.to(DEVICE), gate, up, ids, r)
+    xd = x.double().numpy()
+    h_ref = silu(per_slot(xd, ref_g, ids)) * per_slot(xd, ref_u, ids)
+    assert h.shape == (t, k, f) and rel_err(h, h_ref) < GEMM_TOL[torch.float32]
+    y = moe.moe_linear(h, down, ids, topw.to(DEVICE), r)
+    y_ref = np.einsum("tjn,tj->tn", per_slot(h.double().cpu().numpy(), ref_d, ids), topw.double().numpy())
+    assert y.shape == (t, d) and rel_err(y, y_ref) < GEMM_TOL[torch.float32]
+
+
+def test_gemm_fp16_and_a_mismatched_route() -> None:
+    w, ref = experts("Q8_0", 4, 17, 128, seed=23)
+    ids = ids_tensor(ragged(10, 2, 4, seed=24))
+    x = randn(10, 128, seed=25).half()
+    y = moe.moe_linear(x.to(DEVICE), w, ids)
+    assert (
+        y.dtype == torch.float16
+        and rel_err(y, per_slot(x.double().numpy(), ref, ids)) < GEMM_TOL[torch.float16]
+    )
+    with pytest.raises(LlmxError, match="does not fit"):
+        moe.moe_linear(x.to(DEVICE), w, ids, route=moe.route(ids[:9], 4))
+
+
+# --- the whole routed FFN -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("t", "fused"), [(1, True), (1, False), (GEMV_T + 4, True)])
+def test_moe_ffn(t: int, fused: bool) -> None:
+    # gate and up of two types; small legacy blocks keep the interpreter's programs few
+    d, f, e, k = 32, 64, 5, 2
+    gate, ref_g = experts("Q8_0", e, f, d, seed=26)
+    up, ref_u = experts("Q4_0", e, f, d, seed=27)
+    down, ref_d = experts("Q8_0", e, d, f, seed=28)
+    ids = ids_tensor(ragged(t, k, e, seed=29))
+    x, topw = gate_input(t, ref_g, seed=30), torch.rand(t, k, generator=torch.Generator().manual_seed(31))
+    y = moe.moe_ffn(x.to(DEVICE), gate, up, down, ids, topw.to(DEVICE), fused=fused)
+    xd = x.double().numpy()
+    h = silu(per_slot(xd, ref_g, ids)) * per_slot(xd, ref_u, ids)
+    y_ref = np.einsum("tjn,tj->tn", per_slot(h, ref_d, ids), topw.double().numpy())
+    assert y.shape == (t, d)
+    assert rel_err(y, y_ref) < (TOL if choice.moe(t) == "gemv" else GEMM_TOL)[torch.float32]
+
+
+def test_clear_errors_for_what_the_kernels_cannot_take() -> None:
+    ids = ids_tensor([[0, 1]])
+    floats = Weight(torch.zeros(6, 32, device=DEVICE), qtype("F16"), (2, 3, 32))
+    with pytest.raises(LlmxError, match=r"\(F16\) has no Triton kernel"):
+        moe.moe_linear(torch.zeros(1, 32, device=DEVICE), floats, ids)
+    w, _ = experts("Q8_0", 2, 3, 32, seed=32)
+    flat = Weight(w.raw, w.qtype, (6, 32))
+    with pytest.raises(LlmxError, match="expert weights are"):
+        moe.moe_linear(torch.zeros(1, 32, device=DEVICE), flat, ids)
+    with pytest.raises(LlmxError, match="cannot multiply"):
+        moe.moe_linear(torch.zeros(2, 32, device=DEVICE), w, ids)
+    with pytest.raises(LlmxError, match="differ in shape"):
+        moe.moe_swiglu(torch.zeros(1, 32, device=DEVICE), w, experts("Q8_0", 2, 4, 32, seed=33)[0], ids)
+
+
+# --- GPU: Qwen3-30B-A3B's experts, and CUDA graphs --------------------------------------------------
+
+QWEN3_30B = (128, 2048, 768, 8)  # experts, n_embd, n_ff_exp, top-k
+
+
+def gpu_experts(name: str, e: int, n: int, k: int, seed: int) -> tuple[Weight, torch.Tensor]:
+    """A prepared stacked expert weight on the GPU (random valid blocks, `llmx.bench.blocks`) and its
+    float32 [E, N, K] dequantization there (`matmul.dequantize`, bit-exact with gguf-py)."""
+    qt = qtype(name)
+    raw = torch.from_numpy(random_data(qt, e * n * k, 0.02, chunk_rng(seed, qt.ggml_id))).to(DEVICE)
+    w = lay.prepare(Weight(raw.view(e * n, -1), qt, (e * n, k)))
+    dense = tops.dequantize(w).view(e, n, k)
+    w.shape = (e, n, k)
+    return w, dense
+
+
+def dense_per_slot(x: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[T, k, N] float32: x[t] (or x[t, j]) @ dense[ids[t, j]].T, one expert at a time."""
+    t, k = ids.shape
+    xs = (x[:, None, :].expand(t, k, -1) if x.dim() == 2 else x).float().reshape(t * k, -1)
+    flat = ids.reshape(-1)
+    out = torch.empty(t * k, dense.shape[1], device=x.device)
+    for e in flat.unique().tolist():
+        sel = (flat == e).nonzero().squeeze(1)
+        out[sel] = xs[sel] @ dense[e].t()
+    return out.view(t, k, -1)
+
+
+@cache
+def qwen3_30b_layer() -> tuple[tuple[Weight, torch.Tensor], ...]:
+    """One MoE layer of Qwen3-30B-A3B Q4_K_M: Q4_K gate and up, Q6_K down."""
+    e, d, f, _ = QWEN3_30B
+    return gpu_experts("Q4_K", e, f, d, 1), gpu_experts("Q4_K", e, f, d, 2), gpu_experts("Q6_K", e, d, f, 3)
+
+
+def qwen3_30b_routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-8 of 128 softmax router probabilities, renormalised: ids int32 [t, 8], weights [t, 8]."""
+    e, _, _, k = QWEN3_30B
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    top, ids = torch.topk(logits.softmax(-1), k)
+    return ids.to(torch.int32), top / top.sum(-1, keepdim=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "dtype"), [(1, torch.float32), (4, torch.float32), (8, torch.bfloat16),
+                                          (64, torch.float32), (512, torch.bfloat16)])  # fmt: skip
+def test_gpu_qwen3_30b_experts(t: int, dtype: torch.dtype) -> None:
+    (gate, dg), (up, du), (down, dd) = qwen3_30b_layer()
+    ids, topw = qwen3_30b_routing(t, seed=t)
+    x = torch.randn(t, QWEN3_30B[1], generator=torch.Generator().manual_seed(t + 1)).to(DEVICE, dtype)
+    kernel_tol = TOL if choice.moe(t) == "gemv" else GEMM_TOL
+    tol = max(kernel_tol[dtype], 1e-4)  # a chain of three products
+    h = moe.moe_swiglu(x, gate, up, ids)
+    h_ref = torch.nn.functional.silu(dense_per_slot(x, dg, ids)) * dense_per_slot(x, du, ids)
+    assert h.dtype == dtype and rel_err(h, h_ref.double().cpu().numpy()) < tol
+    y = moe.moe_linear(h, down, ids, topw)
+    y_ref = (dense_per_slot(h, dd, ids) * topw[:, :, None]).sum(1)
+    assert y.shape == (t, QWEN3_30B[1]) and rel_err(y, y_ref.double().cpu().numpy()) < tol
+    ffn = moe.moe_ffn(x, gate, up, down, ids, topw)
+    assert rel_err(ffn, y_ref.double().cpu().numpy()) < tol
+    unfused = moe.moe_ffn(x, gate, up, down, ids, topw, fused=False)
+    assert rel_err(unfused, y_ref.double().cpu().numpy()) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64])
+def test_gpu_moe_ffn_needs_no_host_sync_and_replays_in_a_cuda_graph(t: int) -> None:
+    """The routing stays on the device: the eager call runs with host syncs made errors, and a
+    captured graph replayed on new ids and x gives the eager result bit for bit."""
+    (gate, _), (up, _), (down, _) = qwen3_30b_layer()
+    ids, topw = qwen3_30b_routing(t, seed=100 + t)
+    x = torch.randn(t, QWEN3_30B[1], generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    moe.moe_ffn(x, gate, up, down, ids, topw)  # compiles outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe.moe_ffn(x, gate, up, down, ids, topw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_ffn(x, gate, up, down, ids, topw)
+    new_ids, new_topw = qwen3_30b_routing(t, seed=200 + t)
+    ids.copy_(new_ids)
+    topw.copy_(new_topw)
+    x.copy_(torch.randn(t, QWEN3_30B[1], generator=torch.Generator().manual_seed(8)).to(DEVICE))
+    graph.replay()
+    assert torch.equal(out, moe.moe_ffn(x, gate, up, down, ids, topw))
