@@ -47,6 +47,7 @@ from llmx.ops import moe_ffn, route
 from llmx.plan.shapes import ModelShape
 from llmx.quant import qtype
 from llmx.quant.weight import QWeight, dequantize, prepare_cpu
+from llmx.runtime.counters import host_reads
 
 OPTIONS = dict(cache_type_k="f32", cache_type_v="f32", threads=1)  # as test_models.py, and why
 TYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
@@ -284,3 +285,21 @@ def test_plan_for_a_gpu_box_keeps_the_experts_in_ram(tiny, capsys):
     assert rc == 0
     assert {d for n, d in tensors.items() if "_exps." in n} == {"cpu"}
     assert {d for n, d in tensors.items() if "attn_q." in n or "ffn_gate_inp." in n} == {"cuda:0"}
+
+
+@pytest.mark.parametrize("tiny", ONE_TYPE, indirect=True, ids="-".join)
+def test_a_cpu_step_counts_the_bytes_of_the_experts_a_token_uses(tiny):
+    executor = tiny.model.engine.executor
+    model, config = executor.model, tiny.model.config
+    (seg,) = executor.segments
+    stacks = dense = 0
+    for group in model.layers:
+        for _, value in group.items():
+            nbytes = value.raw.nbytes if isinstance(value, QWeight) else value.nbytes
+            if isinstance(value, QWeight) and value.experts:
+                stacks += nbytes
+            else:
+                dense += nbytes
+    head = model.top.output.raw.nbytes + model.top.output_norm.nbytes
+    weights, _ = host_reads(seg, model, executor.cache)
+    assert weights == pytest.approx(dense + head + stacks * config.n_expert_used / config.n_expert, abs=8)
