@@ -19,7 +19,7 @@ Hugging Face transformers.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +43,16 @@ import llmx
 from llmx.api import LoadedModel
 from llmx.bench.blocks import random_data
 from llmx.cli import main
+from llmx.errors import LlmxError
+from llmx.gguf import open_gguf
+from llmx.model_config import ModelConfig
+from llmx.models.layout import check_tensors
+from llmx.models.qwen_moe import QwenMoe
 from llmx.ops import moe_ffn, route
 from llmx.plan.shapes import ModelShape
 from llmx.quant import qtype
-from llmx.quant.weight import QWeight, dequantize, prepare_cpu
+from llmx.quant.triton import layout
+from llmx.quant.weight import QWeight, as_matrix, dequantize, prepare_cpu
 from llmx.runtime.counters import host_reads
 
 OPTIONS = dict(cache_type_k="f32", cache_type_v="f32", threads=1)  # as test_models.py, and why
@@ -125,6 +131,30 @@ def test_moe_ffn_is_the_weighted_sum_of_the_chosen_experts(name, tokens):
     got = moe_ffn(x, gate, up, down, weights, ids)
     # decode-sized row counts take the native GEMV, which reads x as 16-bit codes
     assert (got.double() - want).abs().max().item() < 2e-3 * want.abs().max().item()
+
+
+def test_a_stack_prepared_for_triton_row_by_row_is_its_experts_prepared_one_by_one():
+    """`prepare_gpu` rearranges a stack as one tall matrix; each expert's view must then hold exactly
+    the rows its own matrix prepared alone would (the layout is per row)."""
+    for name in ("Q8_0", "Q4_K"):
+        stack = expert_stack(name, (3, 64, 256), 0)
+        whole = layout.prepare(as_matrix(stack))
+        for e, view in enumerate(stack.experts):
+            alone = layout.prepare(QWeight(view.raw.clone(), view.qtype, view.shape))
+            assert torch.equal(whole.raw[e * 64 : (e + 1) * 64], alone.raw)
+
+
+def test_an_expert_stack_of_the_wrong_shape_is_one_line_naming_it(tmp_path):
+    path = write_tiny("qwen3moe", "Q8_0", tmp_path)
+    mf = open_gguf(path)
+    config = ModelConfig.from_metadata(mf.metadata, path.name)
+    bad = replace(config, n_ff_exp=128)  # what a file whose metadata disagrees with its experts says
+    tensors = [(t.name, t.qtype, t.shape) for t in mf.tensors.values()]
+    with pytest.raises(
+        LlmxError, match=r"blk\.0\.ffn_gate_exps\.weight has shape \[8, 256, 256\]; .* \[8, 128, 256\]"
+    ):
+        check_tensors(path.name, bad, tensors, QwenMoe.layer_tensors(bad))
+    check_tensors(path.name, config, tensors, QwenMoe.layer_tensors(config))
 
 
 # --- tiny models against transformers -----------------------------------------------------------
