@@ -123,7 +123,7 @@ def open_checked(path: str | os.PathLike, mmap: bool) -> tuple[ModelFile, ModelS
     spec = ModelSpec.from_gguf(mf)
     cls.check_config(spec.config, mf.path.name)
     tensors = ((t.name, t.qtype, t.shape) for t in mf.tensors.values())
-    check_tensors(mf.path.name, spec.config, tensors, cls.layer_tensors)
+    check_tensors(mf.path.name, spec.config, tensors, cls.layer_tensors(spec.config))
     return mf, spec, cls, Tokenizer.from_gguf(mf)
 
 

@@ -18,6 +18,14 @@ from llmx.errors import LlmxError
 # for gemma3: every 6th layer is global). Other architectures ignore a sliding_window key.
 SLIDING_PATTERNS = {"gemma3": 6}
 
+# Whether the routed experts' top-k weights are renormalised to sum to 1, where the file does not say
+# (`{arch}.expert_weights_norm`): llama.cpp's choice per architecture (src/models/*.cpp, the `norm_w`
+# argument of build_moe_ffn). Mixtral's GGUFs say "llama".
+EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+# Architectures whose expert width defaults to feed_forward_length / expert_used_count (llama.cpp's
+# rule for Qwen MoE files without expert_feed_forward_length); elsewhere it defaults to the FFN width.
+EXPERT_WIDTH_PER_USED = ("qwen2moe", "qwen3moe")
+
 
 def layer_window(layer: int, window: int, pattern: int) -> int | None:
     """The sliding window of layer `layer` (counted from 0), or None when it sees the whole context:
@@ -53,6 +61,8 @@ class ModelConfig:
     rope_scaling_factor: float
     sliding_window: int = 0  # tokens a local-attention layer sees (Gemma 3); 0 = none
     sliding_window_pattern: int = 0  # every pattern-th layer is global (0: none is local)
+    n_ff_shexp: int = 0  # the shared expert's FFN width (Qwen2-MoE; 0 without one)
+    expert_weights_norm: bool = False  # renormalise the chosen experts' router weights to sum to 1
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any], source: str) -> ModelConfig:
@@ -78,6 +88,8 @@ class ModelConfig:
             key = f"{arch}.rope.dimension_count"
             raise LlmxError(f"{source}: {key} is {rope_dims}; it must be even and at most {head_dim}")
         pattern = SLIDING_PATTERNS.get(arch, 0)
+        n_ff = keys.size("feed_forward_length", 0)
+        norm_default = EXPERT_WEIGHTS_NORM.get(arch, False)
         return cls(
             arch=arch,
             n_layer=keys.count("block_count"),
@@ -88,7 +100,7 @@ class ModelConfig:
             head_dim_v=head_dim_v,
             n_vocab=n_vocab,
             n_ctx_train=keys.count("context_length"),
-            n_ff=keys.size("feed_forward_length", 0),
+            n_ff=n_ff,
             n_ff_exp=keys.size("expert_feed_forward_length", 0),
             n_expert=keys.size("expert_count", 0),
             n_expert_used=keys.size("expert_used_count", 0),
@@ -99,12 +111,22 @@ class ModelConfig:
             rope_scaling_factor=keys.number(f"{arch}.rope.scaling.factor", 1.0, float) or 1.0,
             sliding_window=keys.size("attention.sliding_window", 0) if pattern else 0,
             sliding_window_pattern=keys.size("attention.sliding_window_pattern", pattern) if pattern else 0,
+            n_ff_shexp=keys.size("expert_shared_feed_forward_length", n_ff if arch == "qwen2moe" else 0),
+            expert_weights_norm=keys.number(f"{arch}.expert_weights_norm", norm_default, bool),
         )
 
     @property
     def rope_scale(self) -> float:
         """The linear position scaling factor (1: none); other scaling types are the runtime's to refuse."""
         return self.rope_scaling_factor if self.rope_scaling == "linear" else 1.0
+
+    @property
+    def expert_width(self) -> int:
+        """One routed expert's FFN width: `n_ff_exp` where the file states it, else llama.cpp's default
+        (Mixtral's files state only feed_forward_length, the experts' width)."""
+        if self.n_ff_exp or not self.n_expert:
+            return self.n_ff_exp
+        return self.n_ff // self.n_expert_used if self.arch in EXPERT_WIDTH_PER_USED else self.n_ff
 
     def window(self, layer: int) -> int | None:
         return layer_window(layer, self.sliding_window, self.sliding_window_pattern)

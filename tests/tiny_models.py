@@ -49,6 +49,18 @@ TINY_SHAPES: dict[str, ModelShape] = {
                          extra=(("attention.sliding_window", SLIDING_WINDOW),), **_COMMON),
 }  # fmt: skip
 TYPES = ("F32", "Q8_0", "Q4_K_M")
+# Mixture-of-experts models, against transformers models built from a config (`test_moe.py`): Mixtral's
+# GGUFs say "llama" and state only feed_forward_length (the experts' width).
+TINY_MOE_SHAPES: dict[str, ModelShape] = {
+    "qwen3moe": ModelShape("tiny-qwen3moe", "qwen3moe", n_layer=2, n_embd=256, n_ff=512, n_head=4,
+                           n_head_kv=2, head_dim=64, rope_base=1e6, qk_norm=True, n_expert=8,
+                           n_expert_used=2, n_ff_exp=256, **_COMMON),
+    "qwen2moe": ModelShape("tiny-qwen2moe", "qwen2moe", n_layer=2, n_embd=256, n_ff=512, n_head=4,
+                           n_head_kv=2, head_dim=64, rope_base=1e6, qkv_bias=True, n_expert=8,
+                           n_expert_used=4, n_ff_exp=256, n_ff_shexp=512, **_COMMON),
+    "mixtral": ModelShape("tiny-mixtral", "llama", n_layer=2, n_embd=256, n_ff=256, n_head=4, n_head_kv=2,
+                          head_dim=64, rope_base=1e6, n_expert=4, n_expert_used=2, n_ff_exp=256, **_COMMON),
+}  # fmt: skip
 
 
 def tiny_tensors(shape: ModelShape, type_name: str) -> list[TensorSpec]:
@@ -85,8 +97,9 @@ def _fill(seed: int):
 
 
 def write_tiny(arch: str, type_name: str, directory: Path, seed: int = 0) -> Path:
-    """Write the tiny `arch` model in `type_name` (F32, Q8_0 or Q4_K_M) under `directory`; its path."""
-    shape = TINY_SHAPES[arch]
+    """Write the tiny `arch` model (a key of TINY_SHAPES or TINY_MOE_SHAPES) in `type_name` (F32,
+    Q8_0, Q4_K_M, ...) under `directory`; its path."""
+    shape = TINY_SHAPES.get(arch) or TINY_MOE_SHAPES[arch]
     metadata = synth_metadata(shape, type_name, seed)
     metadata["tokenizer.ggml.pre"] = shape.tokenizer[1]  # the synthetic vocabulary says "default"
     path = Path(directory) / f"tiny-{arch}-{type_name}.gguf"

@@ -13,12 +13,15 @@ from llmx.errors import LlmxError
 if TYPE_CHECKING:
     from llmx.models.common import Model
 
-# general.architecture -> module defining `MODEL` (mistral GGUFs say "llama"; some converters write "mistral")
+# general.architecture -> module defining `MODEL` (mistral and mixtral GGUFs say "llama"; some converters
+# write "mistral")
 ARCHITECTURES = {
     "llama": "llmx.models.llama",
     "mistral": "llmx.models.llama",
     "qwen2": "llmx.models.qwen",
     "qwen3": "llmx.models.qwen",
+    "qwen2moe": "llmx.models.qwen_moe",
+    "qwen3moe": "llmx.models.qwen_moe",
     "gemma3": "llmx.models.gemma3",
 }
 

@@ -14,7 +14,24 @@ import torch
 
 from llmx.errors import LlmxError
 from llmx.model_config import ModelConfig
-from llmx.ops import LayerKV, Rope, causal_mask, embedding, linear, linear_many, rms_norm, rope_attention
+from llmx.ops import (
+    LayerKV,
+    Rope,
+    causal_mask,
+    embedding,
+    linear,
+    linear_many,
+    moe_ffn,
+    rms_norm,
+    rope_attention,
+    route,
+)
+
+# What every layer's block reads (biases and q/k norms are optional): attention, then a dense FFN or,
+# in a model with experts, the router and the routed experts' stacks.
+ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
+DENSE_FFN = ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+ROUTED_FFN = ("ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 class TensorGroup:
@@ -81,11 +98,6 @@ class Model:
     """
 
     neox_rope: ClassVar[bool] = False
-    # what every layer's block reads (biases and q/k norms are optional)
-    layer_tensors: ClassVar[tuple[str, ...]] = (
-        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-        "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
-    )  # fmt: skip
 
     def __init__(self, config: ModelConfig, top: TensorGroup, layers: list[TensorGroup]) -> None:
         self.config, self.top, self.layers = config, top, layers
@@ -96,11 +108,21 @@ class Model:
     @classmethod
     def check_config(cls, config: ModelConfig, source: str) -> None:
         """Refuse, before anything loads, what the config asks and this runtime cannot do."""
+        if config.n_expert and not 0 < config.n_expert_used <= config.n_expert:
+            raise LlmxError(
+                f"{source}: {config.arch}.expert_used_count is {config.n_expert_used}; "
+                f"it must be 1 to {config.n_expert} (expert_count)"
+            )
         if config.rope_scaling not in ("none", "linear") and config.rope_scaling_factor != 1.0:
             scaling = config.rope_scaling
             raise LlmxError(
                 f"{source}: RoPE scaling type {scaling!r} is not supported yet (llmx supports linear)"
             )
+
+    @classmethod
+    def layer_tensors(cls, config: ModelConfig) -> tuple[str, ...]:
+        """The tensors every layer must hold (`models.layout` checks them at open)."""
+        return ATTENTION + (ROUTED_FFN if config.n_expert else DENSE_FFN)
 
     @classmethod
     def kv_shape(cls, config: ModelConfig, layer: int) -> tuple[int, int, int]:
@@ -159,3 +181,10 @@ class Model:
         if kn is not None:
             k = rms_norm(k, kn, self.config.norm_eps)
         return q, k
+
+    def routed_experts(self, w: TensorGroup, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts' FFN of the normed h [T, E]: each token's top-k experts by the router
+        `ffn_gate_inp`, their SwiGLU outputs weighted by the router and summed."""
+        c = self.config
+        weights, ids = route(linear(h, w.ffn_gate_inp), c.n_expert_used, c.expert_weights_norm)
+        return moe_ffn(h, w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps, weights, ids)

@@ -37,7 +37,10 @@ def query_scale(config: ModelConfig) -> float:
 
 class Gemma3(Model):
     neox_rope = True
-    layer_tensors = (*Model.layer_tensors, "post_attention_norm", "post_ffw_norm")
+
+    @classmethod
+    def layer_tensors(cls, config: ModelConfig) -> tuple[str, ...]:
+        return (*super().layer_tensors(config), "post_attention_norm", "post_ffw_norm")
 
     def __init__(self, config: ModelConfig, top: TensorGroup, layers: list[TensorGroup]) -> None:
         super().__init__(config, top, layers)

@@ -44,6 +44,16 @@ LAYER: dict[str, Callable[[ModelConfig], Shape]] = {
     "ffn_gate": lambda c: (c.n_ff, c.n_embd),
     "ffn_up": lambda c: (c.n_ff, c.n_embd),
     "ffn_down": lambda c: (c.n_embd, c.n_ff),
+    # the router, and the routed experts stacked [expert, rows, columns]
+    "ffn_gate_inp": lambda c: (c.n_expert, c.n_embd),
+    "ffn_gate_exps": lambda c: (c.n_expert, c.expert_width, c.n_embd),
+    "ffn_up_exps": lambda c: (c.n_expert, c.expert_width, c.n_embd),
+    "ffn_down_exps": lambda c: (c.n_expert, c.n_embd, c.expert_width),
+    # Qwen2-MoE's shared expert and its gate: one row (GGML's {n_embd}, as the converter writes it)
+    "ffn_gate_inp_shexp": lambda c: (1, c.n_embd),
+    "ffn_gate_shexp": lambda c: (c.n_ff_shexp, c.n_embd),
+    "ffn_up_shexp": lambda c: (c.n_ff_shexp, c.n_embd),
+    "ffn_down_shexp": lambda c: (c.n_embd, c.n_ff_shexp),
     "post_ffw_norm": lambda c: (c.n_embd,),
 }
 

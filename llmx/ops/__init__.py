@@ -9,6 +9,7 @@ One concern a module:
 - `matmul`: matrix products where the weight lives (`linear`, `linear_many`, `embedding`);
 - `norms`: RMSNorm and residual add + RMSNorm (fused kernels for small steps);
 - `ffn`: the gated FFN (`swiglu`) and activations;
+- `moe`: mixture-of-experts routing (`route`) and the routed experts' FFN (`moe_ffn`);
 - `rope`: rotary position embedding (`Rope`);
 - `masks`: which cached keys a query sees;
 - `cached_attention`: attention over a layer's KV cache (`rope_attention`) and its kernels.
@@ -18,6 +19,7 @@ from llmx.ops.cached_attention import LayerKV, attention, causal_prompt_attentio
 from llmx.ops.ffn import gelu_tanh, swiglu
 from llmx.ops.masks import causal_mask, ring_mask
 from llmx.ops.matmul import embedding, linear, linear_many
+from llmx.ops.moe import moe_ffn, route
 from llmx.ops.norms import add_rms_norm, rms_norm
 from llmx.ops.rope import Rope
 from llmx.ops.split import PartialSum, RowSplit, current_device
@@ -36,8 +38,10 @@ __all__ = [
     "gelu_tanh",
     "linear",
     "linear_many",
+    "moe_ffn",
     "ring_mask",
     "rms_norm",
     "rope_attention",
+    "route",
     "swiglu",
 ]

@@ -48,6 +48,7 @@ class ModelShape:
     n_expert_used: int = 0
     n_ff_exp: int = 0  # one expert's FFN width
     n_expert_shared: int = 0
+    n_ff_shexp: int = 0  # the shared expert's FFN width where the file states it (Qwen2-MoE)
     n_leading_dense: int = 0  # DeepSeek: the first layers have a dense FFN instead of experts
     q_lora_rank: int = 0  # DeepSeek MLA: q = q_b(norm(q_a(x)))
     kv_lora_rank: int = 0  # DeepSeek MLA: the compressed KV that the cache stores
@@ -104,6 +105,8 @@ class ModelShape:
                 md[f"{a}.expert_feed_forward_length"] = self.n_ff_exp
         if self.n_expert_shared:
             md[f"{a}.expert_shared_count"] = self.n_expert_shared
+        if self.n_ff_shexp:
+            md[f"{a}.expert_shared_feed_forward_length"] = self.n_ff_shexp
         if self.n_leading_dense:
             md[f"{a}.leading_dense_block_count"] = self.n_leading_dense
         md.update({f"{a}.{k}": v for k, v in self.extra})
@@ -251,8 +254,10 @@ def _moe(s: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
     ]
     if s.arch == "deepseek2":
         out.insert(1, ("exp_probs_b.bias", (e,)))  # the router's score-correction bias (V3 only)
-    if s.n_expert_shared:
-        fs = f * s.n_expert_shared
+    if s.arch == "qwen2moe":  # its shared expert's per-token gate: one row
+        out.append(("ffn_gate_inp_shexp.weight", (1, s.n_embd)))
+    if s.n_expert_shared or s.n_ff_shexp:
+        fs = s.n_ff_shexp or f * s.n_expert_shared
         out += [
             ("ffn_gate_shexp.weight", (fs, s.n_embd)),
             ("ffn_up_shexp.weight", (fs, s.n_embd)),

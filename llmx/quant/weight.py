@@ -54,13 +54,18 @@ class QWeight:
 
     raw:     uint8 [rows, row_bytes] raw blocks, or a float tensor of `shape` for F32/F16/BF16
     qtype:   its GGML type
-    shape:   logical row-major shape; (out_features, in_features) for a matrix
+    shape:   logical row-major shape; (out_features, in_features) for a matrix, (n_expert,
+             out_features, in_features) for a stack of expert matrices (`ffn_*_exps`)
     packed:  a device form built once at load, or None: cpu_pack.PackedCodes from `prepare_cpu`,
              triton.layout.SPLIT (raw rows rearranged) from `prepare_gpu`
     kernels: the kernel of each M bucket (`choice.kernels`, from the device and layout)
     native:  the native GEMV call of this weight alone, where the native kernels take it
     shared:  the weights it multiplies x with in one call, where `prepare_shared` joined them
+    experts: a stack's matrices, expert by expert: QWeights whose raw (and packed form) are row views
+             of the stack's, so each takes the kernels of a matrix its size; () for a matrix
 
+    A stack is prepared as the tall matrix [n_expert * out, in] it is in the GGUF (repacked for the
+    CPU, or rearranged for Triton, row by row), so its experts' views are prepared too.
     The derived fields follow raw and packed: replacing either (op offload pins a CPU weight's raw)
     derives them again at once, so they never describe bytes the weight no longer holds.
     """
@@ -73,6 +78,7 @@ class QWeight:
     kernels: tuple[str, ...] = field(init=False, repr=False)
     native: N.Gemv | None = field(init=False, default=None, repr=False)
     shared: SharedInput | None = field(init=False, default=None, repr=False)
+    experts: tuple[QWeight, ...] = field(init=False, default=(), repr=False)
 
     def __post_init__(self) -> None:
         self._derive()
@@ -83,7 +89,12 @@ class QWeight:
             self._derive()
 
     def _derive(self) -> None:
-        """Choose the kernels for the current raw and packed, and build the native calls they need."""
+        """Choose the kernels for the current raw and packed, and build the native calls they need
+        (a stack: its experts' views, each with its own)."""
+        if len(self.shape) == 3:
+            object.__setattr__(self, "kernels", ())
+            object.__setattr__(self, "experts", _expert_views(self))
+            return
         layout = _layout(self)
         device = self.raw.device.type
         if device == "cuda":
@@ -99,6 +110,8 @@ class QWeight:
 
     def describe(self) -> str:
         """How this weight is computed on the CPU, for the load report: "Q4_1 -> 4-bit codes, ..."."""
+        if self.experts:
+            return self.experts[0].describe()
         if self.native is not None:
             return f"{self.qtype.name} (GGUF blocks, native kernel)"
         if not isinstance(self.packed, P.PackedCodes):
@@ -133,6 +146,30 @@ class SharedInput:
         return len(self.members) == len(ws) and all(map(operator.is_, self.members, ws))
 
 
+def _expert_views(stack: QWeight) -> tuple[QWeight, ...]:
+    """Expert e's matrix [out, in] of a stack [n_expert, out, in]: rows e*out .. (e+1)*out of the
+    stack's raw blocks and of its packed form (Triton's SPLIT marker applies to every row)."""
+    n_expert, n = stack.shape[:2]
+    views = []
+    for e in range(n_expert):
+        raw = stack.raw[e] if stack.raw.is_floating_point() else stack.raw[e * n : (e + 1) * n]
+        packed = stack.packed
+        if isinstance(packed, P.PackedCodes):
+            packed = packed.rows(e * n, (e + 1) * n)
+        views.append(QWeight(raw, stack.qtype, stack.shape[1:], f"{stack.name}[{e}]", packed))
+    return tuple(views)
+
+
+def as_matrix(w: QWeight) -> QWeight:
+    """A stack [n_expert, out, in] as the tall matrix [n_expert * out, in] of the same bytes (the
+    GGUF's layout), which the preparations below take row by row; a matrix itself."""
+    if len(w.shape) != 3:
+        return w
+    e, n, k = w.shape
+    raw = w.raw.reshape(e * n, k) if w.raw.is_floating_point() else w.raw
+    return QWeight(raw, w.qtype, (e * n, k), w.name, w.packed)
+
+
 def _layout(w: QWeight) -> str:
     if w.raw.device.type == "cuda":
         return G.layout_of(w)
@@ -157,7 +194,8 @@ def prepare_cpu(w: QWeight, repack: bool = True) -> QWeight:
     After repacking, the raw bytes' pages are handed back to the kernel (a tied embedding table reads
     its rows back on demand), so an mmap-backed weight does not count twice in the process's memory.
     """
-    if not repack or w.raw.device.type != "cpu" or w.native is not None or not P.packable(w.qtype, w.shape):
+    native = (w.experts[0] if w.experts else w).native is not None
+    if not repack or w.raw.device.type != "cpu" or native or not P.packable(w.qtype, w.shape[-2:]):
         return w
     w.packed = P.pack(w.raw, w.qtype)
     P.release_pages(w.raw)
@@ -171,22 +209,23 @@ def prepare_gpu(w: QWeight) -> QWeight:
     temporary. Not where Triton is missing (the emulated path reads GGUF rows)."""
     if not has_triton():
         return w
-    prepared = L.prepare(w)
-    if prepared is not w:
+    prepared = L.prepare(as_matrix(w))
+    if prepared.packed is not w.packed:
         w.raw.copy_(prepared.raw)
         w.packed = prepared.packed
     return w
 
 
-def prepare_shared(ws: Sequence[QWeight]) -> SharedInput | None:
+def prepare_shared(ws: Sequence[QWeight], join_packed: bool = True) -> SharedInput | None:
     """Prepare CPU weights that multiply the same x to run as one call (`linear_many`, `swiglu`): one
-    native call, or their packed forms joined along N (no extra memory: each weight's packed form
-    becomes a row view of the concatenation, and keeps working alone). None where they cannot."""
+    native call, or (where `join_packed`) their packed forms joined along N (no extra memory: each
+    weight's packed form becomes a row view of the concatenation, and keeps working alone). None
+    where they cannot."""
     if len(ws) < 2 or any(w.raw.device.type != "cpu" for w in ws):
         return None
     group = SharedInput(tuple(ws))
     group.derive()
-    if group.native is None and not _join(group):
+    if group.native is None and not (join_packed and _join(group)):
         return None
     for w in ws:
         object.__setattr__(w, "shared", group)

@@ -31,11 +31,15 @@ class StepCounters:
 
 
 def host_reads(seg: Segment, model: Model, cache: KVCache) -> tuple[int, tuple[tuple[float, int], ...]]:
-    """What a one-token step of a CPU segment reads from RAM: its weight bytes, and its caches as
-    (K+V bytes a position, positions held) for `plan.memory.kv_read_bytes`."""
+    """What a one-token step of a CPU segment reads from RAM: its weight bytes (of an expert stack, the
+    share of the experts a token uses), and its caches as (K+V bytes a position, positions held) for
+    `plan.memory.kv_read_bytes`."""
     if seg.device.type != "cpu":
         return 0, ()
-    weights = sum(_nbytes(v) for i in seg.layers for _, v in model.layers[i].items())
+    # a token reads only its n_expert_used experts of each stack
+    used = model.config.n_expert_used / model.config.n_expert if model.config.n_expert else 1.0
+    values = [v for i in seg.layers for _, v in model.layers[i].items()]
+    weights = sum(round(_nbytes(v) * used) if _is_stack(v) else _nbytes(v) for v in values)
     caches = [(cache.k[i], cache.v[i]) for i in seg.layers]
     on_cpu = [(k, v) for k, v in caches if k.device.type == "cpu"]
     kv = tuple(((k.nbytes + v.nbytes) / k.shape[0], k.shape[0]) for k, v in on_cpu)
@@ -46,6 +50,10 @@ def host_reads(seg: Segment, model: Model, cache: KVCache) -> tuple[int, tuple[t
             top.optional("token_embd") if output is None else output
         )
     return weights, kv
+
+
+def _is_stack(value: object) -> bool:
+    return isinstance(value, QWeight) and bool(value.experts)
 
 
 def _nbytes(value: object) -> int:

@@ -96,8 +96,10 @@ def offload_threshold(layers: Iterable[TensorGroup], device: torch.device) -> in
     computed on the CPU nor streamed): the CPU's time per token for them at MEASURE_TOKENS rows,
     against the time to copy their bytes from pinned memory. Without any, nothing streams.
     """
+    # the matrices: an expert stack's time depends on the routing, which a random x does not show
     resident = (
-        [w for _, w in g.items() if isinstance(w, QWeight) and w.raw.device.type == "cpu"] for g in layers
+        [w for _, w in g.items() if isinstance(w, QWeight) and w.raw.device.type == "cpu" and not w.experts]
+        for g in layers
     )
     mats = next((m for m in resident if m), None)
     if mats is None:

@@ -1,7 +1,8 @@
 """Segments: runs of consecutive blocks on one device, and what a segment's tensors say about it.
 
 The head joins the last segment when it lives on the same device. A segment is capturable in a
-CUDA graph when its weights and KV cache all live on its device (or, row-split matrices, on GPUs);
+CUDA graph when its weights and KV cache all live on its device (or, row-split matrices, on GPUs)
+and it holds no expert stacks (until the grouped expert kernels keep the routing on the GPU);
 its peers are the other GPUs its row-split matrices and split layers reach into.
 """
 
@@ -56,6 +57,8 @@ def capturable(seg: Segment, model: Model, cache: KVCache) -> bool:
         if cache.k[i].device != seg.device:
             return False
         for _, value in model.layers[i].items():
+            if isinstance(value, QWeight) and value.experts:
+                return False  # `ops.moe_ffn` reads how many tokens each expert has on the host
             devices = devices_of(value)
             on_gpus = isinstance(value, RowSplit) and all(d.type == "cuda" for d in devices)
             if devices != {seg.device} and not on_gpus:

@@ -26,8 +26,14 @@ from llmx.quant import QType
 from llmx.quant.weight import QWeight, prepare_cpu, prepare_gpu, prepare_shared
 
 # Matrices of a layer that the models multiply by the same x in one call (`ops.linear_many`,
-# `ops.swiglu`): prepared at load to run as one CPU call (`quant.weight.prepare_shared`).
-SHARED_INPUT = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+# `ops.swiglu`): prepared at load to run as one CPU call (`quant.weight.prepare_shared`); for expert
+# stacks, expert by expert.
+SHARED_INPUT = (
+    ("attn_q", "attn_k", "attn_v"),
+    ("ffn_gate", "ffn_up"),
+    ("ffn_gate_shexp", "ffn_up_shexp"),
+    ("ffn_gate_exps", "ffn_up_exps"),
+)
 ARENA_ALIGN = 256  # bytes: keeps every tensor view aligned for vectorised GPU loads
 STAGING_BYTES = 64 << 20
 
@@ -259,8 +265,14 @@ def load_weights(
     for group in layers.values():
         for names in SHARED_INPUT:
             ws = [group.get(n) for n in names]
-            if all(isinstance(w, QWeight) for w in ws):
+            if not all(isinstance(w, QWeight) for w in ws):
+                continue
+            if not ws[0].experts:
                 prepare_shared(ws)
+                continue
+            # an expert's packed forms are views of its stack's: joining them would copy them
+            for matrices in zip(*(w.experts for w in ws), strict=True):
+                prepare_shared(matrices, join_packed=False)
     n_layer = max(layers) + 1 if layers else 0
     groups = [TensorGroup(f"blk.{i}.", layers.get(i, {})) for i in range(n_layer)]
     report.seconds = time.perf_counter() - t0

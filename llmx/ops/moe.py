@@ -1,0 +1,73 @@
+"""Mixture-of-experts feed-forward: the router's choice of experts for each token, and the chosen
+experts' SwiGLU FFNs weighted and summed.
+
+Shapes: T tokens, E = n_embd, X routed experts, k experts a token; an expert stack is a QWeight of
+shape (X, out, in) whose `experts` are its matrices (`llmx.quant.weight`).
+
+    p      = softmax(router logits)                  [T, X]
+    ids, w = top-k of p (renormalised to sum 1 where the model says so)
+    y_t    = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t, j]
+
+The experts run where their stacks live (the activation moves there and back, as for `linear`).
+`moe_ffn` is the one entry point for the experts' compute: tokens are grouped by expert with a sort,
+and each expert that has tokens multiplies all of its rows at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmx.ops.ffn import swiglu
+from llmx.quant.weight import QWeight
+
+
+def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, X] -> (weights [T, k] float32, expert ids [T, k] int64), best first.
+
+    Softmax over all X experts, then the k most probable; `normalize` rescales those k to sum to 1
+    (Qwen3-MoE, Mixtral: whose top-k-then-softmax is the same), else they keep their share of all X
+    (Qwen2-MoE)."""
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_ffn(
+    x: torch.Tensor,
+    gate_exps: QWeight,
+    up_exps: QWeight,
+    down_exps: QWeight,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, E] -> sum over j of weights[t, j] * expert ids[t, j]'s SwiGLU FFN of x_t: [T, E] float32,
+    on x's device, computed on the stacks' (gate/up [X, F, E], down [X, E, F])."""
+    device = gate_exps.raw.device
+    if x.device != device:
+        y = moe_ffn(x.to(device), gate_exps, up_exps, down_exps, weights.to(device), ids.to(device))
+        return y.to(x.device)
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # the (token, slot) pairs, grouped by expert
+    tokens = order // k
+    counts = torch.bincount(flat, minlength=len(gate_exps.experts)).tolist()
+    out = expert_swiglu(x[tokens], gate_exps, up_exps, down_exps, counts)
+    out.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
+    return torch.zeros(x.shape, dtype=out.dtype, device=device).index_add_(0, tokens, out)
+
+
+def expert_swiglu(
+    rows: torch.Tensor, gate_exps: QWeight, up_exps: QWeight, down_exps: QWeight, counts: list[int]
+) -> torch.Tensor:
+    """rows [R, E] grouped by expert (the first counts[0] rows go to expert 0, the next counts[1] to
+    expert 1, ...) -> each row's expert FFN [R, E]. A loop over the experts that have rows: each one's
+    gate/up/down multiply all its rows in one call (one native call for a few rows on the CPU)."""
+    out = torch.empty(rows.shape[0], down_exps.shape[1], dtype=torch.float32, device=rows.device)
+    r0 = 0
+    for e, n in enumerate(counts):
+        if n:
+            part = rows[r0 : r0 + n]
+            out[r0 : r0 + n] = swiglu(part, gate_exps.experts[e], up_exps.experts[e], down_exps.experts[e])
+            r0 += n
+    return out

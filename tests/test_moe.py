@@ -1,0 +1,335 @@
+"""Mixture-of-experts models: the router, the experts' FFN, and Qwen3-MoE, Qwen2-MoE and Mixtral against
+Hugging Face transformers.
+
+- `route` against a direct reference of each model's definition (softmax over all, top-k, renormalised
+  or not; Mixtral's top-k of the logits then softmax over those k).
+- `moe_ffn` on random expert stacks of several types against a loop over the tokens on dequantized
+  weights, with tokens sharing experts and experts left unused.
+- Tiny random models (`tiny_models.TINY_MOE_SHAPES`: 2 layers, 4-8 experts, 2-4 a token) written as
+  GGUF in F32, F16, Q8_0 and Q4_K_M by the project's writer, against transformers' Qwen3MoeForCausalLM,
+  Qwen2MoeForCausalLM and MixtralForCausalLM built from the file's hyperparameters with its weights
+  dequantized by gguf-py: all logits of every position of 2 prompts, and greedy continuations.
+  (transformers' own GGUF loader is not used: it reads no Mixtral, and its Qwen3-MoE config would not
+  say that llama.cpp renormalises the top-k weights.)
+- Placement: `--cpu-moe` and `-ot exps=CPU` plans put exactly the expert stacks on the CPU, the loaded
+  weights are where the plan says, and the tokens do not change; `llmx plan` on a MoE file for a
+  GPU box keeps the experts in RAM.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+from references import greedy
+from tiny_models import TINY_MOE_SHAPES, random_prompt, write_tiny
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedModel,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+import llmx
+from llmx.api import LoadedModel
+from llmx.bench.blocks import random_data
+from llmx.cli import main
+from llmx.errors import LlmxError
+from llmx.gguf import open_gguf
+from llmx.model_config import ModelConfig
+from llmx.models.layout import check_tensors
+from llmx.models.qwen_moe import QwenMoe
+from llmx.ops import moe_ffn, route
+from llmx.plan.shapes import ModelShape
+from llmx.quant import qtype
+from llmx.quant.triton import layout
+from llmx.quant.weight import QWeight, as_matrix, dequantize, prepare_cpu
+from llmx.runtime.counters import host_reads
+
+OPTIONS = dict(cache_type_k="f32", cache_type_v="f32", threads=1)  # as test_models.py, and why
+TYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
+PROMPT_LENGTHS = (40, 56)  # more than one ubatch of 32, so prompts take the grouped multi-row path
+N_GREEDY = 16
+# Max |ours - transformers| over all logits of every position. Both multiply the same dequantized
+# weights in float32, so what remains is summation order, and for the quantized files the native
+# GEMV's 16-bit codes of x in decode-sized ubatches: measured <= 5e-6 for F32 and F16, <= 3.1e-4 for
+# Q8_0 and Q4_K_M. A token routed to another expert would move its logits by ~1.
+MAX_ABS_DIFF = 2e-3
+
+
+# --- the router ---------------------------------------------------------------------------------
+
+
+def test_route_is_softmax_then_top_k_renormalised_where_asked():
+    logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(0)) * 3
+    for k, normalize in ((2, True), (4, False), (8, True)):
+        weights, ids = route(logits, k, normalize)
+        assert weights.dtype == torch.float32 and ids.shape == (50, k)
+        for t in range(50):
+            p = np.exp(logits[t].double().numpy() - logits[t].max().item())
+            p /= p.sum()
+            best = np.argsort(-p, kind="stable")[:k]
+            want = p[best] / p[best].sum() if normalize else p[best]
+            assert ids[t].tolist() == best.tolist()
+            np.testing.assert_allclose(weights[t].numpy(), want, rtol=1e-5)
+
+
+def test_route_renormalised_equals_mixtral_softmax_over_the_top_k_logits():
+    logits = torch.randn(30, 8, generator=torch.Generator().manual_seed(1))
+    weights, ids = route(logits, 2, normalize=True)
+    top, top_ids = logits.topk(2, dim=-1)
+    assert torch.equal(ids, top_ids)
+    torch.testing.assert_close(weights, torch.softmax(top, dim=-1), rtol=1e-6, atol=1e-6)
+
+
+# --- the experts' FFN ---------------------------------------------------------------------------
+
+
+def expert_stack(name: str, shape: tuple[int, int, int], seed: int) -> QWeight:
+    """A random stack [n_expert, out, in] of type `name`, as the loader makes it (CPU, prepared)."""
+    qt = qtype(name)
+    data = torch.from_numpy(
+        random_data(qt, int(np.prod(shape)), shape[2] ** -0.5, np.random.default_rng(seed))
+    )
+    if qt.name in ("F32", "F16"):
+        raw = data.view(torch.float32 if qt.name == "F32" else torch.float16).view(shape)
+    else:
+        raw = data.view(shape[0] * shape[1], qt.row_bytes(shape[2]))
+    return prepare_cpu(QWeight(raw, qt, shape, f"{name} stack"))
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "Q8_0", "Q4_K", "Q5_0"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_moe_ffn_is_the_weighted_sum_of_the_chosen_experts(name, tokens):
+    """Q5_0 is repacked for the CPU (not a native type): its experts read row views of the packed stack."""
+    n_expert, k, e, f = 6, 2, 256, 256
+    gate, up, down = (
+        expert_stack(name, s, i) for i, s in enumerate([(n_expert, f, e), (n_expert, f, e), (n_expert, e, f)])
+    )
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, e, generator=g)
+    # experts 0-2 only, so some experts have no tokens and the rest several
+    weights, ids = route(
+        torch.randn(tokens, n_expert, generator=g) - 100 * (torch.arange(n_expert) > 2), k, True
+    )
+    dense = [dequantize(w).double() for w in (gate, up, down)]
+    want = torch.zeros(tokens, e, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(k):
+            ex, xt = ids[t, j], x[t].double()
+            h = torch.nn.functional.silu(dense[0][ex] @ xt) * (dense[1][ex] @ xt)
+            want[t] += weights[t, j].double() * (dense[2][ex] @ h)
+    got = moe_ffn(x, gate, up, down, weights, ids)
+    # decode-sized row counts take the native GEMV, which reads x as 16-bit codes
+    assert (got.double() - want).abs().max().item() < 2e-3 * want.abs().max().item()
+
+
+def test_a_stack_prepared_for_triton_row_by_row_is_its_experts_prepared_one_by_one():
+    """`prepare_gpu` rearranges a stack as one tall matrix; each expert's view must then hold exactly
+    the rows its own matrix prepared alone would (the layout is per row)."""
+    for name in ("Q8_0", "Q4_K"):
+        stack = expert_stack(name, (3, 64, 256), 0)
+        whole = layout.prepare(as_matrix(stack))
+        for e, view in enumerate(stack.experts):
+            alone = layout.prepare(QWeight(view.raw.clone(), view.qtype, view.shape))
+            assert torch.equal(whole.raw[e * 64 : (e + 1) * 64], alone.raw)
+
+
+def test_an_expert_stack_of_the_wrong_shape_is_one_line_naming_it(tmp_path):
+    path = write_tiny("qwen3moe", "Q8_0", tmp_path)
+    mf = open_gguf(path)
+    config = ModelConfig.from_metadata(mf.metadata, path.name)
+    bad = replace(config, n_ff_exp=128)  # what a file whose metadata disagrees with its experts says
+    tensors = [(t.name, t.qtype, t.shape) for t in mf.tensors.values()]
+    with pytest.raises(
+        LlmxError, match=r"blk\.0\.ffn_gate_exps\.weight has shape \[8, 256, 256\]; .* \[8, 128, 256\]"
+    ):
+        check_tensors(path.name, bad, tensors, QwenMoe.layer_tensors(bad))
+    check_tensors(path.name, config, tensors, QwenMoe.layer_tensors(config))
+
+
+# --- tiny models against transformers -----------------------------------------------------------
+
+HF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+          "output.weight": "lm_head.weight"}  # fmt: skip
+HF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn_{a}.{p}": f"self_attn.{a}_proj.{p}" for a in "qkv" for p in ("weight", "bias")},
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+
+
+def hf_config(s: ModelShape) -> object:
+    common = dict(
+        vocab_size=s.n_vocab, hidden_size=s.n_embd, num_hidden_layers=s.n_layer, num_attention_heads=s.n_head,
+        num_key_value_heads=s.n_head_kv, head_dim=s.head_dim, rms_norm_eps=s.rms_eps,
+        max_position_embeddings=s.ctx_train, tie_word_embeddings=False, num_experts_per_tok=s.n_expert_used,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_base},
+    )  # fmt: skip
+    if s.arch == "llama":  # Mixtral
+        return MixtralConfig(**common, num_local_experts=s.n_expert, intermediate_size=s.n_ff_exp)
+    moe = dict(num_experts=s.n_expert, moe_intermediate_size=s.n_ff_exp, decoder_sparse_step=1)
+    if s.arch == "qwen3moe":  # llama.cpp renormalises Qwen3-MoE's top-k weights, as the real configs ask
+        return Qwen3MoeConfig(**common, **moe, norm_topk_prob=True)
+    return Qwen2MoeConfig(**common, **moe, norm_topk_prob=False, shared_expert_intermediate_size=s.n_ff_shexp)
+
+
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's converter, which reorders each Llama head's Q/K rows for GGML's adjacent-pair
+    rotation (`LlamaModel.permute` in convert_hf_to_gguf.py): back to transformers' rotate-half order."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def transformers_model(path: Path, s: ModelShape) -> PreTrainedModel:
+    """The transformers model of the file: built from its hyperparameters, with its weights as gguf-py
+    dequantizes them, renamed (and Mixtral's Q/K unpermuted) as convert_hf_to_gguf.py maps them."""
+    tensors = {
+        t.name: torch.from_numpy(np.array(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32))
+        for t in GGUFReader(path).tensors
+    }
+    state = {}
+    for name, value in tensors.items():
+        if not name.startswith("blk."):
+            state[HF_TOP[name]] = value
+            continue
+        _, layer, short = name.split(".", 2)
+        if s.arch == "llama" and short in ("attn_q.weight", "attn_k.weight"):
+            value = unpermute(value, s.n_head if short == "attn_q.weight" else s.n_head_kv)
+        if short == "ffn_gate_exps.weight":
+            value, short = torch.cat([value, tensors[f"blk.{layer}.ffn_up_exps.weight"]], dim=1), "gate_up"
+        elif short == "ffn_up_exps.weight":
+            continue
+        hf = "mlp.experts.gate_up_proj" if short == "gate_up" else HF_LAYER[short]
+        state[f"model.layers.{layer}.{hf}"] = value
+    cls = {"llama": MixtralForCausalLM, "qwen3moe": Qwen3MoeForCausalLM, "qwen2moe": Qwen2MoeForCausalLM}
+    model = cls[s.arch](hf_config(s))
+    model.load_state_dict(state, strict=True)  # every parameter comes from the file
+    model.generation_config.eos_token_id = None  # random weights may predict EOS: continue, as llmx does
+    return model.eval()
+
+
+@dataclass
+class Tiny:
+    model: LoadedModel
+    path: Path
+    prompts: list[list[int]]
+    logits: list[torch.Tensor]  # transformers', [T, vocab] per prompt
+    greedy: list[list[int]]
+
+
+@pytest.fixture(scope="module", params=[(a, t) for a in TINY_MOE_SHAPES for t in TYPES], ids="-".join)
+def tiny(request, tmp_path_factory) -> Tiny:
+    arch, type_name = request.param
+    path = write_tiny(arch, type_name, tmp_path_factory.mktemp("moe"))
+    prompts = [random_prompt(n, seed=k) for k, n in enumerate(PROMPT_LENGTHS)]
+    hf = transformers_model(path, TINY_MOE_SHAPES[arch])
+    logits, continuations = [], []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            logits.append(hf(x).logits[0].float())
+            out = hf.generate(x, max_new_tokens=N_GREEDY, do_sample=False, attention_mask=torch.ones_like(x))
+            continuations.append(out[0, len(ids) :].tolist())
+    model = llmx.load(path, ctx_size=128, ubatch_size=32, **OPTIONS)
+    return Tiny(model, path, prompts, logits, continuations)
+
+
+def test_logits_match_transformers(tiny):
+    for ids, expected in zip(tiny.prompts, tiny.logits, strict=True):
+        tiny.model.engine.reset()
+        logits = tiny.model.engine.prefill(ids, all_logits=True)
+        diff = (logits - expected).abs().max().item()
+        assert diff < MAX_ABS_DIFF, f"{len(ids)}-token prompt: max |logit difference| {diff:.2e}"
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_greedy_continuation_matches_transformers(tiny):
+    for ids, expected in zip(tiny.prompts, tiny.greedy, strict=True):
+        tiny.model.engine.reset()
+        assert list(tiny.model.engine.generate(ids, N_GREEDY, greedy)) == expected
+
+
+def test_logits_are_not_degenerate(tiny):
+    """The comparison means something: logits spread, and the argmax moves with the context (over
+    fewer ids for Q4_K_M, whose random blocks favour a few output rows, as test_models.py explains)."""
+    logits = tiny.logits[0]
+    assert logits.std() > 0.5 and len(set(logits.argmax(-1).tolist())) >= 3
+
+
+# --- placement ----------------------------------------------------------------------------------
+
+
+# placement does not depend on the type: one is enough
+ONE_TYPE = [(a, "Q8_0") for a in TINY_MOE_SHAPES]
+
+
+@pytest.mark.parametrize("tiny", ONE_TYPE, indirect=True, ids="-".join)
+@pytest.mark.parametrize("placement", [dict(cpu_moe=True), dict(override_tensor=["exps=CPU"])])
+def test_expert_placement_is_the_plan_and_keeps_the_tokens(tiny, placement):
+    model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **placement)
+    placed = {name: dev for name, dev in model.plan.tensor_device.items() if "_exps." in name}
+    assert placed and set(placed.values()) == {"cpu"}
+    layers = model.engine.executor.model.layers
+    for name, device in model.plan.tensor_device.items():
+        if name.startswith("blk."):
+            _, i, short = name.split(".", 2)
+            value = getattr(layers[int(i)], short.removesuffix(".weight").replace(".", "_"))
+            assert (value.raw if isinstance(value, QWeight) else value).device.type == device
+    for ids, expected in zip(tiny.prompts, tiny.greedy, strict=True):
+        model.engine.reset()
+        assert list(model.engine.generate(ids, N_GREEDY, greedy)) == expected
+
+
+@pytest.mark.parametrize("tiny", ONE_TYPE, indirect=True, ids="-".join)
+def test_plan_for_a_gpu_box_keeps_the_experts_in_ram(tiny, capsys):
+    rc = main(
+        [
+            "plan",
+            "-m",
+            str(tiny.path),
+            "--devices",
+            "cuda0=8GiB,cpu=64GiB",
+            "-ngl",
+            "99",
+            "--cpu-moe",
+            "--json",
+        ]
+    )
+    tensors = json.loads(capsys.readouterr().out)["tensors"]
+    assert rc == 0
+    assert {d for n, d in tensors.items() if "_exps." in n} == {"cpu"}
+    assert {d for n, d in tensors.items() if "attn_q." in n or "ffn_gate_inp." in n} == {"cuda:0"}
+
+
+@pytest.mark.parametrize("tiny", ONE_TYPE, indirect=True, ids="-".join)
+def test_a_cpu_step_counts_the_bytes_of_the_experts_a_token_uses(tiny):
+    executor = tiny.model.engine.executor
+    model, config = executor.model, tiny.model.config
+    (seg,) = executor.segments
+    stacks = dense = 0
+    for group in model.layers:
+        for _, value in group.items():
+            nbytes = value.raw.nbytes if isinstance(value, QWeight) else value.nbytes
+            if isinstance(value, QWeight) and value.experts:
+                stacks += nbytes
+            else:
+                dense += nbytes
+    head = model.top.output.raw.nbytes + model.top.output_norm.nbytes
+    weights, _ = host_reads(seg, model, executor.cache)
+    assert weights == pytest.approx(dense + head + stacks * config.n_expert_used / config.n_expert, abs=8)
