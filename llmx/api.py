@@ -160,7 +160,7 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     devices = [torch.device(s.device) for s in plan.split]
     rendezvous = Rendezvous(len(devices))
     reducers = exchange_reducers(devices, opts.n_ubatch * config.n_embd, rendezvous) if devices else []
-    models = deal(cls, config, top, layers, reducers)
+    models = deal(cls, config, top, layers, reducers, fused_moe=not opts.no_fused_moe)
     attention = AttentionKernels.choose(opts.flash_attn, settings.fused_attention())
     caches = [
         KVCache(plan.ctx, kv_shapes(cls, config, plan, j), opts.cache_type_k, opts.cache_type_v, attention)

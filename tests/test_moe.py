@@ -333,3 +333,35 @@ def test_a_cpu_step_counts_the_bytes_of_the_experts_a_token_uses(tiny):
     head = model.top.output.raw.nbytes + model.top.output_norm.nbytes
     weights, _ = host_reads(seg, model, executor.cache)
     assert weights == pytest.approx(dense + head + stacks * config.n_expert_used / config.n_expert, abs=8)
+
+
+# --- on a GPU -----------------------------------------------------------------------------------
+
+# ||GPU - transformers|| / ||transformers|| over every position's logits: the grouped expert kernels
+# multiply prompts on tf32 tensor cores, as test_gpu.py's LOGITS_TOL explains for the dense ones.
+GPU_LOGITS_TOL = 1e-2
+GPU_PLACEMENTS = {
+    "all-gpu": dict(n_gpu_layers="all"),
+    "no-fmoe": dict(n_gpu_layers="all", no_fused_moe=True),
+    "cpu-moe": dict(n_gpu_layers="all", cpu_moe=True),
+    "ncmoe-1": dict(n_gpu_layers="all", n_cpu_moe=1),
+    "experts-split": dict(n_gpu_layers="all", override_tensor=[r"blk\.0\.ffn_.*_exps=CPU"]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiny", [(a, t) for a in TINY_MOE_SHAPES for t in ("Q8_0", "Q4_K_M")], indirect=True,
+                         ids="-".join)  # fmt: skip
+@pytest.mark.parametrize("placement", GPU_PLACEMENTS.values(), ids=GPU_PLACEMENTS)
+def test_gpu_placements_keep_the_logits_and_tokens(tiny, placement):
+    model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **placement)
+    executor = model.engine.executor
+    if "cpu_moe" not in placement and "n_cpu_moe" not in placement and "override_tensor" not in placement:
+        assert all(executor._graphable)  # the routing stays on the GPU: decode steps replay graphs
+    for ids, expected, tokens in zip(tiny.prompts, tiny.logits, tiny.greedy, strict=True):
+        model.engine.reset()
+        logits = model.engine.prefill(ids, all_logits=True)
+        err = ((logits - expected).norm() / expected.norm()).item()
+        assert err < GPU_LOGITS_TOL, f"{len(ids)}-token prompt: relative logits error {err:.2e}"
+        model.engine.reset()
+        assert list(model.engine.generate(ids, N_GREEDY, greedy)) == tokens

@@ -99,8 +99,11 @@ class Model:
 
     neox_rope: ClassVar[bool] = False
 
-    def __init__(self, config: ModelConfig, top: TensorGroup, layers: list[TensorGroup]) -> None:
+    def __init__(
+        self, config: ModelConfig, top: TensorGroup, layers: list[TensorGroup], fused_moe: bool = True
+    ) -> None:
         self.config, self.top, self.layers = config, top, layers
+        self.fused_moe = fused_moe  # routed experts' gate and up in one launch (-no-fmoe: two)
         self.rope = Rope(
             config.rope_dims, config.rope_base, self.neox_rope, config.rope_scale, top.optional("rope_freqs")
         )
@@ -187,4 +190,4 @@ class Model:
         `ffn_gate_inp`, their SwiGLU outputs weighted by the router and summed."""
         c = self.config
         weights, ids = route(linear(h, w.ffn_gate_inp), c.n_expert_used, c.expert_weights_norm)
-        return moe_ffn(h, w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps, weights, ids)
+        return moe_ffn(h, w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps, weights, ids, self.fused_moe)

@@ -9,8 +9,10 @@ shape (X, out, in) whose `experts` are its matrices (`llmx.quant.weight`).
     y_t    = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t, j]
 
 The experts run where their stacks live (the activation moves there and back, as for `linear`).
-`moe_ffn` is the one entry point for the experts' compute: tokens are grouped by expert with a sort,
-and each expert that has tokens multiplies all of its rows at once.
+`moe_ffn` is the one entry point for the experts' compute. Stacks of GGUF blocks on a GPU take the
+grouped Triton kernels (`llmx.quant.triton.moe`): the routing stays on the device, so no step waits
+for the host and a CUDA graph can hold the layer. Elsewhere (the CPU, float stacks) tokens are grouped
+by expert with a sort, and each expert that has tokens multiplies all of its rows at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from __future__ import annotations
 import torch
 
 from llmx.ops.ffn import swiglu
+from llmx.quant.triton import moe as grouped
+from llmx.quant.triton.launch import has_triton
+from llmx.quant.triton.layout import TRITON_TYPES
 from llmx.quant.weight import QWeight
 
 
@@ -40,13 +45,17 @@ def moe_ffn(
     down_exps: QWeight,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    fused: bool = True,
 ) -> torch.Tensor:
     """x [T, E] -> sum over j of weights[t, j] * expert ids[t, j]'s SwiGLU FFN of x_t: [T, E] float32,
-    on x's device, computed on the stacks' (gate/up [X, F, E], down [X, E, F])."""
+    on x's device, computed on the stacks' (gate/up [X, F, E], down [X, E, F]). `fused`: the grouped
+    kernels compute gate and up in one launch (ik_llama.cpp's -fmoe; -no-fmoe: two)."""
     device = gate_exps.raw.device
     if x.device != device:
-        y = moe_ffn(x.to(device), gate_exps, up_exps, down_exps, weights.to(device), ids.to(device))
+        y = moe_ffn(x.to(device), gate_exps, up_exps, down_exps, weights.to(device), ids.to(device), fused)
         return y.to(x.device)
+    if on_grouped_kernels(gate_exps, up_exps, down_exps):
+        return grouped.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, fused)
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs, grouped by expert
@@ -55,6 +64,13 @@ def moe_ffn(
     out = expert_swiglu(x[tokens], gate_exps, up_exps, down_exps, counts)
     out.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
     return torch.zeros(x.shape, dtype=out.dtype, device=device).index_add_(0, tokens, out)
+
+
+def on_grouped_kernels(*stacks: QWeight) -> bool:
+    """Whether expert stacks take the grouped Triton kernels: GGUF blocks of a type they read, on a GPU."""
+    return has_triton() and all(
+        w.raw.is_cuda and w.raw.dtype == torch.uint8 and w.qtype.name in TRITON_TYPES for w in stacks
+    )
 
 
 def expert_swiglu(

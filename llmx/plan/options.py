@@ -47,6 +47,7 @@ class Options:
     n_cpu_moe: int = 0  # -ncmoe N: the first N layers' expert tensors stay on the CPU
     no_kv_offload: bool = False  # KV cache on the CPU even for GPU layers
     no_op_offload: bool = False  # never stream CPU weights to a GPU for prompt batches
+    no_fused_moe: bool = False  # routed experts' gate and up as two GPU launches, not one (-no-fmoe)
     # -c: llama.cpp defaults to the model's training context, which for current models is 128K
     # and would size a huge KV cache by surprise; llmx defaults to 4096. 0 = the model's own.
     ctx_size: int = 4096
@@ -145,6 +146,7 @@ def _normalized(o: Options) -> dict[str, Any]:
         "n_cpu_moe": _count("n_cpu_moe", o.n_cpu_moe),
         "no_kv_offload": bool(o.no_kv_offload),
         "no_op_offload": bool(o.no_op_offload),
+        "no_fused_moe": bool(o.no_fused_moe),
         "ctx_size": _count("ctx_size", o.ctx_size),
         "cache_type_k": _choice("cache_type_k", o.cache_type_k, CACHE_TYPES),
         "cache_type_v": _choice("cache_type_v", o.cache_type_v, CACHE_TYPES),
@@ -294,6 +296,7 @@ _ARGUMENTS: list[tuple[tuple[str, ...], str, str | None, str, dict[str, Any]]] =
     (("-ncmoe", "--n-cpu-moe"), "n_cpu_moe", "N", "keep the first N layers' MoE experts on the CPU", {}),
     (("-nkvo", "--no-kv-offload"), "no_kv_offload", None, "keep the KV cache on the CPU", _FLAG),
     (("-nopo", "--no-op-offload"), "no_op_offload", None, "CPU layers' prompts stay on the CPU", _FLAG),
+    (("-no-fmoe", "--no-fused-moe"), "no_fused_moe", None, "MoE gate and up in two launches, not one", _FLAG),
     (("-c", "--ctx-size"), "ctx_size", "N", "context length (default 4096; 0: the model's own)", {}),
     (
         ("-ctk", "--cache-type-k"),

@@ -2,7 +2,7 @@
 
 The head joins the last segment when it lives on the same device. A segment is capturable in a
 CUDA graph when its weights and KV cache all live on its device (or, row-split matrices, on GPUs)
-and it holds no expert stacks (until the grouped expert kernels keep the routing on the GPU);
+and its expert stacks, if any, take the grouped kernels (which keep the routing on the GPU);
 its peers are the other GPUs its row-split matrices and split layers reach into.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from llmx.models.common import Model
 from llmx.ops import PartialSum, RowSplit
+from llmx.ops.moe import on_grouped_kernels
 from llmx.quant.weight import QWeight
 from llmx.runtime.cache import KVCache
 from llmx.runtime.tensor_parallel import TensorParallel
@@ -57,7 +58,7 @@ def capturable(seg: Segment, model: Model, cache: KVCache) -> bool:
         if cache.k[i].device != seg.device:
             return False
         for _, value in model.layers[i].items():
-            if isinstance(value, QWeight) and value.experts:
+            if isinstance(value, QWeight) and value.experts and not on_grouped_kernels(value):
                 return False  # `ops.moe_ffn` reads how many tokens each expert has on the host
             devices = devices_of(value)
             on_gpus = isinstance(value, RowSplit) and all(d.type == "cuda" for d in devices)

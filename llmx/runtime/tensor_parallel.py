@@ -148,6 +148,7 @@ def deal(
     top: TensorGroup,
     groups: list[TensorGroup],
     reducers: list[Callable[[torch.Tensor], torch.Tensor]],
+    fused_moe: bool = True,
 ) -> list[Model]:
     """One model a GPU of a split, `Sharded` tensors dealt out and GPU j's column-cut matrices adding
     their products with `reducers[j]`; without reducers (no split) just the one model."""
@@ -163,6 +164,7 @@ def deal(
             config,
             top,
             [TensorGroup(f"blk.{i}.", {k: part(v, j) for k, v in g.items()}) for i, g in enumerate(groups)],
+            fused_moe,
         )
         for j in range(max(len(reducers), 1))
     ]
