@@ -105,8 +105,9 @@ def stream_bytes(model: ModelSpec, cpu_layers: list[int]) -> int:
 
 
 def _ffn_width(model: ModelSpec) -> int:
+    """The widest FFN activation a token makes: the dense FFN's, or its k routed experts' side by side."""
     c = model.config
-    return max(c.n_ff, c.n_ff_exp * max(c.n_expert_used, 1))
+    return max(c.n_ff, c.expert_width * max(c.n_expert_used, 1))
 
 
 def _attention_bytes(model: ModelSpec, ub: int, ctx: int, fused: bool) -> int:
