@@ -32,7 +32,7 @@ from llmx.plan.fit import plan as make_plan
 from llmx.plan.model import ModelSpec
 from llmx.plan.options import Options, options_from_kwargs
 from llmx.plan.placement import Plan
-from llmx.runtime.cache import CACHE_DTYPES, KVCache, LayerShape
+from llmx.runtime.cache import KVCache, LayerShape
 from llmx.runtime.devices import probe
 from llmx.runtime.executor import Executor
 from llmx.runtime.tensor_parallel import Rendezvous, TensorParallel, deal, exchange_reducers
@@ -130,12 +130,6 @@ def open_checked(path: str | os.PathLike, mmap: bool) -> tuple[ModelFile, ModelS
 def check_runnable(opts: Options) -> None:
     """Refuse the options llama.cpp has and this runtime cannot honour yet, before anything loads
     (`llmx plan` still plans with them: it loads nothing)."""
-    for flag, name in (("-ctk", opts.cache_type_k), ("-ctv", opts.cache_type_v)):
-        if name not in CACHE_DTYPES:
-            supported = ", ".join(CACHE_DTYPES)
-            raise LlmxError(
-                f"{flag} {name}: a quantized KV cache is not supported yet; use one of {supported}"
-            )
     if opts.attn_max_batch:
         raise LlmxError("-amb (--attention-max-batch) is not supported: llmx sizes attention scratch itself")
     if opts.mlock:

@@ -25,7 +25,7 @@ def test_probe_reports_every_visible_gpu():
     assert inv.cpu.total >= inv.cpu.free > 0
 
 
-@pytest.mark.parametrize("cache_type", ["f16", "bf16"])
+@pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0", "q4_0"])
 def test_planned_weights_and_kv_match_measured_allocations(tmp_path, cache_type):
     import torch
 

@@ -19,17 +19,24 @@ from __future__ import annotations
 
 import torch
 
-from llmx.quant import cpu_native
+from llmx.quant import QType, cpu_native
 
 
-def _takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the native kernel takes q [1, H, D] over cache rows k, v [N, Hk, D]."""
+def _kv_types(k: torch.Tensor, v: torch.Tensor, types: tuple[QType, QType] | None) -> tuple[str, str] | None:
+    """The native cache types of k and v: of `types` (GGUF blocks among them), or of float buffers'
+    dtypes (types None); None for a type the kernel lacks."""
+    names = (cpu_native.FLOAT_KV.get(k.dtype), cpu_native.FLOAT_KV.get(v.dtype)) if types is None else (
+        types[0].name, types[1].name)  # fmt: skip
+    return (names[0], names[1]) if all(n in cpu_native.KV_TYPES for n in names) else None
+
+
+def _takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, types: tuple[str, str] | None) -> bool:
+    """Whether the native kernel takes q [1, H, D] over cache rows k, v [N, Hk, row] of `types`."""
     n_head, head_dim = q.shape[1], q.shape[2]
+    blocks = any(t not in cpu_native.FLOAT_KV.values() for t in types or ())
     return (
-        k.dtype == v.dtype
-        and k.dtype in cpu_native.KV_TYPES
-        and k.shape[-1] == v.shape[-1] == head_dim
-        and head_dim % 8 == 0
+        types is not None
+        and head_dim % (32 if blocks else 8) == 0
         and head_dim <= cpu_native.MAX_HEAD_DIM
         and n_head % k.shape[1] == 0
         and k.is_contiguous()
@@ -39,21 +46,30 @@ def _takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q [1, H, D] float32 over k, v [N, Hk, D] (every key visible) -> [1, H * D] float32, or None
-    where the native kernel does not take this step."""
-    return cpu_native.decode_attention(q, k, v, scale) if _takes(q, k, v) else None
+    """q [1, H, D] float32 over float cache rows k, v [N, Hk, D] (every key visible) -> [1, H * D]
+    float32, or None where the native kernel does not take this step."""
+    types = _kv_types(k, v, None)
+    if not (_takes(q, k, v, types) and k.shape[-1] == v.shape[-1] == q.shape[-1]):
+        return None
+    assert types is not None
+    return cpu_native.decode_attention(q, k, v, types, scale)
 
 
 def rope_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neox: bool, cos: torch.Tensor, sin: torch.Tensor,
-    kc: torch.Tensor, vc: torch.Tensor, positions: torch.Tensor, n_read: int, scale: float,
+    kc: torch.Tensor, vc: torch.Tensor, types: tuple[QType, QType] | None, positions: torch.Tensor,
+    n_read: int, scale: float,
 ) -> torch.Tensor | None:  # fmt: skip
-    """`ops.rope_attention` for one float32 token whose cache kc, vc [rows, Hk, D] is on the CPU and
+    """`ops.rope_attention` for one float32 token whose cache kc, vc [rows, Hk, row] is on the CPU and
     not a wrapped ring, seeing every key of it: q [1, H, D], k and v [1, Hk, D] this step's, cos and
     sin [1, n_dims / 2] its RoPE angles (NeoX halves or adjacent pairs), `positions` [1] its
-    position -> [1, H * D], k rotated and stored with v in row positions[0]; None (nothing written)
-    where the native kernel does not take it. Only the cache (`runtime.cache.LayerWriter`) calls it."""
+    position -> [1, H * D], k rotated and stored with v in row positions[0] (`types`: the cache's
+    where either is GGUF blocks, else None); None (nothing written) where the native kernel does not
+    take it. Only the cache (`runtime.cache.LayerWriter`) calls it; its caller has checked that the
+    head widths of q, k, v and the cache agree."""
     slot = int(positions[0])
-    if not (_takes(q, kc, vc) and k.shape[-1] == q.shape[-1] and slot < n_read <= kc.shape[0]):
+    names = _kv_types(kc, vc, types)
+    if not (_takes(q, kc, vc, names) and slot < n_read <= kc.shape[0]):
         return None
-    return cpu_native.rope_store_attend(q, k, v, cos[0], sin[0], neox, kc, vc, slot, n_read, scale)
+    assert names is not None
+    return cpu_native.rope_store_attend(q, k, v, cos[0], sin[0], neox, kc, vc, names, slot, n_read, scale)

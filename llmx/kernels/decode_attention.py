@@ -3,8 +3,12 @@ grouped-query attention over the cache, flash-decoding style (split over the key
 
 The eager path (`Rope.apply`, the cache's `index_copy_`, `ops.attention`) costs ~25 small kernels a
 layer. Shapes (one token): q [1, H, D], k, v [1, Hk, D], cos/sin [1, n_dims/2] float32 (the step's
-RoPE tables), caches [R, Hk, D] (f16, bf16 or f32), `positions` [1] int64 on the same device. Position
-p lives in row p mod R: R is the context for most layers, a ring for sliding-window ones.
+RoPE tables), caches [R, Hk, D] (f16, bf16 or f32) or, for the block types, uint8 [R, Hk, D / 32 *
+block bytes] (GGUF blocks: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; K and V each their own type),
+`positions` [1] int64 on the same device. Position p lives in row p mod R: R is the context for most
+layers, a ring for sliding-window ones. A block type's rows are dequantized in the tile loads, and
+this step's key and value quantized in the kernel (the bytes of `llmx.quant.quantize`), so the
+row it attends to is the one stored.
 
 - `attention_kernel`, grid (Hk, S): program (kv head, split) rotates the G = H/Hk queries of its KV
   head and this step's key, then reads its share of the visible keys [lo, pos] (lo = 0, or
@@ -35,12 +39,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from llmx.quant import QType
+from llmx.quant.reference import IQ4_LEVELS
 from llmx.quant.triton import activation, launch
 from llmx.quant.triton.dot8 import store_quantized_block
 
 BLOCK_N = 64  # keys per loop step
 INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's, so tests split as it does
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# A cache type's code in the kernel (0: float, read in its dtype), ordered so that ranges name the
+# layouts' traits: Q5_0..Q5_1 have fifth bits, Q5_1..Q4_1 a minimum; then its block's bytes.
+Q8_0, Q4_0, IQ4_NL, Q5_0, Q5_1, Q4_1 = range(1, 7)
+_BLOCKS = {"Q8_0": (Q8_0, 34), "Q4_0": (Q4_0, 18), "IQ4_NL": (IQ4_NL, 18), "Q5_0": (Q5_0, 22),
+           "Q5_1": (Q5_1, 24), "Q4_1": (Q4_1, 20)}  # fmt: skip
 
 
 def decode_attention(
@@ -59,12 +70,14 @@ def decode_attention(
     scale: float | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    types: tuple[QType, QType] | None = None,
 ) -> torch.Tensor:
     """RoPE'd q [1, H, D] attending over cache rows 0..n_read-1 after k, v [1, Hk, D] (k rotated)
     are written at row positions[0]; keys j <= pos are visible (and j > pos - window with a window).
 
     Rotation as `ops.Rope.apply` with `n_dims` and `neox`; scores scaled by `scale` (default
-    1/sqrt(D)), then soft-capped to softcap * tanh(s / softcap) when `softcap` is set.
+    1/sqrt(D)), then soft-capped to softcap * tanh(s / softcap) when `softcap` is set. `types`:
+    the caches' (K's, V's) where either is GGUF blocks, None for float caches.
     Requires n_read > pos. Returns [1, H * D] in q's dtype.
     """
     _, n_head, d = q.shape
@@ -79,15 +92,24 @@ def decode_attention(
     # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
     # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth).
     stages = 1 if torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
+    (kt, kb), (vt, vb) = (_BLOCKS.get(t.name, (0, 0)) for t in types or ()) if types else ((0, 0), (0, 0))
+    # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache does
+    dot = (
+        tl.float32
+        if not q.is_cuda
+        else tl.float16
+        if k_cache.dtype == torch.uint8
+        else _TL_DTYPE[k_cache.dtype]
+    )
     pdl = launch.programmatic_launch(q.device)  # after the q/k/v GEMV: resident as it ends
     attention_kernel[(n_kv, splits)](
-        q, k, v, cos, sin, positions, k_cache, v_cache, partial, stats,
+        q, k, v, cos, sin, positions, k_cache, v_cache, partial, stats, _levels(q.device),
         q.stride(1), k.stride(1), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         n_read, k_cache.shape[0], window or 0, 1.0 / math.sqrt(d) if scale is None else scale,
         softcap or 1.0, splits,
         G=n_head // n_kv, D=d, N_DIMS=n_dims, NEOX=neox, WINDOW=window is not None,
-        SOFTCAP=softcap is not None, DOT=_TL_DTYPE[k_cache.dtype] if q.is_cuda else tl.float32,
+        SOFTCAP=softcap is not None, DOT=dot, KT=kt, KB=kb, VT=vt, VB=vb,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         WAIT=pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
@@ -99,6 +121,12 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
+
+
+@cache
+def _levels(device: torch.device) -> torch.Tensor:
+    """IQ4_NL's 16 levels as float32 on `device`, for the kernel to look codes up in."""
+    return torch.from_numpy(IQ4_LEVELS).float().to(device)
 
 
 @cache
@@ -144,12 +172,12 @@ def _dot(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def attention_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, part_ptr, stats_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, part_ptr, stats_ptr, levels_ptr,
     sq, sk, sv, skc_n, skc_h, svc_n, svc_h,
     n_read, n_rows, window, scale, softcap, n_splits,
     G: tl.constexpr, D: tl.constexpr, N_DIMS: tl.constexpr, NEOX: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, WAIT: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr,
+    VB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
     if WAIT:  # launched as a programmatic dependent (norm.rms_norm_kernel's note)
         gdc_wait()
@@ -170,8 +198,19 @@ def attention_kernel(
     heads = kvh * G + g
     qmask = gmask[:, None] & dmask[None, :]
     q = _rotate(q_ptr + heads[:, None] * sq, d[None, :], qmask, cos_ptr, sin_ptr, N_DIMS, NEOX)
-    k_new = _rotate(k_ptr + kvh * sk, d, dmask, cos_ptr, sin_ptr, N_DIMS, NEOX).to(kc_ptr.dtype.element_ty)
-    v_new = tl.load(v_ptr + kvh * sv + d, mask=dmask).to(vc_ptr.dtype.element_ty)
+    k_new = _rotate(k_ptr + kvh * sk, d, dmask, cos_ptr, sin_ptr, N_DIMS, NEOX)
+    v_new = tl.load(v_ptr + kvh * sv + d, mask=dmask, other=0.0).to(tl.float32)
+    # this step's row as the cache will hold it: rounded to its dtype, or quantized (codes kept to store)
+    if KT == 0:
+        k_new = k_new.to(kc_ptr.dtype.element_ty)
+    else:
+        k_codes, k_d, k_m = _quantize(k_new, levels_ptr, KT, BLOCK_D)
+        k_new = _blocks_value(k_codes, k_d, k_m, levels_ptr, KT, BLOCK_D)
+    if VT == 0:
+        v_new = v_new.to(vc_ptr.dtype.element_ty)
+    else:
+        v_codes, v_d, v_m = _quantize(v_new, levels_ptr, VT, BLOCK_D)
+        v_new = _blocks_value(v_codes, v_d, v_m, levels_ptr, VT, BLOCK_D)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
@@ -182,7 +221,7 @@ def attention_kernel(
         fresh = (rows == pos)[:, None]  # this step's row: from registers, not (yet) from the cache
         tile = rmask[:, None] & dmask[None, :]
         r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
-        keys = tl.load(kc_ptr + r64 * skc_n + kvh * skc_h + d[None, :], mask=tile, other=0.0)
+        keys = _load_rows(kc_ptr + r64 * skc_n + kvh * skc_h, d[None, :], tile, levels_ptr, KT, KB)
         keys = tl.where(fresh, k_new[None, :], keys)
         s = _dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
         # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
@@ -191,7 +230,7 @@ def attention_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a visible key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        values = tl.load(vc_ptr + r64 * svc_n + kvh * svc_h + d[None, :], mask=tile, other=0.0)
+        values = _load_rows(vc_ptr + r64 * svc_n + kvh * svc_h, d[None, :], tile, levels_ptr, VT, VB)
         values = tl.where(fresh, v_new[None, :], values)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p, values, DOT)
@@ -200,16 +239,151 @@ def attention_kernel(
     # The chunk holding pos stores this step's key and value. After the loop: the interpreter runs
     # programs one after another, and a store before it would hide a missing substitution from the
     # tests. (tl.where rather than `dmask & scalar`, which the interpreter turns into int32.)
-    mine = tl.where((start <= pos) & (pos < end), dmask, False)
+    holds_pos = (start <= pos) & (pos < end)
+    mine = tl.where(holds_pos, dmask, False)
     slot = (pos % n_rows).to(tl.int64)
-    tl.store(kc_ptr + slot * skc_n + kvh * skc_h + d, k_new, mask=mine)
-    tl.store(vc_ptr + slot * svc_n + kvh * svc_h + d, v_new, mask=mine)
+    if KT == 0:
+        tl.store(kc_ptr + slot * skc_n + kvh * skc_h + d, k_new, mask=mine)
+    else:
+        _store_blocks(kc_ptr + slot * skc_n + kvh * skc_h, k_codes, k_d, k_m, holds_pos, D, KT, KB, BLOCK_D)
+    if VT == 0:
+        tl.store(vc_ptr + slot * svc_n + kvh * svc_h + d, v_new, mask=mine)
+    else:
+        _store_blocks(vc_ptr + slot * svc_n + kvh * svc_h, v_codes, v_d, v_m, holds_pos, D, VT, VB, BLOCK_D)
 
     # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 in combine.
     base = heads * n_splits + split
     tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=qmask)
     tl.store(stats_ptr + base * 2, m_i, mask=gmask)
     tl.store(stats_ptr + base * 2 + 1, l_i, mask=gmask)
+
+
+# --- cache blocks: GGUF's layouts (ggml-common.h), read and written a head's row at a time -------------
+# Every block type here holds 32 values: an f16 scale d (Q4_1, Q5_1: then an f16 minimum m), Q5's 32
+# fifth bits (qh, a little-endian uint32), then codes: Q8_0's 32 int8, the others' 16 bytes of
+# nibbles (byte l: value l low, value l + 16 high), the block's last 16 bytes.
+
+
+@triton.jit
+def _f16_at(ptrs, mask):
+    """The f16 fields at byte pointers `ptrs` (even offsets), as float32."""
+    return tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_rows(row_ptrs, d, mask, levels_ptr, QT: tl.constexpr, QB: tl.constexpr):
+    """Values d of the cache rows at `row_ptrs` (a head's start in each row) as float32 (a block
+    type's dequantized: d * code (+ m), IQ4_NL's code its level), or in the cache's dtype."""
+    if QT == 0:
+        return tl.load(row_ptrs + d, mask=mask, other=0.0)
+    j = d % 32
+    block = row_ptrs + (d // 32) * QB
+    scale = _f16_at(block, mask)
+    if QT == Q8_0:
+        codes = tl.load((block + 2 + j).to(tl.pointer_type(tl.int8)), mask=mask, other=0)
+        return scale * codes.to(tl.float32)
+    code = (tl.load(block + (QB - 16) + j % 16, mask=mask, other=0).to(tl.int32) >> ((j // 16) * 4)) & 15
+    if QT >= Q5_0 and QT <= Q5_1:
+        qh = tl.load(block + (QB - 20) + j // 8, mask=mask, other=0).to(tl.int32)
+        code = code | (((qh >> (j % 8)) & 1) << 4)
+    if QT == IQ4_NL:
+        return scale * tl.load(levels_ptr + code)
+    if QT == Q4_0:
+        return scale * (code - 8).to(tl.float32)
+    if QT == Q5_0:
+        return scale * (code - 16).to(tl.float32)
+    return scale * code.to(tl.float32) + _f16_at(block + 2, mask)
+
+
+@triton.jit
+def _quantize(x, levels_ptr, QT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A head's values x [BLOCK_D] float32 as blocks: codes [BLOCK_D / 32, 32] int32 (unsigned but
+    Q8_0's; IQ4_NL's the level's index), d and m [BLOCK_D / 32] float32 (m 0 for the symmetric types),
+    rounded as `llmx.quant.quantize` (gguf's reference) rounds."""
+    xb = tl.reshape(x, (BLOCK_D // 32, 32))
+    j = tl.arange(0, 32)[None, :]
+    ax = tl.abs(xb)
+    amax = tl.max(ax, 1)
+    m = tl.zeros([BLOCK_D // 32], tl.float32)
+    if QT == Q8_0:
+        d = tl.math.div_rn(amax, 127.0)
+        v = xb * _inverse(d)[:, None]
+        a = tl.abs(v)
+        whole = tl.floor(a)
+        r = whole + tl.floor(2.0 * (a - whole))  # half away from zero, as roundf
+        codes = tl.where(v < 0, -r, r).to(tl.int32)
+    elif QT >= Q5_1:
+        levels: tl.constexpr = 16 if QT == Q4_1 else 32
+        m = tl.min(xb, 1)
+        d = tl.math.div_rn(tl.max(xb, 1) - m, levels - 1.0)
+        c = tl.floor((xb - m[:, None]) * _inverse(d)[:, None] + 0.5)
+        codes = tl.minimum(tl.maximum(c, 0.0), levels - 1.0).to(tl.int32)
+    else:  # the value of the largest magnitude (the first of equals) sets the scale
+        first = tl.min(tl.where(ax == amax[:, None], j, 32), 1)
+        vmax = tl.sum(tl.where(j == first[:, None], xb, 0.0), 1)
+        if QT == IQ4_NL:
+            d = tl.math.div_rn(vmax, -127.0)
+            v = xb * _inverse(d)[:, None]
+            codes = tl.zeros([BLOCK_D // 32, 32], tl.int32)
+            for i in tl.static_range(15):  # the nearest level, the upper of two as near (ggml's)
+                lo, hi = tl.load(levels_ptr + i), tl.load(levels_ptr + i + 1)
+                codes += tl.where(v - lo < hi - v, 0, 1)
+            level = tl.load(levels_ptr + codes)
+            w = xb * xb
+            sumqx, sumq2 = tl.sum(w * level * xb, 1), tl.sum(w * level * level, 1)
+            d = tl.where(sumq2 > 0, tl.math.div_rn(sumqx, tl.where(sumq2 > 0, sumq2, 1.0)), d)
+        else:
+            levels: tl.constexpr = 16 if QT == Q4_0 else 32
+            d = tl.math.div_rn(vmax, -(levels // 2) * 1.0)
+            c = tl.floor(xb * _inverse(d)[:, None] + (levels // 2 + 0.5))
+            codes = tl.minimum(tl.maximum(c, 0.0), levels - 1.0).to(tl.int32)
+    return codes, d.to(tl.float16).to(tl.float32), m.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _inverse(d):
+    return tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
+
+
+@triton.jit
+def _blocks_value(codes, d, m, levels_ptr, QT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What `_load_rows` reads back from `_quantize`'s blocks: [BLOCK_D] float32."""
+    if QT == IQ4_NL:
+        v = d[:, None] * tl.load(levels_ptr + codes)
+    elif QT == Q4_0:
+        v = d[:, None] * (codes - 8).to(tl.float32)
+    elif QT == Q5_0:
+        v = d[:, None] * (codes - 16).to(tl.float32)
+    elif QT == Q8_0:
+        v = d[:, None] * codes.to(tl.float32)
+    else:
+        v = d[:, None] * codes.to(tl.float32) + m[:, None]
+    return tl.reshape(v, (BLOCK_D,))
+
+
+@triton.jit
+def _store_blocks(row_ptr, codes, d, m, store, D, QT: tl.constexpr, QB: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_quantize`'s blocks of a head, at its start `row_ptr` in the cache row, where `store`; the
+    blocks past D (BLOCK_D > D) are not the row's."""
+    nb = tl.arange(0, BLOCK_D // 32)
+    mine = tl.where(store, nb * 32 < D, False)
+    block = row_ptr + nb * QB
+    tl.store(block.to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=mine)
+    j = tl.arange(0, 32)[None, :]
+    if QT == Q8_0:
+        tl.store((block[:, None] + 2 + j).to(tl.pointer_type(tl.int8)), codes.to(tl.int8), mask=mine[:, None])
+    else:
+        if QT >= Q5_1:
+            tl.store((block + 2).to(tl.pointer_type(tl.float16)), m.to(tl.float16), mask=mine)
+        shifted = (codes & 15) << ((j // 16) * 4)  # values l and l + 16 share byte l
+        packed = tl.sum(tl.reshape(shifted, (BLOCK_D // 32, 2, 16)), 1)
+        l16 = tl.arange(0, 16)[None, :]
+        tl.store(block[:, None] + (QB - 16) + l16, packed.to(tl.uint8), mask=mine[:, None])
+        if QT >= Q5_0 and QT <= Q5_1:
+            bits = ((codes >> 4) & 1) << (j % 8)
+            qh = tl.sum(tl.reshape(bits, (BLOCK_D // 32, 4, 8)), 2)
+            l4 = tl.arange(0, 4)[None, :]
+            tl.store(block[:, None] + (QB - 20) + l4, qh.to(tl.uint8), mask=mine[:, None])
 
 
 @triton.jit

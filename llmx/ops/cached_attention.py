@@ -15,8 +15,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from llmx.ops.block_attention import block_attention
 from llmx.ops.masks import ring_mask
 from llmx.ops.rope import Rope
+from llmx.quant import QType
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class LayerKV(Protocol):
     positions: torch.Tensor  # [T] this step's positions, on the buffers' device
     n_read: int  # attention reads rows 0..n_read-1 (a ring: all its rows)
     kernels: AttentionKernels
+    types: tuple[QType, QType] | None  # K's and V's types where either is GGUF blocks, whose raw rows
+    # `block_attention` reads; None: float buffers
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -97,6 +101,8 @@ def rope_attention(
     ring = cache.key_positions()
     if ring is not None:  # a sliding-window layer's ring: rows are not in position order
         mask = ring_mask(cache.positions, ring, window).to(q.device)  # --no-kv-offload: from the CPU
+    if cache.types is not None:
+        return block_attention(q, keys, values, cache.types, mask, scale, softcap)
     # A prompt batch ends at the last cached key, so its mask is causal aligned to the bottom right,
     # unless a sliding window cuts in; then a GPU can attend without materializing the scores.
     whole = window is None or cache.n_read <= window

@@ -1,7 +1,8 @@
 /* GEMV and row dequantization straight on GGUF's blocks, one token's attention over a KV cache, and
  * the sampler's top-k, for the CPU (built by cpu_native.py).
  *
- * Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (most GGUFs' matrices); f32, f16, bf16 caches.
+ * Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (most GGUFs' matrices); f32, f16, bf16 caches, and
+ * caches of GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), quantized as stored, read in tiles.
  *
  * Decode on the CPU is a race to read every weight byte once: a Q4_K matrix kept as GGUF stores it
  * is 0.5625 bytes a weight, against 0.75 for cpu_pack's float32-scaled form. Threads take chunks of
@@ -739,7 +740,54 @@ void llmx_rms_norm(const float *x, const float *delta, const float *w, float *su
 
 /* --- one token's attention over a KV cache ------------------------------------------------------ */
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3, KV_Q4_0 = 4, KV_Q4_1 = 5, KV_Q5_0 = 6, KV_Q5_1 = 7,
+       KV_IQ4_NL = 8 };
+
+/* Bytes of one head's d values in a cache row of `type` (block types: d / 32 blocks). */
+static inline int64_t kv_head_bytes(int type, int64_t d) {
+    static const int64_t block_bytes[] = {0, 0, 0, 34, 18, 20, 22, 24, 18};
+    return type == KV_F32 ? 4 * d : type <= KV_BF16 ? 2 * d : d / 32 * block_bytes[type];
+}
+
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* Q5_0: d (f16), qh (32 fifth bits, little-endian), 16 bytes of low nibbles as Q4_0's: q - 16.
+ * Q5_1: d, m (f16), qh, nibbles: d * q + m. */
+static void decode_q5(const uint8_t *b, float *out, int with_m) {
+    const float d = half_to_float(b), m = with_m ? half_to_float(b + 2) : 0.0f;
+    const uint8_t *qh = b + (with_m ? 4 : 2), *qs = qh + 4;
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    for (int l = 0; l < 16; l++) {
+        const int q0 = (qs[l] & 15) | (int)((h >> l) & 1) << 4, q1 = (qs[l] >> 4) | (int)((h >> (l + 16)) & 1) << 4;
+        out[l] = with_m ? d * (float)q0 + m : d * (float)(q0 - 16);
+        out[l + 16] = with_m ? d * (float)q1 + m : d * (float)(q1 - 16);
+    }
+}
+
+/* IQ4_NL: d (f16) and Q4_0's nibbles, each an index into IQ4_LEVELS. */
+static void decode_iq4_nl(const uint8_t *b, float *out) {
+    const float d = half_to_float(b);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * (float)IQ4_LEVELS[b[2 + l] & 15];
+        out[l + 16] = d * (float)IQ4_LEVELS[b[2 + l] >> 4];
+    }
+}
+
+/* A block-type cache row's d values as floats in out. */
+static void kv_blocks(const uint8_t *row, int type, int64_t d, float *out) {
+    const int64_t bytes = kv_head_bytes(type, 32);
+    for (int64_t i = 0; i < d; i += 32, row += bytes) {
+        switch (type) {
+        case KV_Q8_0: decode_q8_0(row, out + i); break;
+        case KV_Q4_0: decode_q4_0(row, out + i); break;
+        case KV_Q4_1: decode_q4_1(row, out + i); break;
+        case KV_Q5_0: decode_q5(row, out + i, 0); break;
+        case KV_Q5_1: decode_q5(row, out + i, 1); break;
+        default: decode_iq4_nl(row, out + i); break;
+        }
+    }
+}
 
 /* Element i of a cache row of the given type, as float. */
 static inline float kv_at(const void *row, int type, int64_t i) {
@@ -769,8 +817,12 @@ static inline __m256 kv8(const void *row, int type, int64_t i) {
 }
 #endif
 
-/* A cache row of `type` as d floats in `out` (d a multiple of 8). */
+/* A cache row of `type` as d floats in `out` (d a multiple of 8; of 32 for block types). */
 static inline void kv_row(const void *row, int type, int64_t d, float *out) {
+    if (type > KV_BF16) {
+        kv_blocks(row, type, d, out);
+        return;
+    }
 #ifdef LLMX_AVX2
     for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(out + i, kv8(row, type, i));
 #else
@@ -848,7 +900,7 @@ static inline float exp_shifted(float *s, int64_t n, float top) {
  * cannot fault). */
 static inline void tile_rows(const char *base, int64_t row_bytes, int type, int64_t d, int64_t j, int64_t t,
                              float rows[][MAX_HEAD_DIM]) {
-    const int64_t bytes = d * (type == KV_F32 ? 4 : 2);
+    const int64_t bytes = kv_head_bytes(type, d);
     for (int64_t r = 0; r < KEY_TILE; r++)
         for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + (j + KEY_TILE + r) * row_bytes + o);
     for (int64_t r = 0; r < KEY_TILE; r++) {
@@ -899,17 +951,18 @@ static inline void tile_values(float *og, int64_t og_stride, int64_t group, int6
     }
 }
 
-/* q [H, D] float32 (scaled), k and v [n, Hk, D] of `type`, every key visible -> out [H, D] float32.
+/* q [H, D] float32 (scaled), k and v [n, Hk, D] of type_k and type_v, every key visible -> out [H, D] float32.
  * The keys are cut into chunks, so that there are a few (KV head, chunk) items a thread; each item
  * reads its keys and values once, converting each row once for the H / Hk query heads of its group,
  * and leaves per query head its scores' maximum, the sum of their exponentials and the unnormalized
  * weighted sum of its values; the chunks of a head are then combined (as flash-decoding does).
- * `scratch` holds H * n floats. Returns 0, or -1 for D not a multiple of 8 (or above MAX_HEAD_DIM),
- * H not a multiple of Hk, or no memory. */
-int llmx_decode_attention(const float *q, const void *k, const void *v, int type, int64_t n, int64_t n_head,
-                          int64_t n_kv, int64_t d, float *scratch, float *out, int threads) {
+ * `scratch` holds H * n floats. Returns 0, or -1 for D not a multiple of 8 (of 32 for a block type, or
+ * above MAX_HEAD_DIM), H not a multiple of Hk, or no memory. */
+int llmx_decode_attention(const float *q, const void *k, const void *v, int type_k, int type_v, int64_t n,
+                          int64_t n_head, int64_t n_kv, int64_t d, float *scratch, float *out, int threads) {
     if (d % 8 != 0 || d > MAX_HEAD_DIM || n_head % n_kv != 0 || n < 1) return -1;
-    const int64_t group = n_head / n_kv, elem = type == KV_F32 ? 4 : 2, row_bytes = n_kv * d * elem;
+    if ((type_k > KV_BF16 || type_v > KV_BF16) && d % 32 != 0) return -1;
+    const int64_t group = n_head / n_kv, k_head = kv_head_bytes(type_k, d), v_head = kv_head_bytes(type_v, d);
     int64_t chunks = (4 * threads + n_kv - 1) / n_kv;  /* about four items a thread ... */
     if (chunks > (n + 63) / 64) chunks = (n + 63) / 64; /* ... of 64 keys or more */
     if (chunks < 1) chunks = 1;
@@ -920,12 +973,12 @@ int llmx_decode_attention(const float *q, const void *k, const void *v, int type
     for (int64_t h = 0; h < n_kv; h++) {
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t j0 = c * len, j1 = j0 + len < n ? j0 + len : n;
-            const char *kh = (const char *)k + h * d * elem, *vh = (const char *)v + h * d * elem;
+            const char *kh = (const char *)k + h * k_head, *vh = (const char *)v + h * v_head;
             const float *qh = q + h * group * d;
             float *s = scratch + h * group * n, rows[KEY_TILE][MAX_HEAD_DIM];
             for (int64_t j = j0; j < j1; j += KEY_TILE) {
                 const int64_t t = j1 - j < KEY_TILE ? j1 - j : KEY_TILE;
-                tile_rows(kh, row_bytes, type, d, j, t, rows);
+                tile_rows(kh, n_kv * k_head, type_k, d, j, t, rows);
                 tile_scores(qh, group, d, rows, t, s + j, n);
             }
             float *og = part + (h * group * chunks + c) * (d + 2);
@@ -943,7 +996,7 @@ int llmx_decode_attention(const float *q, const void *k, const void *v, int type
             }
             for (int64_t j = j0; j < j1; j += KEY_TILE) {
                 const int64_t t = j1 - j < KEY_TILE ? j1 - j : KEY_TILE;
-                tile_rows(vh, row_bytes, type, d, j, t, rows);
+                tile_rows(vh, n_kv * v_head, type_v, d, j, t, rows);
                 tile_values(og, og_stride, group, d, rows, t, s + j, n);
             }
         }
@@ -1006,6 +1059,100 @@ static inline void store_kv(float f, int type, void *out) {
     memcpy(out, &h, 2);
 }
 
+/* --- quantize-on-store: a head's d floats as cache blocks, the bytes of llmx/quant/quantize.py --- */
+
+/* Contraction into fused multiply-adds would round x * id + 8.5 once instead of twice, and move codes
+ * off gguf's at rounding ties: GCC takes the attribute, clang the pragma. */
+#pragma STDC FP_CONTRACT OFF
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_FMA
+#endif
+
+/* 32 codes: byte l holds code l (low nibble) and code l + 16 (high); for five-bit codes their fifth
+ * bits go to qh (bit l of a little-endian uint32). */
+static inline void pack_codes(const uint8_t q[32], uint8_t *qs, uint8_t *qh) {
+    uint32_t h = 0;
+    for (int l = 0; l < 16; l++) {
+        qs[l] = (uint8_t)((q[l] & 15) | (q[l + 16] & 15) << 4);
+        h |= (uint32_t)(q[l] >> 4) << l | (uint32_t)(q[l + 16] >> 4) << (l + 16);
+    }
+    if (qh != NULL) memcpy(qh, &h, 4);
+}
+
+/* The first of the block's values of the largest magnitude. */
+static inline float largest(const float *x) {
+    float amax = 0.0f, vmax = 0.0f;
+    for (int l = 0; l < 32; l++) {
+        if (amax < fabsf(x[l])) {
+            amax = fabsf(x[l]);
+            vmax = x[l];
+        }
+    }
+    return vmax;
+}
+
+/* One block of 32 floats of `type` at b. */
+NO_FMA static void quantize_block(const float *x, int type, uint8_t *b) {
+    uint8_t q[32];
+    if (type == KV_Q8_0) {
+        float amax = 0.0f;
+        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(x[l]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        store_kv(d, KV_F16, b);
+        for (int l = 0; l < 32; l++) ((int8_t *)b)[2 + l] = (int8_t)roundf(x[l] * id);
+    } else if (type == KV_Q4_0 || type == KV_Q5_0) {
+        const int levels = type == KV_Q4_0 ? 16 : 32;
+        const float d = largest(x) / (float)(-levels / 2), id = d != 0.0f ? 1.0f / d : 0.0f;
+        store_kv(d, KV_F16, b);
+        for (int l = 0; l < 32; l++) {
+            const int c = (int)(x[l] * id + ((float)(levels / 2) + 0.5f));
+            q[l] = (uint8_t)(c < 0 ? 0 : c > levels - 1 ? levels - 1 : c);
+        }
+        pack_codes(q, b + (type == KV_Q4_0 ? 2 : 6), type == KV_Q4_0 ? NULL : b + 2);
+    } else if (type == KV_Q4_1 || type == KV_Q5_1) {
+        const int levels = type == KV_Q4_1 ? 16 : 32;
+        float lo = x[0], hi = x[0];
+        for (int l = 1; l < 32; l++) {
+            lo = x[l] < lo ? x[l] : lo;
+            hi = x[l] > hi ? x[l] : hi;
+        }
+        const float d = (hi - lo) / (float)(levels - 1), id = d != 0.0f ? 1.0f / d : 0.0f;
+        store_kv(d, KV_F16, b);
+        store_kv(lo, KV_F16, b + 2);
+        for (int l = 0; l < 32; l++) {
+            const int c = (int)((x[l] - lo) * id + 0.5f);
+            q[l] = (uint8_t)(c < 0 ? 0 : c > levels - 1 ? levels - 1 : c);
+        }
+        pack_codes(q, b + (type == KV_Q4_1 ? 4 : 8), type == KV_Q4_1 ? NULL : b + 4);
+    } else { /* IQ4_NL: the nearest level (the upper of two as near), then d refit by weighted least squares */
+        float d = largest(x) / (float)IQ4_LEVELS[0], sumqx = 0.0f, sumq2 = 0.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int l = 0; l < 32; l++) {
+            const float v = x[l] * id;
+            int c = 0;
+            for (int i = 0; i < 15; i++) c += !(v - (float)IQ4_LEVELS[i] < (float)IQ4_LEVELS[i + 1] - v);
+            q[l] = (uint8_t)c;
+            const float level = (float)IQ4_LEVELS[c], w = x[l] * x[l];
+            sumqx += w * level * x[l];
+            sumq2 += w * level * level;
+        }
+        store_kv(sumq2 > 0.0f ? sumqx / sumq2 : d, KV_F16, b);
+        pack_codes(q, b + 2, NULL);
+    }
+}
+
+/* A head's d floats (x) as a cache row's part of `type` at out. */
+static void store_head(const float *x, int type, int64_t d, char *out) {
+    if (type <= KV_BF16) {
+        const int64_t elem = type == KV_F32 ? 4 : 2;
+        for (int64_t i = 0; i < d; i++) store_kv(x[i], type, out + i * elem);
+        return;
+    }
+    for (int64_t i = 0; i < d; i += 32) quantize_block(x + i, type, (uint8_t *)out + i / 32 * kv_head_bytes(type, 32));
+}
+
 /* x [D] rotated in place by RoPE's angles (cos, sin [n_dims / 2]): pairs (x[2i], x[2i+1]) as GGML
  * rotates them, or (x[i], x[i + n_dims / 2]) in NeoX's mode; elements past n_dims untouched. */
 static inline void rope_in_place(float *x, const float *cos, const float *sin, int64_t n_dims, int neox) {
@@ -1019,16 +1166,17 @@ static inline void rope_in_place(float *x, const float *cos, const float *sin, i
 }
 
 /* One token's attention step on the CPU, whole: q [H, D] and k [Hk, D] (float32, this step's) rotated
- * by RoPE, q scaled, k and v [Hk, D] stored as cache row `slot` of kc and vc (`type`), then
+ * by RoPE, q scaled, k and v [Hk, D] stored as cache row `slot` of kc and vc (type_k, type_v), then
  * llmx_decode_attention over the cache's first n rows (every key visible). q and k stay as they are:
  * the rotated q goes to scratch's last H * D floats (scratch holds H * (n + D)), each rotated key head
  * to the stack on its way into the cache. The step costs one call instead of some twenty torch ops.
  * Returns as llmx_decode_attention. */
 int llmx_rope_store_attend(const float *q, const float *k, const float *v, const float *cos, const float *sin,
-                           int64_t n_dims, int neox, void *kc, void *vc, int type, int64_t slot, int64_t n,
+                           int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v, int64_t slot, int64_t n,
                            int64_t n_head, int64_t n_kv, int64_t d, float scale, float *scratch, float *out,
                            int threads) {
     if (n_dims > d || n_dims % 2 != 0 || slot < 0 || slot >= n || d > MAX_HEAD_DIM) return -1;
+    if ((type_k > KV_BF16 || type_v > KV_BF16) && d % 32 != 0) return -1;
     float *qs = scratch + n_head * n, kh[MAX_HEAD_DIM];
     for (int64_t h = 0; h < n_head; h++) {
         float *qh = qs + h * d;
@@ -1036,15 +1184,15 @@ int llmx_rope_store_attend(const float *q, const float *k, const float *v, const
         rope_in_place(qh, cos, sin, n_dims, neox);
         for (int64_t i = 0; i < d; i++) qh[i] *= scale;
     }
-    const int64_t elem = type == KV_F32 ? 4 : 2;
-    char *krow = (char *)kc + slot * n_kv * d * elem, *vrow = (char *)vc + slot * n_kv * d * elem;
+    const int64_t k_head = kv_head_bytes(type_k, d), v_head = kv_head_bytes(type_v, d);
+    char *krow = (char *)kc + slot * n_kv * k_head, *vrow = (char *)vc + slot * n_kv * v_head;
     for (int64_t h = 0; h < n_kv; h++) {
         memcpy(kh, k + h * d, sizeof(float) * (size_t)d);
         rope_in_place(kh, cos, sin, n_dims, neox);
-        for (int64_t i = 0; i < d; i++) store_kv(kh[i], type, krow + (h * d + i) * elem);
+        store_head(kh, type_k, d, krow + h * k_head);
+        store_head(v + h * d, type_v, d, vrow + h * v_head);
     }
-    for (int64_t i = 0; i < n_kv * d; i++) store_kv(v[i], type, vrow + i * elem);
-    return llmx_decode_attention(qs, kc, vc, type, n, n_head, n_kv, d, scratch, out, threads);
+    return llmx_decode_attention(qs, kc, vc, type_k, type_v, n, n_head, n_kv, d, scratch, out, threads);
 }
 
 /* --- the sampler's top-k ------------------------------------------------------------------------ */

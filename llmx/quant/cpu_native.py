@@ -73,8 +73,8 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
     lib.llmx_swiglu.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, ptr, i64, i64, i64, i64, ptr, i32]
-    lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, ptr, ptr, i32]
-    lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i64, i64]
+    lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i64, i64]
     lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, ctypes.c_float, ptr, ptr, i32]
     lib.llmx_rope_store_attend.restype = i32
     lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
@@ -297,34 +297,29 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, ids
 
 
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # cpu_blocks.c's cache types
+# cpu_blocks.c's cache types: GGML type names (a float cache's from its dtype, `kv_type`)
+KV_TYPES = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_1": 5, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 8}
+FLOAT_KV = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 MAX_HEAD_DIM = 512  # cpu_blocks.c's MAX_HEAD_DIM
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One token's attention: q [1, H, D] float32 over k, v [N, Hk, D] (a contiguous cache prefix of a
-    type in KV_TYPES, every key visible) -> [1, H * D] float32. Each key and value is read once, in
-    the cache's own type."""
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, types: tuple[str, str], scale: float
+) -> torch.Tensor:
+    """One token's attention: q [1, H, D] float32 over k, v [N, Hk, row] (contiguous cache prefixes of
+    the KV_TYPES `types`, every key visible) -> [1, H * D] float32. Each key and value is read once,
+    in the cache's own type."""
     lib = _library()
     _, n_head, d = q.shape
     n, n_kv = k.shape[0], k.shape[1]
-    assert lib is not None and k.dtype == v.dtype and k.is_contiguous() and v.is_contiguous()
+    assert lib is not None and k.is_contiguous() and v.is_contiguous()
     qs = (q.reshape(n_head, d) * scale).contiguous()
     out = torch.empty(1, n_head * d, dtype=torch.float32)
     scratch = torch.empty(n_head * n, dtype=torch.float32)
     err = lib.llmx_decode_attention(
-        qs.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        KV_TYPES[k.dtype],
-        n,
-        n_head,
-        n_kv,
-        d,
-        scratch.data_ptr(),
-        out.data_ptr(),
-        _threads(lib),
-    )
+        qs.data_ptr(), k.data_ptr(), v.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]], n, n_head, n_kv,
+        d, scratch.data_ptr(), out.data_ptr(), _threads(lib),
+    )  # fmt: skip
     assert err == 0, (n_head, n_kv, d)
     return out
 
@@ -338,26 +333,26 @@ def rope_store_attend(
     neox: bool,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    types: tuple[str, str],
     slot: int,
     n: int,
     scale: float,
 ) -> torch.Tensor:
     """One token's attention step in one call: q [1, H, D] and k [1, Hk, D] float32 rotated by RoPE
-    (cos, sin [n_dims / 2] float32), k and v [1, Hk, D] stored as row `slot` of the caches [rows, Hk,
-    D] (contiguous, of a type in KV_TYPES), then attention over their first n rows (every key
-    visible) -> [1, H * D] float32."""
+    (cos, sin [n_dims / 2] float32), k and v [1, Hk, D] stored (quantized, for a block type) as row
+    `slot` of the caches [rows, Hk, row] (contiguous, of the KV_TYPES `types`), then attention over
+    their first n rows (every key visible) -> [1, H * D] float32."""
     lib = _library()
     _, n_head, d = q.shape
     n_kv = k.shape[1]
-    assert lib is not None and k_cache.dtype == v_cache.dtype
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert lib is not None and k_cache.is_contiguous() and v_cache.is_contiguous()
     qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(1, n_head * d, dtype=torch.float32)
     scratch = torch.empty(n_head * (n + d), dtype=torch.float32)  # scores, then the rotated q
     err = lib.llmx_rope_store_attend(
         qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
-        int(neox), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype], slot, n,
+        int(neox), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]], slot, n,
         n_head, n_kv, d, scale, scratch.data_ptr(), out.data_ptr(), _threads(lib),
     )  # fmt: skip
     assert err == 0, (n_head, n_kv, d, slot, n)

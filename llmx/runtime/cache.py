@@ -1,12 +1,16 @@
 """KV cache: one key and one value buffer per layer, allocated on that layer's device.
 
-Buffers are [rows, Hk, D] in the cache type (`-ctk`/`-ctv`): the whole context, or for a
-sliding-window layer a ring of the plan's `kv_rows` (position p in row p mod rows). Attention reads
-the valid prefix, or the whole ring with each row's position.
+Buffers are [rows, Hk, D] in the cache type (`-ctk`/`-ctv`, K and V each their own): float
+numbers, or for the block types (q8_0, q4_0, ...) uint8 [rows, Hk, D / 32 * block bytes], each
+head's D values as GGUF blocks, so the bytes are llama.cpp's and the plan's. Rows are the whole
+context, or for a sliding-window layer a ring of the plan's `kv_rows` (position p in row p mod
+rows). Attention reads the valid prefix, or the whole ring with each row's position.
 
 The cache is the only writer of its buffers: a step's keys and values go in through its layer
 object (`LayerWriter`), either stored by it or by the fused kernel it runs (`rope_store_attend`),
 which rotates, stores and attends in one call. It holds the attention kernels chosen at load.
+Block types are quantized as they are stored (by the fused kernels, or by `BlockWriter` for the
+step's rows only) and dequantized by the kernels that read them.
 """
 
 from __future__ import annotations
@@ -19,19 +23,24 @@ import torch
 from llmx.errors import LlmxError
 from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels, native_cpu_decode
 from llmx.ops.rope import Rope
+from llmx.quant import F16, QType, qtype
+from llmx.quant.quantize import KV_BLOCK_TYPES, quantize
+from llmx.quant.torch_ops import FLOAT_DTYPES
 from llmx.quant.triton.launch import has_triton
 
-CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+CACHE_TYPES = tuple(name.lower() for name in (*FLOAT_DTYPES, *KV_BLOCK_TYPES))  # what the runtime holds
 
 
-def cache_dtype(name: str) -> torch.dtype:
-    try:
-        return CACHE_DTYPES[name]
-    except KeyError:
-        raise LlmxError(
-            f"KV cache type {name!r} is not supported by the runtime yet; use one of "
-            f"{', '.join(CACHE_DTYPES)}"
-        ) from None
+def cache_type(name: str) -> QType:
+    if name not in CACHE_TYPES:
+        supported = ", ".join(CACHE_TYPES)
+        raise LlmxError(f"KV cache type {name!r} is not supported by the runtime; use one of {supported}")
+    return qtype(name)
+
+
+def head_dim(buffer: torch.Tensor, qt: QType) -> int:
+    """The values a head holds in a row of `buffer` [rows, Hk, row] of type `qt`."""
+    return buffer.shape[-1] if qt.is_float else buffer.shape[-1] // qt.block_bytes * qt.block_elems
 
 
 @dataclass(frozen=True)
@@ -55,14 +64,18 @@ class KVCache:
         kernels: AttentionKernels = DEFAULT_KERNELS,
     ) -> None:
         self.n_ctx, self.kernels = n_ctx, kernels
-        dk, dv = cache_dtype(type_k), cache_dtype(type_v)
+        self.types = cache_type(type_k), cache_type(type_v)
+        # chosen once: float caches keep the plain writer, with no per-step test of the type
+        self.blocks = not all(t.is_float for t in self.types)
 
-        def buffer(s: LayerShape, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        def buffer(s: LayerShape, dim: int, qt: QType) -> torch.Tensor:
             rows = min(s.rows or n_ctx, n_ctx)
-            return torch.zeros(rows, s.n_head_kv, dim, dtype=dtype, device=s.device)
+            if qt.is_float:
+                return torch.zeros(rows, s.n_head_kv, dim, dtype=FLOAT_DTYPES[qt.name], device=s.device)
+            return torch.zeros(rows, s.n_head_kv, qt.row_bytes(dim), dtype=torch.uint8, device=s.device)
 
-        self.k = [buffer(s, s.k_dim, dk) for s in layers]
-        self.v = [buffer(s, s.v_dim, dv) for s in layers]
+        self.k = [buffer(s, s.k_dim, self.types[0]) for s in layers]
+        self.v = [buffer(s, s.v_dim, self.types[1]) for s in layers]
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +86,8 @@ class KVCache:
         kc = self.k[layer]
         if positions.device != kc.device:  # --no-kv-offload: a GPU layer's cache lives on the CPU
             positions = positions.to(kc.device)
+        if self.blocks:
+            return BlockWriter(kc, self.v[layer], positions, n_read, self.kernels, self.types)
         return LayerWriter(kc, self.v[layer], positions, n_read, self.kernels)
 
 
@@ -86,6 +101,9 @@ class LayerWriter:
     positions: torch.Tensor
     n_read: int
     kernels: AttentionKernels = DEFAULT_KERNELS
+    # K's and V's cache types where either is GGUF blocks (a `BlockWriter`); None: float buffers,
+    # whose dtypes say their types
+    types: tuple[QType, QType] | None = None
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v [T, Hk, D]; the first `n_read` rows (of a ring: all of them, see
@@ -113,23 +131,23 @@ class LayerWriter:
         softcap: float | None,
     ) -> torch.Tensor | None:  # fmt: skip
         """`ops.rope_attention` of one token in one fused kernel: q [1, H, D] and this step's k, v
-        [1, Hk, D] -> [1, H * D], k rotated and stored with v at `positions`. Triton's kernel
-        (`kernels.decode_attention`) where everything lives on one GPU, the native one
-        (`kernels.cpu_attention`) for a float32 CPU step over its whole cache; None, nothing
-        written, where neither takes the step or `kernels.decode` is "off"."""
+        [1, Hk, D] -> [1, H * D], k rotated and stored (quantized, for a block type) with v at
+        `positions`. Triton's kernel (`kernels.decode_attention`) where everything lives on one GPU,
+        the native one (`kernels.cpu_attention`) for a float32 CPU step over its whole cache; None,
+        nothing written, where neither takes the step or `kernels.decode` is "off"."""
         if self._triton_takes(q, v):
             from llmx.kernels.decode_attention import decode_attention
 
             return decode_attention(
-                q, k, v, cos, sin, self.k, self.v, self.positions, self.n_read,
+                q, k, v, cos, sin, self.k, self.v, self.positions, self.n_read, types=self.types,
                 n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
             )  # fmt: skip
-        if self._native_takes(q, mask, softcap):
+        if self._native_takes(q, v, mask, softcap):
             from llmx.kernels import cpu_attention
 
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
             return cpu_attention.rope_decode_attention(
-                q, k, v, rope.neox, cos, sin, self.k, self.v, self.positions, self.n_read, scale
+                q, k, v, rope.neox, cos, sin, self.k, self.v, self.types, self.positions, self.n_read, scale
             )
         return None
 
@@ -142,11 +160,39 @@ class LayerWriter:
         if mode == "auto" and not (q.is_cuda and has_triton()):
             return False
         one_device = q.device == self.k.device == self.v.device == self.positions.device
-        return one_device and q.shape[-1] == v.shape[-1] == self.k.shape[-1] == self.v.shape[-1]
+        dk, dv = self.head_dims()
+        return one_device and q.shape[-1] == v.shape[-1] == dk == dv
 
-    def _native_takes(self, q: torch.Tensor, mask: torch.Tensor | None, softcap: float | None) -> bool:
+    def head_dims(self) -> tuple[int, int]:
+        """The values a key head and a value head hold."""
+        if self.types is None:
+            return self.k.shape[-1], self.v.shape[-1]
+        return head_dim(self.k, self.types[0]), head_dim(self.v, self.types[1])
+
+    def _native_takes(
+        self, q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, softcap: float | None
+    ) -> bool:
         """Whether the native CPU kernel may run this step: as `ops.attention`'s native decode, with
         its cache on the CPU too."""
         if self.kernels.decode == "off" or softcap is not None:
             return False
-        return native_cpu_decode(q, self.k, mask) and self.positions.device.type == "cpu"
+        widths = q.shape[-1] == v.shape[-1] == self.head_dims()[0] == self.head_dims()[1]
+        return widths and native_cpu_decode(q, self.k, mask) and self.positions.device.type == "cpu"
+
+
+@dataclass(frozen=True)
+class BlockWriter(LayerWriter):
+    """A layer's cache where K or V (or both) are GGUF blocks (`types`): the step's rows are
+    quantized as they are stored, and the rows read come back raw, for `ops.block_attention`."""
+
+    types: tuple[QType, QType] = (F16, F16)
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v [T, Hk, D]; the first `n_read` raw rows (of a ring: all), on k's
+        device: for --no-kv-offload a GPU layer reads blocks over the bus, not floats."""
+        rows = self.k.shape[0]
+        slots = self.positions if self.n_read <= rows else self.positions % rows
+        for buffer, x, qt in ((self.k, k, self.types[0]), (self.v, v, self.types[1])):
+            stored = x.to(buffer.dtype) if qt.is_float else quantize(x, qt)
+            buffer.index_copy_(0, slots, stored.to(buffer.device))
+        return self.k[: self.n_read].to(k.device), self.v[: self.n_read].to(v.device)
