@@ -302,7 +302,7 @@ _ARGUMENTS: list[tuple[tuple[str, ...], str, str | None, str, dict[str, Any]]] =
         ("-ctk", "--cache-type-k"),
         "cache_type_k",
         "TYPE",
-        f"K cache type: {', '.join(CACHE_TYPES)} (run: f32, f16, bf16)",
+        f"K cache type: {', '.join(CACHE_TYPES)}",
         {},
     ),
     (("-ctv", "--cache-type-v"), "cache_type_v", "TYPE", "V cache type (default f16)", {}),
