@@ -337,9 +337,14 @@ def test_a_cpu_step_counts_the_bytes_of_the_experts_a_token_uses(tiny):
 
 # --- on a GPU -----------------------------------------------------------------------------------
 
-# ||GPU - transformers|| / ||transformers|| over every position's logits: the grouped expert kernels
-# multiply prompts on tf32 tensor cores, as test_gpu.py's LOGITS_TOL explains for the dense ones.
-GPU_LOGITS_TOL = 1e-2
+# A GPU multiplies prompts on tensor cores and decodes quantized weights on int8-quantized x (as
+# test_gpu.py's LOGITS_TOL explains), so its logits differ from the CPU's by ~1e-3; where a token's
+# k-th and (k+1)-th experts are nearly tied, that is enough to route it elsewhere, which moves its row
+# of logits by ~1. So the checks are per row: most rows within ROW_TOL, and a greedy step compared only
+# where its top two logits are DECISIVE apart (random tiny models have near-ties a few steps in).
+ROW_TOL = 1e-2
+MOST_ROWS = 0.9
+DECISIVE = 0.05
 GPU_PLACEMENTS = {
     "all-gpu": dict(n_gpu_layers="all"),
     "no-fmoe": dict(n_gpu_layers="all", no_fused_moe=True),
@@ -349,19 +354,32 @@ GPU_PLACEMENTS = {
 }
 
 
+def forced_logits(model: LoadedModel, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Every prompt position's logits, then each decode step's with `tokens` fed in turn (the same
+    path whatever the model would pick): [len(prompt) + len(tokens) - 1, vocab], float64."""
+    engine = model.engine
+    engine.reset()
+    rows = [engine.prefill(prompt, all_logits=True)]
+    rows += [engine.decode(t).reshape(1, -1) for t in tokens[:-1]]
+    return torch.cat(rows).double()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiny", [(a, t) for a in TINY_MOE_SHAPES for t in ("Q8_0", "Q4_K_M")], indirect=True,
                          ids="-".join)  # fmt: skip
 @pytest.mark.parametrize("placement", GPU_PLACEMENTS.values(), ids=GPU_PLACEMENTS)
 def test_gpu_placements_keep_the_logits_and_tokens(tiny, placement):
     model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **placement)
-    executor = model.engine.executor
     if "cpu_moe" not in placement and "n_cpu_moe" not in placement and "override_tensor" not in placement:
-        assert all(executor._graphable)  # the routing stays on the GPU: decode steps replay graphs
-    for ids, expected, tokens in zip(tiny.prompts, tiny.logits, tiny.greedy, strict=True):
-        model.engine.reset()
-        logits = model.engine.prefill(ids, all_logits=True)
-        err = ((logits - expected).norm() / expected.norm()).item()
-        assert err < GPU_LOGITS_TOL, f"{len(ids)}-token prompt: relative logits error {err:.2e}"
-        model.engine.reset()
-        assert list(model.engine.generate(ids, N_GREEDY, greedy)) == tokens
+        assert all(model.engine.executor._graphable)  # the routing stays on the GPU: decode replays graphs
+    for prompt, tokens in zip(tiny.prompts, tiny.greedy, strict=True):
+        want = forced_logits(tiny.model, prompt, tokens)  # the CPU's, equal to transformers' (above)
+        got = forced_logits(model, prompt, tokens)
+        rows = (got - want).norm(dim=-1) / want.norm(dim=-1)
+        within = (rows < ROW_TOL).double().mean().item()
+        assert within >= MOST_ROWS, f"{len(prompt)}-token prompt: {within:.0%} of rows within {ROW_TOL}"
+        steps = want[len(prompt) - 1 :]
+        top2 = steps.topk(2, dim=-1).values
+        decisive = top2[:, 0] - top2[:, 1] > DECISIVE
+        assert decisive.sum() >= len(tokens) // 2
+        assert torch.equal(got[len(prompt) - 1 :].argmax(-1)[decisive], steps.argmax(-1)[decisive])
