@@ -172,6 +172,7 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
         torch.device(plan.device_of("token_embd.weight")),
         torch.device(plan.device_of("output_norm.weight")),
         op_offload=torch.device(plan.op_offload) if plan.op_offload else None,
+        stage_experts=not opts.no_op_offload,
         split=split,
     )
     engine = Engine(executor, ubatch=opts.n_ubatch)

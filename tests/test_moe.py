@@ -14,13 +14,19 @@ Hugging Face transformers.
 - Placement: `--cpu-moe` and `-ot exps=CPU` plans put exactly the expert stacks on the CPU, the loaded
   weights are where the plan says, and the tokens do not change; `llmx plan` on a MoE file for a
   GPU box keeps the experts in RAM.
+- Experts in RAM under GPU layers: the layers a captured decode step leaves the GPU at, the crossing
+  `moe_ffn` hands such an x to, and a prompt's staged experts (a compact stack of the used ones, ids
+  renumbered, the threshold's arithmetic); on a GPU, decode replays graphs in pieces around them and
+  a prompt copies exactly the experts its routing chose.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -45,15 +51,23 @@ from llmx.bench.blocks import random_data
 from llmx.cli import main
 from llmx.errors import LlmxError
 from llmx.gguf import open_gguf
+from llmx.measured import remembered
 from llmx.model_config import ModelConfig
+from llmx.models import common
+from llmx.models.common import TensorGroup
 from llmx.models.layout import check_tensors
 from llmx.models.qwen_moe import QwenMoe
 from llmx.ops import moe_ffn, route
+from llmx.ops.moe import crossing
 from llmx.plan.shapes import ModelShape
 from llmx.quant import qtype
 from llmx.quant.triton import layout
 from llmx.quant.weight import QWeight, as_matrix, dequantize, prepare_cpu
+from llmx.runtime import expert_staging
 from llmx.runtime.counters import host_reads
+from llmx.runtime.expert_staging import compact_ids, compact_stack, runs, tokens_worth_staging
+from llmx.runtime.offload import NEVER, THRESHOLD_FILE
+from llmx.runtime.segments import Segment, host_expert_layers
 
 OPTIONS = dict(cache_type_k="f32", cache_type_v="f32", threads=1)  # as test_models.py, and why
 TYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
@@ -155,6 +169,98 @@ def test_an_expert_stack_of_the_wrong_shape_is_one_line_naming_it(tmp_path):
     ):
         check_tensors(path.name, bad, tensors, QwenMoe.layer_tensors(bad))
     check_tensors(path.name, config, tensors, QwenMoe.layer_tensors(config))
+
+
+# --- experts in RAM under GPU layers --------------------------------------------------------------
+
+
+def stacks(name: str, n_expert: int, seed: int) -> tuple[QWeight, QWeight, QWeight]:
+    """A layer's gate, up and down stacks of 256-wide experts."""
+    shapes = [(n_expert, 256, 256)] * 3
+    return tuple(expert_stack(name, shape, seed + i) for i, shape in enumerate(shapes))
+
+
+def test_layers_with_all_their_experts_in_ram_are_where_a_gpu_step_crosses():
+    on_cpu = stacks("Q8_0", 4, 0)
+    elsewhere = tuple(QWeight(w.raw.to("meta"), w.qtype, w.shape) for w in on_cpu)  # stands in for a GPU
+    experts = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    layers = [
+        TensorGroup("blk.0.", dict(zip(experts, on_cpu, strict=True))),
+        TensorGroup("blk.1.", dict(zip(experts, elsewhere, strict=True))),
+        TensorGroup("blk.2.", dict(zip(experts, (on_cpu[0], *elsewhere[1:]), strict=True))),  # split: no
+        TensorGroup("blk.3.", {"ffn_gate": on_cpu[0].experts[0]}),  # a dense FFN in RAM is no crossing
+    ]
+    model = SimpleNamespace(layers=layers)
+    assert host_expert_layers(Segment(torch.device("cuda:0"), range(4), False), model) == (0,)
+    assert host_expert_layers(Segment(torch.device("cuda:0"), range(1, 4), True), model) == ()
+    assert host_expert_layers(Segment(torch.device("cpu"), range(4), False), model) == ()
+
+
+def test_moe_ffn_hands_an_x_on_another_device_to_the_crossing_within_its_context():
+    gate, up, down = stacks("Q8_0", 4, 0)
+    x = torch.empty(3, 256, device="meta")  # another device than the stacks'
+    weights, ids = route(torch.randn(3, 4), 2, True)
+    seen, result = [], torch.ones(3, 256)
+
+    def cross(*args):
+        seen.append(args)
+        return result
+
+    with crossing(cross):
+        assert moe_ffn(x, gate, up, down, weights, ids, False) is result
+    assert len(seen) == 1 and all(map(operator.is_, seen[0], (x, gate, up, down, weights, ids, False)))
+    with pytest.raises(NotImplementedError, match="meta"):  # outside it, x moves to the stacks
+        moe_ffn(x, gate, up, down, weights, ids)
+
+
+def test_runs_of_consecutive_experts_are_one_copy_each():
+    assert runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 1), (7, 2)]
+    assert runs([6]) == [(6, 1)] and runs([]) == []
+
+
+def test_ids_are_renumbered_into_the_compact_stack():
+    ids = torch.tensor([[5, 0], [7, 5]])
+    assert compact_ids(ids, [0, 5, 7], 8).tolist() == [[1, 0], [2, 1]]
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_the_used_experts_staged_compute_what_the_whole_stacks_do(name):
+    n_expert, tokens = 8, 5
+    full = stacks(name, n_expert, 1)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, 256, generator=g)
+    never = 100 * (torch.arange(n_expert) % 3 == 1)  # experts 1, 4 and 7 are never chosen
+    weights, ids = route(torch.randn(tokens, n_expert, generator=g) - never, 2, True)
+    used = torch.unique(ids).tolist()
+    assert set(used).isdisjoint({1, 4, 7})
+    staged = [compact_stack(w, w.raw, used, torch.device("cpu")) for w in full]
+    for w, s in zip(full, staged, strict=True):
+        assert s.shape == (len(used), *w.shape[1:])
+        for j, e in enumerate(used):
+            assert torch.equal(s.experts[j].raw, w.experts[e].raw)
+    got = moe_ffn(x, *staged, weights, compact_ids(ids, used, n_expert))
+    torch.testing.assert_close(got, moe_ffn(x, *full, weights, ids), rtol=1e-6, atol=1e-6)
+
+
+def test_staging_threshold_counts_the_share_of_experts_a_batch_uses():
+    # a token's CPU time pays for copying its own experts: from the smallest batch
+    assert tokens_worth_staging(cpu_per_token=1.0, copy_seconds=10.0, k=2, n_expert=32) == 2
+    # every token uses every expert: staging pays once the CPU time reaches one copy of the stacks
+    assert tokens_worth_staging(cpu_per_token=1.0, copy_seconds=50.0, k=8, n_expert=8) == 50
+    # 1 of 64 experts a token: a batch of t leaves some unused, so it pays before 100 tokens
+    t = tokens_worth_staging(cpu_per_token=1.0, copy_seconds=100.0, k=1, n_expert=64)
+
+    def share(n: int) -> float:
+        return 1 - (63 / 64) ** n
+
+    assert 2 < t < 100 and t >= 100 * share(t) and t - 1 < 100 * share(t - 1)
+
+
+def test_float_expert_stacks_are_never_staged():
+    """The grouped kernels read GGUF blocks: stacks of floats stay on the CPU (decided before any GPU
+    is asked)."""
+    layers = [stacks("Q8_0", 4, 0), stacks("F16", 4, 0)]
+    assert expert_staging.staging_threshold(layers, 2, torch.device("cuda:0")) == NEVER
 
 
 # --- tiny models against transformers -----------------------------------------------------------
@@ -372,14 +478,110 @@ def test_gpu_placements_keep_the_logits_and_tokens(tiny, placement):
     model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **placement)
     if "cpu_moe" not in placement and "n_cpu_moe" not in placement and "override_tensor" not in placement:
         assert all(model.engine.executor._graphable)  # the routing stays on the GPU: decode replays graphs
+    keeps_the_cpus_logits(tiny, model)
+
+
+def most_rows_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether at least MOST_ROWS of the rows of logits are within ROW_TOL (relative) of `want`'s."""
+    rows = (got.double() - want.double()).norm(dim=-1) / want.double().norm(dim=-1)
+    return (rows < ROW_TOL).double().mean().item() >= MOST_ROWS
+
+
+def keeps_the_cpus_logits(tiny: Tiny, model: LoadedModel) -> None:
+    """Prompt and decode logits, the CPU's greedy tokens fed in, close to the CPU's row by row; the
+    greedy choice the same at every decisive step."""
     for prompt, tokens in zip(tiny.prompts, tiny.greedy, strict=True):
         want = forced_logits(tiny.model, prompt, tokens)  # the CPU's, equal to transformers' (above)
         got = forced_logits(model, prompt, tokens)
-        rows = (got - want).norm(dim=-1) / want.norm(dim=-1)
-        within = (rows < ROW_TOL).double().mean().item()
-        assert within >= MOST_ROWS, f"{len(prompt)}-token prompt: {within:.0%} of rows within {ROW_TOL}"
+        assert most_rows_close(got, want), f"{len(prompt)}-token prompt"
         steps = want[len(prompt) - 1 :]
         top2 = steps.topk(2, dim=-1).values
         decisive = top2[:, 0] - top2[:, 1] > DECISIVE
         assert decisive.sum() >= len(tokens) // 2
         assert torch.equal(got[len(prompt) - 1 :].argmax(-1)[decisive], steps.argmax(-1)[decisive])
+
+
+CPU_EXPERTS = {
+    "cpu-moe": dict(n_gpu_layers="all", cpu_moe=True),
+    "ncmoe-1": dict(n_gpu_layers="all", n_cpu_moe=1),
+}
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiny", [(a, t) for a in TINY_MOE_SHAPES for t in ("Q8_0", "Q4_K_M")], indirect=True,
+                         ids="-".join)  # fmt: skip
+@pytest.mark.parametrize("placement", CPU_EXPERTS.values(), ids=CPU_EXPERTS)
+def test_decode_with_experts_in_ram_replays_graphs_in_pieces(tiny, placement):
+    """Each layer whose experts stay in RAM is one trip to the CPU between captured pieces of the decode
+    step (the warm-up at load captured them), and the tokens are transformers'."""
+    model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **placement)
+    in_ram = [
+        n for n, d in model.plan.tensor_device.items() if n.endswith("ffn_gate_exps.weight") and d == "cpu"
+    ]
+    assert len(in_ram) == (tiny.model.config.n_layer if "cpu_moe" in placement else 1)
+    executor = model.engine.executor
+    keeps_the_cpus_logits(tiny, model)
+    graphs = list(executor.graphs.decode.values())
+    assert graphs and all(len(g.trips) == len(in_ram) for g in graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiny", [(a, t) for a in TINY_MOE_SHAPES for t in ("Q8_0", "Q4_K_M")], indirect=True,
+                         ids="-".join)  # fmt: skip
+def test_a_prompt_copies_exactly_the_experts_its_routing_chose(tiny, monkeypatch):
+    """Above the staging threshold (here: from 2 tokens) each layer's experts in RAM that the batch
+    routes to, and only those, are copied to the GPU: bytes_streamed is the sum, over every layer of
+    every chunk, of the chosen experts' bytes; the logits stay transformers'."""
+    monkeypatch.setattr(expert_staging, "staging_threshold", lambda layers, k, device: 2)
+    model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **CPU_EXPERTS["cpu-moe"])
+    executor, config = model.engine.executor, tiny.model.config
+    layers = executor.model.layers
+    expert_bytes = [sum(getattr(w, s).raw.nbytes for s in EXPERTS) // config.n_expert for w in layers]
+    chosen: list[int] = []  # experts used, by each router call in turn (layer 0, 1, 0, 1, ... as run)
+
+    def recorded(logits, k, normalize):
+        weights, ids = route(logits, k, normalize)
+        chosen.append(ids.unique().numel())
+        return weights, ids
+
+    monkeypatch.setattr(common, "route", recorded)  # after the load: its decode graph has no host read
+
+    def prefill(ids: list[int]) -> tuple[torch.Tensor, int]:
+        model.engine.reset()
+        chosen.clear()
+        before = executor.bytes_streamed
+        logits = model.engine.prefill(ids, all_logits=True)
+        streamed = executor.bytes_streamed - before
+        assert streamed == sum(n * expert_bytes[j % len(layers)] for j, n in enumerate(chosen))
+        return logits, streamed
+
+    for ids, expected in zip(tiny.prompts, tiny.logits, strict=True):
+        logits, streamed = prefill(ids)
+        assert streamed > 0
+        assert most_rows_close(logits, expected)
+    _, streamed = prefill(tiny.prompts[0][:2])
+    if 2 * config.n_expert_used < config.n_expert:  # two tokens cannot use every expert
+        assert 0 < streamed < sum(expert_bytes) * config.n_expert
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiny", ONE_TYPE, indirect=True, ids="-".join)
+def test_no_op_offload_keeps_a_prompts_experts_on_the_cpu(tiny, monkeypatch):
+    monkeypatch.setattr(expert_staging, "staging_threshold", lambda layers, k, device: 2)
+    model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **CPU_EXPERTS["cpu-moe"],
+                      no_op_offload=True)  # fmt: skip
+    for ids, expected in zip(tiny.prompts, tiny.logits, strict=True):
+        model.engine.reset()
+        assert most_rows_close(model.engine.prefill(ids, all_logits=True), expected)
+    assert model.engine.executor.bytes_streamed == 0
+
+
+@pytest.mark.gpu
+def test_the_staging_threshold_is_measured_once_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMX_CACHE_DIR", str(tmp_path))  # measured, not read from this machine's cache
+    layer, gpu = stacks("Q8_0", 8, 0), torch.device("cuda:0")
+    threshold = expert_staging.staging_threshold([layer], 2, gpu)
+    assert 2 <= threshold < NEVER
+    kept = {k: v for k, v in remembered(THRESHOLD_FILE).items() if k.startswith("experts|")}
+    assert list(kept.values()) == [threshold]

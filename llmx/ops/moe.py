@@ -8,7 +8,9 @@ shape (X, out, in) whose `experts` are its matrices (`llmx.quant.weight`).
     ids, w = top-k of p (renormalised to sum 1 where the model says so)
     y_t    = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t, j]
 
-The experts run where their stacks live (the activation moves there and back, as for `linear`).
+The experts run where their stacks live (the activation moves there and back, as for `linear`),
+unless the runtime takes that crossing over for a while (`crossing`): it may capture a GPU step in
+pieces around expert stacks in RAM, or copy the experts a prompt uses to the GPU.
 `moe_ffn` is the one entry point for the experts' compute. Stacks of GGUF blocks on a GPU take the
 grouped Triton kernels (`llmx.quant.triton.moe`): the routing stays on the device, so no step waits
 for the host and a CUDA graph can hold the layer. Elsewhere (the CPU, float stacks) tokens are grouped
@@ -17,6 +19,10 @@ by expert with a sort, and each expert that has tokens multiplies all of its row
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+
 import torch
 
 from llmx.ops.ffn import swiglu
@@ -24,6 +30,23 @@ from llmx.quant.triton import moe as grouped
 from llmx.quant.triton.launch import has_triton
 from llmx.quant.triton.layout import TRITON_TYPES
 from llmx.quant.weight import QWeight
+
+# Computes the experts for an x on another device than their stacks, in place of moving x there and
+# back: (x, gate, up, down, weights, ids, fused) -> [T, E] float32 on x's device.
+Crossing = Callable[[torch.Tensor, QWeight, QWeight, QWeight, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+_crossing: ContextVar[Crossing | None] = ContextVar("llmx_moe_crossing", default=None)
+
+
+@contextlib.contextmanager
+def crossing(cross: Crossing) -> Iterator[None]:
+    """Within this context (on this thread), `moe_ffn` hands x on another device than its stacks to
+    `cross`. A context variable, because the models between the runtime and this call never see
+    devices (`llmx.models`)."""
+    token = _crossing.set(cross)
+    try:
+        yield
+    finally:
+        _crossing.reset(token)
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +75,8 @@ def moe_ffn(
     kernels compute gate and up in one launch (ik_llama.cpp's -fmoe; -no-fmoe: two)."""
     device = gate_exps.raw.device
     if x.device != device:
+        if (cross := _crossing.get()) is not None:
+            return cross(x, gate_exps, up_exps, down_exps, weights, ids, fused)
         y = moe_ffn(x.to(device), gate_exps, up_exps, down_exps, weights.to(device), ids.to(device), fused)
         return y.to(x.device)
     if on_grouped_kernels(gate_exps, up_exps, down_exps):
@@ -68,9 +93,12 @@ def moe_ffn(
 
 def on_grouped_kernels(*stacks: QWeight) -> bool:
     """Whether expert stacks take the grouped Triton kernels: GGUF blocks of a type they read, on a GPU."""
-    return has_triton() and all(
-        w.raw.is_cuda and w.raw.dtype == torch.uint8 and w.qtype.name in TRITON_TYPES for w in stacks
-    )
+    return all(w.raw.is_cuda for w in stacks) and grouped_readable(*stacks)
+
+
+def grouped_readable(*stacks: QWeight) -> bool:
+    """Whether expert stacks, wherever they are, hold GGUF blocks of a type the grouped kernels read."""
+    return has_triton() and all(w.raw.dtype == torch.uint8 and w.qtype.name in TRITON_TYPES for w in stacks)
 
 
 def expert_swiglu(

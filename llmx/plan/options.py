@@ -46,7 +46,7 @@ class Options:
     cpu_moe: bool = False  # --cpu-moe: every layer's expert tensors stay on the CPU
     n_cpu_moe: int = 0  # -ncmoe N: the first N layers' expert tensors stay on the CPU
     no_kv_offload: bool = False  # KV cache on the CPU even for GPU layers
-    no_op_offload: bool = False  # never stream CPU weights to a GPU for prompt batches
+    no_op_offload: bool = False  # never stream CPU weights (layers, used experts) to a GPU for prompt batches
     no_fused_moe: bool = False  # routed experts' gate and up as two GPU launches, not one (-no-fmoe)
     # -c: llama.cpp defaults to the model's training context, which for current models is 128K
     # and would size a huge KV cache by surprise; llmx defaults to 4096. 0 = the model's own.
@@ -295,7 +295,7 @@ _ARGUMENTS: list[tuple[tuple[str, ...], str, str | None, str, dict[str, Any]]] =
     (("-cmoe", "--cpu-moe"), "cpu_moe", None, "keep all MoE expert tensors on the CPU", _FLAG),
     (("-ncmoe", "--n-cpu-moe"), "n_cpu_moe", "N", "keep the first N layers' MoE experts on the CPU", {}),
     (("-nkvo", "--no-kv-offload"), "no_kv_offload", None, "keep the KV cache on the CPU", _FLAG),
-    (("-nopo", "--no-op-offload"), "no_op_offload", None, "CPU layers' prompts stay on the CPU", _FLAG),
+    (("-nopo", "--no-op-offload"), "no_op_offload", None, "prompts: CPU weights stay on the CPU", _FLAG),
     (("-no-fmoe", "--no-fused-moe"), "no_fused_moe", None, "MoE gate and up in two launches, not one", _FLAG),
     (("-c", "--ctx-size"), "ctx_size", "N", "context length (default 4096; 0: the model's own)", {}),
     (

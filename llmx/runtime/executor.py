@@ -2,8 +2,10 @@
 
 A segment is a run of consecutive blocks on one device (`runtime.segments`). Every op runs where
 its weight lives; only the activation (a few KB per token) crosses devices. GPU segments replay
-CUDA graphs where they can (`runtime.graphs`); a CPU segment's prompt batch may run on a GPU with
-its weights streamed there (`runtime.offload`), the streamed copies handed to the blocks as values.
+CUDA graphs where they can (`runtime.graphs`; in pieces around layers whose experts live in RAM,
+`runtime.pieces`); a CPU segment's prompt batch may run on a GPU with its weights streamed there
+(`runtime.offload`), the streamed copies handed to the blocks as values, and a GPU segment's prompt
+batch may copy the experts it uses from RAM (`runtime.expert_staging`).
 
 Each call also leaves `StepCounters` behind (`runtime.counters`): when the step was fully issued,
 how long it waited for a GPU at a GPU -> CPU boundary, and the time and bytes of its CPU segments.
@@ -11,6 +13,7 @@ how long it waited for a GPU at a GPU -> CPU boundary, and the time and bytes of
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -19,12 +22,14 @@ import torch
 
 from llmx.models.common import Model, Step
 from llmx.ops import current_device
+from llmx.ops.moe import crossing
 from llmx.plan.memory import kv_read_bytes
 from llmx.runtime.cache import KVCache
 from llmx.runtime.counters import StepCounters, host_reads
+from llmx.runtime.expert_staging import ExpertStager
 from llmx.runtime.graphs import GraphCache
 from llmx.runtime.offload import WeightStreamer
-from llmx.runtime.segments import Segment, capturable, peer_gpus, segments
+from llmx.runtime.segments import Segment, capturable, host_expert_layers, peer_gpus, segments
 from llmx.runtime.tensor_parallel import TensorParallel
 
 
@@ -65,30 +70,44 @@ class Executor:
     head_device: torch.device
     use_graphs: bool = True
     op_offload: torch.device | None = None  # the GPU that runs CPU layers' prompt batches
+    stage_experts: bool = False  # prompts copy the experts they use from RAM to their layer's GPU
     split: TensorParallel | None = None  # -sm row: the layers every GPU of the split runs a part of
     segments: list[Segment] = field(init=False)
     graphs: GraphCache = field(init=False)
     last: StepCounters = field(default_factory=StepCounters, init=False)
     _graphable: list[bool] = field(init=False)
     _peers: list[list[torch.device]] = field(init=False)  # per segment: other GPUs of row-split matrices
+    _host_experts: list[tuple[int, ...]] = field(init=False)  # per segment: `host_expert_layers`
     _streamer: WeightStreamer | None = field(default=None, init=False)
+    _stager: ExpertStager | None = field(default=None, init=False)
     _staging: PinnedStaging = field(default_factory=PinnedStaging, init=False)
     # per segment: (weight bytes, its CPU caches as (K+V bytes a position, positions held))
     _cpu_reads: list[tuple[int, tuple[tuple[float, int], ...]]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.segments = segments(self.layer_devices, self.head_device)
-        self.graphs = GraphCache(self._run_segment, self.cache.n_ctx)
-        self._graphable = [capturable(seg, self.model, self.cache) for seg in self.segments]
         self._peers = [peer_gpus(seg, self.model, self.split) for seg in self.segments]
+        self._host_experts = [host_expert_layers(seg, self.model) for seg in self.segments]
+        # a step in pieces holds one GPU's work: with peers, such a segment runs eagerly
+        self._graphable = [
+            capturable(seg, self.model, self.cache) and not (self._host_experts[k] and self._peers[k])
+            for k, seg in enumerate(self.segments)
+        ]
+        in_pieces = frozenset(k for k, layers in enumerate(self._host_experts) if layers)
+        self.graphs = GraphCache(self._run_segment, self.cache.n_ctx, in_pieces)
         self._cpu_reads = [host_reads(seg, self.model, self.cache) for seg in self.segments]
         if self.op_offload is not None and any(d.type == "cpu" for d in self.layer_devices):
             self._streamer = WeightStreamer(self.op_offload, self.model.layers)
+        if self.stage_experts and any(self._host_experts):
+            layers = [self.model.layers[i] for host in self._host_experts for i in host]
+            stacks = [(w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps) for w in layers]
+            self._stager = ExpertStager(self.model.config.n_expert_used, stacks)
 
     @property
     def bytes_streamed(self) -> int:
-        """Weight bytes copied to a GPU for prompt processing (op offload) so far."""
-        return self._streamer.bytes_streamed if self._streamer else 0
+        """Weight bytes copied to a GPU for prompt processing (op offload, staged experts) so far."""
+        streamed = self._streamer.bytes_streamed if self._streamer else 0
+        return streamed + (self._stager.bytes_streamed if self._stager else 0)
 
     def _offloads(self, seg: Segment, t: int) -> bool:
         """Whether this CPU segment's prompt batch of `t` tokens runs on the GPU with streamed weights."""
@@ -96,6 +115,13 @@ class Executor:
             return False
         cpu_layers = (i for s in self.segments if s.device.type == "cpu" for i in s.layers)
         return self._streamer.worth_it(t, cpu_layers)
+
+    def _stages(self, k: int, t: int) -> bool:
+        """Whether GPU segment k's prompt batch of `t` tokens copies the experts it uses from RAM to
+        its GPU (`runtime.expert_staging`)."""
+        if self._stager is None or not self._host_experts[k] or t < 2:
+            return False
+        return self._stager.worth_it(t, self.segments[k].device)
 
     def _run_segment(
         self, seg: Segment, x: torch.Tensor, step: Step, all_logits: bool = False
@@ -129,7 +155,12 @@ class Executor:
                 and (y := self.graphs.replay_decode(k, seg, x, n_past, self._peers[k])) is not None
             ):
                 x = y
-            elif graphs and not self._peers[k] and self.graphs.prompt_wanted((k, t, n_past, all_logits)):
+            elif (
+                graphs
+                and not self._peers[k]
+                and not self._host_experts[k]  # their prompts wait for the host: eager
+                and self.graphs.prompt_wanted((k, t, n_past, all_logits))
+            ):
                 with current_device(seg.device):
                     x = self.graphs.replay_prompt(k, seg, x, n_past, all_logits)
             elif self._offloads(seg, t):
@@ -140,7 +171,8 @@ class Executor:
             else:
                 step = Step(positions.to(seg.device), masked=t > 1, n_read=n_past + t)
                 started = time.perf_counter()
-                with current_device(seg.device):
+                staged = crossing(self._stager) if self._stages(k, t) else contextlib.nullcontext()
+                with current_device(seg.device), staged:
                     x = self._run_segment(seg, x, step, all_logits)
                 if seg.device.type == "cpu":
                     counters.waited += started - arriving

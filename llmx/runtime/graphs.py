@@ -14,6 +14,8 @@ plan does not count, and a capture that runs out of it turns prompt graphs off.
 A decode step whose row-split matrices or split layers (`-sm row`) span GPUs is one graph too,
 holding every GPU's kernels and the exchanges between them (see `GraphCache.capture`); where this
 torch or driver cannot capture or replay it exactly, a warning says so and those steps run eagerly.
+A decode step of a segment whose layers keep their expert stacks in RAM is captured in pieces
+between those layers' trips to the CPU (`runtime.pieces`); its prompts run eagerly.
 Prompts across GPUs run eagerly (capturing them beside the decode graphs crashed a later decode
 replay on torch 2.11; not understood yet).
 """
@@ -30,6 +32,7 @@ import torch
 from llmx.errors import first_line
 from llmx.models.common import Step
 from llmx.ops import current_device
+from llmx.runtime.pieces import Trip, capture_in_pieces
 from llmx.runtime.segments import Segment
 
 GRAPH_BUCKET = 256  # tokens: a decode graph attends over the cache rounded up to this
@@ -46,13 +49,21 @@ PromptKey = tuple[int, int, int, bool]  # (segment, tokens, position, all logits
 
 @dataclass
 class Graph:
-    """One captured step of one segment: fill `x_in`/`positions`, replay, read `x_out`."""
+    """One captured step of one segment: fill `x_in`/`positions`, replay, read `x_out`. A step in
+    pieces replays its first piece (`graph`), then each trip to CPU experts (`trips`) and the piece
+    after it."""
 
     graph: torch.cuda.CUDAGraph
     x_in: torch.Tensor
     positions: torch.Tensor
     x_out: torch.Tensor
     pools: tuple = ()  # the peer GPUs' memory pools (row split): alive as long as the graph
+    trips: tuple[Trip, ...] = ()
+
+    def replay(self) -> None:
+        self.graph.replay()
+        for trip in self.trips:
+            trip.replay()
 
 
 @dataclass
@@ -61,6 +72,7 @@ class GraphCache:
 
     run: RunSegment
     n_ctx: int
+    in_pieces: frozenset[int] = frozenset()  # segments whose layers keep experts in RAM (`runtime.pieces`)
     decode: dict[tuple[int, int], Graph] = field(default_factory=dict)  # by (segment, bucket)
     prompt: dict[PromptKey, Graph] = field(default_factory=dict)  # least recently used first
     prompt_off: bool = False  # a prompt capture ran out of memory: prompts run eagerly from then on
@@ -72,9 +84,9 @@ class GraphCache:
     def replay_decode(
         self, k: int, seg: Segment, x: torch.Tensor, n_past: int, peers: Sequence[torch.device]
     ) -> torch.Tensor | None:
-        """One decode step of segment k from a graph of its bucket (captured on first use); None
-        when a segment that spans GPUs (`peers`) cannot be captured here (from then on at once):
-        the step runs eagerly."""
+        """One decode step of segment k from a graph of its bucket (captured on first use; in pieces
+        for the segments `in_pieces`); None when a segment that spans GPUs (`peers`) cannot be
+        captured here (from then on at once): the step runs eagerly."""
         if k in self.uncaptured:
             return None
         bucket = min(-(-(n_past + 1) // GRAPH_BUCKET) * GRAPH_BUCKET, self.n_ctx)
@@ -83,7 +95,9 @@ class GraphCache:
             positions = torch.full((1,), n_past, dtype=torch.long, device=seg.device)
             try:
                 with current_device(seg.device):
-                    g = self.capture(seg, x, positions, bucket, False, warm_up=True, peers=peers)
+                    g = self.capture(
+                        seg, x, positions, bucket, False, True, peers=peers, pieces=k in self.in_pieces
+                    )
             except Exception as e:  # across GPUs any failure (CUDA, this torch's API) means eager steps
                 if not peers:
                     raise
@@ -98,7 +112,7 @@ class GraphCache:
         with current_device(seg.device):
             g.x_in.copy_(x)
             g.positions.fill_(n_past)
-            g.graph.replay()
+            g.replay()
         return g.x_out
 
     def prompt_wanted(self, key: PromptKey) -> bool:
@@ -168,12 +182,13 @@ class GraphCache:
         warm_up: bool,
         pool: tuple[int, int] | None = None,
         peers: Sequence[torch.device] = (),
+        pieces: bool = False,
     ) -> Graph:
         """Capture a step of `seg`. With `peers` (the other GPUs of row-split matrices and split
         layers) their work runs on side streams forked from and joined to the capture stream, so one
         graph records every GPU's kernels and copies; their allocations go to memory pools the graph
         keeps. Such a graph is replayed once and must give the warm-up's output bit for bit, else
-        RuntimeError."""
+        RuntimeError. `pieces` (never with peers): in pieces around the CPU experts of its layers."""
         x_in = x.clone()
         stream = self._side_stream(seg.device)
         stream.wait_stream(torch.cuda.current_stream(seg.device))
@@ -186,6 +201,13 @@ class GraphCache:
             with torch.cuda.stream(stream), forked(stream, sides, {}):
                 warm = self.run(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
             torch.cuda.current_stream(seg.device).wait_stream(stream)
+        if pieces:
+            graph, x_out, trips = capture_in_pieces(
+                lambda: self.run(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits),
+                stream,
+                pool,
+            )
+            return Graph(graph, x_in, positions, x_out, trips=trips)
         pools = {d: torch.cuda.MemPool() for d in peers}
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream), forked(stream, sides, pools):

@@ -55,15 +55,6 @@ class WeightStreamer:
             torch.cuda.current_stream(self.device).wait_event(ready)
             yield i, group
 
-    @staticmethod
-    def _pinned_raw(w: QWeight) -> torch.Tensor:
-        """The weight's bytes in page-locked memory, made on first use. The pinned copy becomes the
-        weight's own storage (the CPU reads it as fast for decode), so host memory holds each layer
-        once; the file's pages it was read from stay only as reclaimable page cache."""
-        if not w.raw.is_pinned():
-            w.raw = w.raw.pin_memory()
-        return w.raw
-
     def prefetch(self, layer: int) -> tuple[TensorGroup, torch.cuda.Event]:
         """Start copying layer `layer` to the GPU; returns its GPU tensors and an event to wait on."""
         if self._stream is None:
@@ -74,7 +65,7 @@ class WeightStreamer:
         with torch.cuda.stream(stream):
             for key, value in self.layers[layer].items():
                 if isinstance(value, QWeight) and value.raw.device.type == "cpu":
-                    raw = self._pinned_raw(value).to(self.device, non_blocking=True)
+                    raw = pinned_raw(value).to(self.device, non_blocking=True)
                     raw.record_stream(compute)  # allocated on the copy stream, used on the compute one
                     moved[key] = QWeight(raw, value.qtype, value.shape, value.name)
                     self.bytes_streamed += raw.nbytes
@@ -86,6 +77,15 @@ class WeightStreamer:
             done = torch.cuda.Event()
             done.record(stream)
         return TensorGroup(f"blk.{layer}.", moved), done
+
+
+def pinned_raw(w: QWeight) -> torch.Tensor:
+    """The weight's bytes in page-locked memory, made on first use. The pinned copy becomes the
+    weight's own storage (the CPU reads it as fast for decode), so host memory holds each layer
+    once; the file's pages it was read from stay only as reclaimable page cache."""
+    if not w.raw.is_pinned():
+        w.raw = w.raw.pin_memory()
+    return w.raw
 
 
 def offload_threshold(layers: Iterable[TensorGroup], device: torch.device) -> int:

@@ -2,8 +2,10 @@
 
 The head joins the last segment when it lives on the same device. A segment is capturable in a
 CUDA graph when its weights and KV cache all live on its device (or, row-split matrices, on GPUs)
-and its expert stacks, if any, take the grouped kernels (which keep the routing on the GPU);
-its peers are the other GPUs its row-split matrices and split layers reach into.
+and its expert stacks, if any, take the grouped kernels (which keep the routing on the GPU) or, on
+a GPU segment, live in RAM: its layers with host experts are where a captured step crosses to the
+CPU (`runtime.pieces`); its peers are the other GPUs its row-split matrices and split layers reach
+into.
 """
 
 from __future__ import annotations
@@ -51,15 +53,32 @@ def devices_of(value: QWeight | RowSplit | PartialSum | torch.Tensor) -> set[tor
     return {value.raw.device if isinstance(value, QWeight) else value.device}
 
 
+def host_expert_layers(seg: Segment, model: Model) -> tuple[int, ...]:
+    """The layers of a GPU segment whose expert stacks all live on the CPU (`--cpu-moe`, `-ncmoe`,
+    `-ot exps=CPU`)."""
+    if seg.device.type != "cuda":
+        return ()
+    return tuple(i for i in seg.layers if (stacks := _stacks(model, i)) and all(s.raw.is_cpu for s in stacks))
+
+
+def _stacks(model: Model, i: int) -> list[QWeight]:
+    return [v for _, v in model.layers[i].items() if isinstance(v, QWeight) and v.experts]
+
+
 def capturable(seg: Segment, model: Model, cache: KVCache) -> bool:
-    """Whether a segment's weights and KV all live on its device, or (row-split matrices) on GPUs:
-    then a CUDA graph can hold its decode step."""
+    """Whether a segment's weights and KV all live on its device, or (row-split matrices) on GPUs,
+    except the expert stacks of its `host_expert_layers`: then CUDA graphs can hold its decode step
+    (in pieces around those layers' experts, `runtime.pieces`)."""
+    crossings = host_expert_layers(seg, model)
     for i in seg.layers:
         if cache.k[i].device != seg.device:
             return False
         for _, value in model.layers[i].items():
-            if isinstance(value, QWeight) and value.experts and not on_grouped_kernels(value):
-                return False  # `ops.moe_ffn` reads how many tokens each expert has on the host
+            if isinstance(value, QWeight) and value.experts:
+                if i in crossings:
+                    continue
+                if not on_grouped_kernels(value):
+                    return False  # `ops.moe_ffn` reads how many tokens each expert has on the host
             devices = devices_of(value)
             on_gpus = isinstance(value, RowSplit) and all(d.type == "cuda" for d in devices)
             if devices != {seg.device} and not on_gpus:
