@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llmx.errors import LlmxError
 from llmx.models_on_disk import default_model_path, gemma3_270m_path
 
 
@@ -62,7 +63,10 @@ def native_kernels(request, monkeypatch, tmp_path):
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    return default_model_path()
+    try:
+        return default_model_path()
+    except LlmxError as e:  # a GPU machine without the package: its GPU tests run on synthetic files
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")

@@ -49,9 +49,10 @@ INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's,
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # A cache type's code in the kernel (0: float, read in its dtype), ordered so that ranges name the
 # layouts' traits: Q5_0..Q5_1 have fifth bits, Q5_1..Q4_1 a minimum; then its block's bytes.
-Q8_0, Q4_0, IQ4_NL, Q5_0, Q5_1, Q4_1 = range(1, 7)
-_BLOCKS = {"Q8_0": (Q8_0, 34), "Q4_0": (Q4_0, 18), "IQ4_NL": (IQ4_NL, 18), "Q5_0": (Q5_0, 22),
-           "Q5_1": (Q5_1, 24), "Q4_1": (Q4_1, 20)}  # fmt: skip
+# Compiled kernels read module globals only as tl.constexpr (Triton's interpreter reads any).
+_BLOCKS = {"Q8_0": (1, 34), "Q4_0": (2, 18), "IQ4_NL": (3, 18), "Q5_0": (4, 22), "Q5_1": (5, 24),
+           "Q4_1": (6, 20)}  # fmt: skip
+Q8_0, Q4_0, IQ4_NL, Q5_0, Q5_1, Q4_1 = (tl.constexpr(code) for code, _ in _BLOCKS.values())
 
 
 def decode_attention(
