@@ -42,9 +42,11 @@ class Gemma3(Model):
     def layer_tensors(cls, config: ModelConfig) -> tuple[str, ...]:
         return (*super().layer_tensors(config), "post_attention_norm", "post_ffw_norm")
 
-    def __init__(self, config: ModelConfig, top: TensorGroup, layers: list[TensorGroup]) -> None:
-        super().__init__(config, top, layers)
-        self.local_rope = replace(self.rope, base=LOCAL_ROPE_BASE, scale=1.0)
+    def __init__(
+        self, config: ModelConfig, top: TensorGroup, layers: list[TensorGroup], fused_moe: bool = True
+    ) -> None:
+        super().__init__(config, top, layers, fused_moe)
+        self.local_rope = replace(self.rope, base=LOCAL_ROPE_BASE, scale=1.0, yarn=None)
         self.query_scale = query_scale(config)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
