@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from llmx.ops.block_attention import block_attention
 from llmx.ops.masks import ring_mask
 from llmx.ops.rope import Rope
+from llmx.plan.memory import score_heads
 from llmx.quant import QType
 
 
@@ -30,16 +31,22 @@ class AttentionKernels:
     `decode`, for one-token steps: "auto" the fused kernels (RoPE, cache write and attention: Triton
     on a GPU, native on the CPU); "on" the Triton kernel on the CPU too (tests, TRITON_INTERPRET=1);
     "off" PyTorch's ops.
+    `max_score_bytes`: with `-fa off`, the math path's cap on the scores it stores at once (`-amb`,
+    0 = none): it attends `plan.memory.score_heads` query heads at a time.
     """
 
     flash: bool = True
     decode: str = "auto"
+    max_score_bytes: int = 0
 
     @classmethod
-    def choose(cls, flash_attn: str, fused: str) -> AttentionKernels:
-        """From `-fa` (on/off/auto) and LLMX_FUSED_ATTENTION: `-fa off` turns the fused decode
-        kernels off too (they never store the scores either)."""
-        return cls(flash=False, decode="off") if flash_attn == "off" else cls(flash=True, decode=fused)
+    def choose(cls, flash_attn: str, fused: str, max_batch_mib: int = 0) -> AttentionKernels:
+        """From `-fa` (on/off/auto), LLMX_FUSED_ATTENTION and `-amb` (MiB): `-fa off` turns the fused
+        decode kernels off too (they never store the scores either); `-amb` caps only `-fa off`'s
+        scores, as in ik_llama.cpp (the fused kernels store none)."""
+        if flash_attn == "off":
+            return cls(flash=False, decode="off", max_score_bytes=max_batch_mib * 2**20)
+        return cls(flash=True, decode=fused)
 
 
 DEFAULT_KERNELS = AttentionKernels()  # -fa auto, LLMX_FUSED_ATTENTION auto
@@ -154,7 +161,7 @@ def attention(
     t, n_head, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if softcap is not None or not kernels.flash:  # outside SDPA's vocabulary, or -fa off
-        return math_attention(q, k, v, mask, scale, softcap)
+        return math_attention(q, k, v, mask, scale, softcap, kernels.max_score_bytes)
     if kernels.decode != "off" and native_cpu_decode(q, k, mask):
         from llmx.kernels import cpu_attention
 
@@ -183,19 +190,25 @@ def math_attention(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
+    max_score_bytes: int = 0,
 ) -> torch.Tensor:
-    """`attention` spelled out, the scores [H, T, N] materialized in float32 (llama.cpp's attention
-    without `-fa`): softmax(softcap(q k^T * scale), masked) v. Shapes as `attention`'s."""
+    """`attention` spelled out, the scores [heads, T, N] materialized in float32 (llama.cpp's attention
+    without `-fa`): softmax(softcap(q k^T * scale), masked) v, for `score_heads` query heads at a
+    time (all of them unless `max_score_bytes`, -amb, caps the scores). Shapes as `attention`'s."""
     t, n_head, head_dim = q.shape
-    qh, kh, vh = (x.transpose(0, 1).float() for x in (q, k, v))
-    group = n_head // kh.shape[0]
-    kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
-    scores = (qh @ kh.transpose(1, 2)) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    out = scores.softmax(-1) @ vh
+    group = n_head // k.shape[1]
+    step = score_heads(n_head, t, k.shape[0], max_score_bytes)
+    qh, kh, vh = (x.transpose(0, 1) for x in (q, k, v))
+    chunks = []
+    for h0 in range(0, n_head, step):
+        kv_heads = torch.arange(h0, min(h0 + step, n_head), device=k.device) // group  # GQA: each head's K/V
+        scores = (qh[h0 : h0 + step].float() @ kh[kv_heads].float().transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        chunks.append(scores.softmax(-1) @ vh[kv_heads].float())
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
 
 
