@@ -2,8 +2,9 @@
 
 Which kernels run is an `AttentionKernels` value, chosen once at load and held by the cache (whose
 layer object runs the fused ones, being the only writer of its buffers): with `-fa on`/`auto`
-one-token steps take the fused kernels (Triton on a GPU, native on the CPU) and prompt batches on a
-GPU PyTorch's flash kernels; with `-fa off` attention materializes the scores, as llama.cpp's does.
+one-token steps take the fused kernels (Triton on a GPU, native on the CPU) and prompt batches
+PyTorch's flash kernels (on the CPU too: a long context never stores a prompt batch's scores); with
+`-fa off` attention materializes the scores, as llama.cpp's does (a chunk of heads at a time: `-amb`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmx.ops.block_attention import block_attention
 from llmx.ops.masks import ring_mask
@@ -172,15 +174,34 @@ def attention(
     # on the CPU in float32, where half-precision math is slow.
     dtype = k.dtype if q.is_cuda else q.dtype
     qh, kh, vh = q.transpose(0, 1).to(dtype), k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype)
-    # Unmasked (a decode step over exactly its past): 4-D [batch, heads, tokens, dim] tensors, which
-    # reach PyTorch's fused kernels (the CPU's flash attention: 3-5x faster per step than the math
-    # path that 3-D tensors take). Masked prompts keep the math path, whose summation order matches
-    # the float32 references' (tests/test_logits.py).
-    if mask is None:
-        qh, kh, vh = qh[None], kh[None], vh[None]
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    out = out[0] if mask is None else out
+    if mask is not None and not q.is_cuda:
+        out = cpu_flash_attention(qh, kh, vh, mask, scale)
+    elif mask is None:
+        # Unmasked (a decode step over exactly its past): 4-D [batch, heads, tokens, dim] tensors,
+        # which reach PyTorch's fused kernels (the CPU's flash attention: 3-5x faster per step than
+        # the math path that 3-D tensors take).
+        out = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], scale=scale, enable_gqa=True)[0]
+    else:  # a GPU's masked prompt (a sliding window the flash path does not take)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
+
+
+def cpu_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [H, T, D] over k, v [Hk, N, D] on the CPU, `mask` [T, N]: PyTorch's CPU flash kernel, which
+    walks the keys in tiles, so a prompt batch over a long cache never holds its [H, T, N] scores (the
+    math path's 13 bytes a score: 4 GiB for 512 tokens of a 32-head model over 32K keys). Each KV
+    head is broadcast to its group of query heads (stride 0, no copy), which the kernel reads as 4-D
+    [Hk, group, T, D]. Returns [H, T, Dv]."""
+    n_head, t, head_dim = q.shape
+    n_kv, n = k.shape[0], k.shape[1]
+    group = n_head // n_kv
+    qg = q.reshape(n_kv, group, t, head_dim)
+    kg, vg = k[:, None].expand(n_kv, group, n, head_dim), v[:, None].expand(n_kv, group, n, v.shape[-1])
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # never the math path, whose scores this avoids
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+    return out.reshape(n_head, t, -1)
 
 
 def math_attention(
