@@ -130,8 +130,6 @@ def open_checked(path: str | os.PathLike, mmap: bool) -> tuple[ModelFile, ModelS
 def check_runnable(opts: Options) -> None:
     """Refuse the options llama.cpp has and this runtime cannot honour yet, before anything loads
     (`llmx plan` still plans with them: it loads nothing)."""
-    if opts.attn_max_batch:
-        raise LlmxError("-amb (--attention-max-batch) is not supported: llmx sizes attention scratch itself")
     if opts.mlock:
         raise LlmxError("--mlock is not supported yet: llmx does not lock the model's pages in RAM")
     if opts.devices:
@@ -155,7 +153,7 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     rendezvous = Rendezvous(len(devices))
     reducers = exchange_reducers(devices, opts.n_ubatch * config.n_embd, rendezvous) if devices else []
     models = deal(cls, config, top, layers, reducers, fused_moe=not opts.no_fused_moe)
-    attention = AttentionKernels.choose(opts.flash_attn, settings.fused_attention())
+    attention = AttentionKernels.choose(opts.flash_attn, settings.fused_attention(), opts.attn_max_batch)
     caches = [
         KVCache(plan.ctx, kv_shapes(cls, config, plan, j), opts.cache_type_k, opts.cache_type_v, attention)
         for j in range(len(models))

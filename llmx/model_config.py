@@ -59,6 +59,14 @@ class ModelConfig:
     rope_dims: int
     rope_scaling: str  # "none", "linear", "yarn", ...
     rope_scaling_factor: float
+    # YaRN (rope.scaling.*, llama.cpp's defaults): the context the model was trained at before it was
+    # stretched, the rotation counts that bound the ramp between extrapolated and interpolated
+    # dimensions, the ramp's weight and a factor on the attention magnitude.
+    rope_ctx_orig: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_ext_factor: float = 1.0
+    yarn_attn_factor: float = 1.0
     sliding_window: int = 0  # tokens a local-attention layer sees (Gemma 3); 0 = none
     sliding_window_pattern: int = 0  # every pattern-th layer is global (0: none is local)
     n_ff_shexp: int = 0  # the shared expert's FFN width (Qwen2-MoE; 0 without one)
@@ -89,6 +97,9 @@ class ModelConfig:
             raise LlmxError(f"{source}: {key} is {rope_dims}; it must be even and at most {head_dim}")
         pattern = SLIDING_PATTERNS.get(arch, 0)
         n_ff = keys.size("feed_forward_length", 0)
+        n_ctx_train = keys.count("context_length")
+        # llama.cpp: a negative ext_factor (its "unset") means 1 for YaRN
+        ext_factor = keys.number(f"{arch}.rope.scaling.yarn_ext_factor", -1.0, float)
         norm_default = EXPERT_WEIGHTS_NORM.get(arch, False)
         return cls(
             arch=arch,
@@ -99,7 +110,7 @@ class ModelConfig:
             head_dim=head_dim,
             head_dim_v=head_dim_v,
             n_vocab=n_vocab,
-            n_ctx_train=keys.count("context_length"),
+            n_ctx_train=n_ctx_train,
             n_ff=n_ff,
             n_ff_exp=keys.size("expert_feed_forward_length", 0),
             n_expert=keys.size("expert_count", 0),
@@ -109,6 +120,11 @@ class ModelConfig:
             rope_dims=rope_dims,
             rope_scaling=str(md.get(f"{arch}.rope.scaling.type", "none")),
             rope_scaling_factor=keys.number(f"{arch}.rope.scaling.factor", 1.0, float) or 1.0,
+            rope_ctx_orig=keys.count("rope.scaling.original_context_length", n_ctx_train),
+            yarn_beta_fast=keys.number(f"{arch}.rope.scaling.yarn_beta_fast", 32.0, float),
+            yarn_beta_slow=keys.number(f"{arch}.rope.scaling.yarn_beta_slow", 1.0, float),
+            yarn_ext_factor=1.0 if ext_factor < 0 else ext_factor,
+            yarn_attn_factor=keys.number(f"{arch}.rope.scaling.yarn_attn_factor", 1.0, float),
             sliding_window=keys.size("attention.sliding_window", 0) if pattern else 0,
             sliding_window_pattern=keys.size("attention.sliding_window_pattern", pattern) if pattern else 0,
             n_ff_shexp=keys.size("expert_shared_feed_forward_length", n_ff if arch == "qwen2moe" else 0),
@@ -117,8 +133,9 @@ class ModelConfig:
 
     @property
     def rope_scale(self) -> float:
-        """The linear position scaling factor (1: none); other scaling types are the runtime's to refuse."""
-        return self.rope_scaling_factor if self.rope_scaling == "linear" else 1.0
+        """The factor positions are stretched by, linear or YaRN (1: none); other scaling types are the
+        runtime's to refuse."""
+        return self.rope_scaling_factor if self.rope_scaling in ("linear", "yarn") else 1.0
 
     @property
     def expert_width(self) -> int:

@@ -149,7 +149,6 @@ def _no_loading(*args, **kwargs):
 
 
 REFUSED = [
-    (("-amb", "256"), "-amb"),
     (("--mlock",), "--mlock"),
     (("--devices", "cpu=8GiB"), "--devices"),
     (("--top-p", "2"), "--top-p"),
@@ -167,5 +166,7 @@ def test_options_the_runtime_cannot_honour_fail_before_loading(
 
 def test_bench_refuses_every_row_s_options_before_the_first_loads(capsys, smollm2_path, monkeypatch):
     monkeypatch.setattr(llmx.api, "load_weights", _no_loading)
-    rc, err = run_cli(capsys, "bench", "-m", str(smollm2_path), "-p", "8", "-n", "0", "-amb", "0,256")
-    assert_one_clear_line(rc, err, "-amb")
+    rc, err = run_cli(
+        capsys, "bench", "-m", str(smollm2_path), "-p", "8", "-n", "0", "-ngl", "0,1", "--mlock"
+    )
+    assert_one_clear_line(rc, err, "--mlock")

@@ -296,21 +296,25 @@ def test_the_planners_copies_of_runtime_sizes_match_the_runtime():
     assert memory.CPU_DEQUANT_CHUNK_BYTES == weight.DEQUANT_CHUNK_BYTES
 
 
-def test_gpu_prompt_attention_stores_no_scores_but_the_cpu_and_sliding_windows_do():
+def test_prompt_attention_stores_no_scores_but_sliding_windows_on_a_gpu_and_fa_off_do():
     m = model("llama3-8b")
     g = dataclasses.replace(
         m, config=dataclasses.replace(m.config, sliding_window=1024)
     )  # as Gemma 3's local layers
     opts = Options(ctx_size=32768)
 
-    def attn(spec: ModelSpec, gpu: bool, ctx: int) -> int:
-        o = opts.replace(ctx_size=ctx)
+    def attn(spec: ModelSpec, gpu: bool, ctx: int, fa: str = "auto") -> int:
+        o = opts.replace(ctx_size=ctx, flash_attn=fa)
         return compute_bytes(spec, o, attention=True, ffn=False, output=False, inp=False, gpu=gpu)
 
     # GPU, full attention: grows with the context through K/V only (MB per 1k tokens, not 100s)
     assert attn(m, True, 32768) - attn(m, True, 4096) < 32768 * 32 * 128 * 2 * 2
-    # the CPU's math path stores a score per (head, query, key): over -ub x ctx x heads bytes
-    assert attn(m, False, 32768) > 512 * 32768 * 32 * 13
+    # the CPU's flash kernel: K and V in float32 and the mask grow with the context, not the scores
+    # (under a quarter of the growth of one float32 copy of them)
+    assert attn(m, False, 32768) - attn(m, False, 4096) < 512 * (32768 - 4096) * 32 * 4 // 4
+    # -fa off: the CPU's math path stores a score per (head, query, key): over -ub x ctx x heads bytes
+    scores = 512 * 32768 * 32 * 4  # one float32 copy of them
+    assert attn(m, False, 32768) < scores // 2 and attn(m, False, 32768, "off") > 13 * scores // 4
     # sliding-window layers (window < ctx) take the masked path on a GPU too
     assert attn(g, True, 32768) > 512 * 32768 * g.config.n_head * 13 and attn(g, True, 1024) == attn(
         m, True, 1024

@@ -19,15 +19,16 @@ The dimensions are the smallest that keep the real models' constraints:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from llmx.bench.blocks import chunk_rng, random_data
-from llmx.bench.synth import synth_metadata, synth_tensors
+from llmx.bench.synth import rope_freqs_data, synth_metadata, synth_tensors
 from llmx.bench.writer import write_gguf
-from llmx.plan.shapes import ModelShape
+from llmx.plan.shapes import Llama3Rope, ModelShape
 from llmx.plan.tensors import TensorSpec
 from llmx.quant import qtype
 
@@ -61,6 +62,16 @@ TINY_MOE_SHAPES: dict[str, ModelShape] = {
     "mixtral": ModelShape("tiny-mixtral", "llama", n_layer=2, n_embd=256, n_ff=256, n_head=4, n_head_kv=2,
                           head_dim=64, rope_base=1e6, n_expert=4, n_expert_used=2, n_ff_exp=256, **_COMMON),
 }  # fmt: skip
+# Long-context RoPE scaling, stretched from an original context of ROPE_CTX_ORIG tokens that test
+# prompts outrun: Llama 3.1's "llama3" factors (the rope_freqs tensor) and Qwen2.5's YaRN (metadata).
+ROPE_CTX_ORIG = 64
+TINY_ROPE_SHAPES: dict[str, ModelShape] = {
+    "llama3-rope": replace(TINY_SHAPES["llama"], name="tiny-llama3-rope",
+                           llama3_rope=Llama3Rope(8.0, 1.0, 4.0, ROPE_CTX_ORIG)),
+    "qwen2-yarn": replace(TINY_SHAPES["qwen2"], name="tiny-qwen2-yarn",
+                          extra=(("rope.scaling.type", "yarn"), ("rope.scaling.factor", 4.0),
+                                 ("rope.scaling.original_context_length", ROPE_CTX_ORIG))),
+}  # fmt: skip
 
 
 def tiny_tensors(shape: ModelShape, type_name: str) -> list[TensorSpec]:
@@ -78,7 +89,7 @@ def tiny_tensors(shape: ModelShape, type_name: str) -> list[TensorSpec]:
     return out
 
 
-def _fill(seed: int):
+def _fill(shape: ModelShape, seed: int):
     """The writer's fill function: matrices of std 1/sqrt(fan-in), norms 1 + N(0, 0.2²), biases N(0, 0.2²).
 
     Matrices scaled by their fan-in keep every activation near unit scale, and with a vocabulary of
@@ -86,6 +97,8 @@ def _fill(seed: int):
     """
 
     def fill(t: TensorSpec, first: int, count: int, path: tuple[int, int]) -> np.ndarray:
+        if (freqs := rope_freqs_data(shape, t, first, count)) is not None:
+            return freqs
         rng = chunk_rng(seed, *path)
         if len(t.shape) > 1:
             return random_data(qtype(t.qtype), count, 1.0 / math.sqrt(t.shape[-1]), rng)
@@ -97,14 +110,14 @@ def _fill(seed: int):
 
 
 def write_tiny(arch: str, type_name: str, directory: Path, seed: int = 0) -> Path:
-    """Write the tiny `arch` model (a key of TINY_SHAPES or TINY_MOE_SHAPES) in `type_name` (F32,
-    Q8_0, Q4_K_M, ...) under `directory`; its path."""
-    shape = TINY_SHAPES.get(arch) or TINY_MOE_SHAPES[arch]
+    """Write the tiny `arch` model (a key of TINY_SHAPES, TINY_MOE_SHAPES or TINY_ROPE_SHAPES) in
+    `type_name` (F32, Q8_0, Q4_K_M, ...) under `directory`; its path."""
+    shape = TINY_SHAPES.get(arch) or TINY_MOE_SHAPES.get(arch) or TINY_ROPE_SHAPES[arch]
     metadata = synth_metadata(shape, type_name, seed)
     metadata["tokenizer.ggml.pre"] = shape.tokenizer[1]  # the synthetic vocabulary says "default"
     path = Path(directory) / f"tiny-{arch}-{type_name}.gguf"
     tensors = tiny_tensors(shape, type_name)
-    write_gguf(path, shape.arch, metadata, tensors, _fill(seed), threads=1, progress=False)
+    write_gguf(path, shape.arch, metadata, tensors, _fill(shape, seed), threads=1, progress=False)
     return path
 
 

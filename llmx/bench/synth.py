@@ -93,11 +93,22 @@ def synth_metadata(shape: ModelShape, type_name: str, seed: int) -> dict[str, An
     return md
 
 
-def weight_filler(seed: int) -> Fill:
-    """The writer's fill function: norms 1.0, other vectors 0.0, matrices random with std 1/sqrt(fan-in)."""
+def rope_freqs_data(shape: ModelShape, t: TensorSpec, first: int, count: int) -> np.ndarray | None:
+    """rope_freqs.weight's real values (random ones would be random RoPE frequencies), or None for
+    any other tensor."""
+    if t.name != "rope_freqs.weight":
+        return None
+    return np.array(shape.rope_freqs()[first : first + count], dtype=np.float32).view(np.uint8)
+
+
+def weight_filler(shape: ModelShape, seed: int) -> Fill:
+    """The writer's fill function: norms 1.0, other vectors 0.0 (rope_freqs their values), matrices
+    random with std 1/sqrt(fan-in)."""
 
     def fill(t: TensorSpec, first: int, count: int, path: tuple[int, int]) -> np.ndarray:
         qt = qtype(t.qtype)
+        if (freqs := rope_freqs_data(shape, t, first, count)) is not None:
+            return freqs
         if len(t.shape) == 1:
             return constant_data(qt, count, 1.0 if "norm" in t.name else 0.0)
         return random_data(qt, count, 1.0 / math.sqrt(t.shape[-1]), chunk_rng(seed, *path))
@@ -139,7 +150,7 @@ def synthesize(
         shape.arch,
         synth_metadata(shape, type_name, seed),
         tensors,
-        weight_filler(seed),
+        weight_filler(shape, seed),
         threads=threads,
         progress=progress,
     )

@@ -17,6 +17,7 @@ from llmx.model_config import ModelConfig
 from llmx.ops import (
     LayerKV,
     Rope,
+    Yarn,
     causal_mask,
     embedding,
     linear,
@@ -32,6 +33,17 @@ from llmx.ops import (
 ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
 DENSE_FFN = ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 ROUTED_FFN = ("ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+SCALING_TYPES = ("none", "linear", "yarn")  # rope.scaling.type values `Rope` applies
+
+
+def rope_of(c: ModelConfig, neox: bool, freq_factors: torch.Tensor | None) -> Rope:
+    """The config's RoPE, its scaling included (`freq_factors`: the file's rope_freqs tensor)."""
+    yarn = None
+    if c.rope_scaling == "yarn":
+        yarn = Yarn(
+            c.rope_ctx_orig, c.yarn_beta_fast, c.yarn_beta_slow, c.yarn_ext_factor, c.yarn_attn_factor
+        )
+    return Rope(c.rope_dims, c.rope_base, neox, c.rope_scale, freq_factors, yarn)
 
 
 class TensorGroup:
@@ -104,9 +116,7 @@ class Model:
     ) -> None:
         self.config, self.top, self.layers = config, top, layers
         self.fused_moe = fused_moe  # routed experts' gate and up in one launch (-no-fmoe: two)
-        self.rope = Rope(
-            config.rope_dims, config.rope_base, self.neox_rope, config.rope_scale, top.optional("rope_freqs")
-        )
+        self.rope = rope_of(config, self.neox_rope, top.optional("rope_freqs"))
 
     @classmethod
     def check_config(cls, config: ModelConfig, source: str) -> None:
@@ -116,10 +126,11 @@ class Model:
                 f"{source}: {config.arch}.expert_used_count is {config.n_expert_used}; "
                 f"it must be 1 to {config.n_expert} (expert_count)"
             )
-        if config.rope_scaling not in ("none", "linear") and config.rope_scaling_factor != 1.0:
-            scaling = config.rope_scaling
+        # Llama 3.1's "llama3" scaling is no type: its converter writes the rope_freqs tensor instead.
+        if config.rope_scaling not in SCALING_TYPES:
             raise LlmxError(
-                f"{source}: RoPE scaling type {scaling!r} is not supported yet (llmx supports linear)"
+                f"{source}: RoPE scaling type {config.rope_scaling!r} is not supported yet "
+                f"(llmx supports {', '.join(SCALING_TYPES[1:])} and rope_freqs factors)"
             )
 
     @classmethod

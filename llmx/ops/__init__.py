@@ -21,7 +21,7 @@ from llmx.ops.masks import causal_mask, ring_mask
 from llmx.ops.matmul import embedding, linear, linear_many
 from llmx.ops.moe import moe_ffn, route
 from llmx.ops.norms import add_rms_norm, rms_norm
-from llmx.ops.rope import Rope
+from llmx.ops.rope import Rope, Yarn
 from llmx.ops.split import PartialSum, RowSplit, current_device
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "PartialSum",
     "Rope",
     "RowSplit",
+    "Yarn",
     "add_rms_norm",
     "attention",
     "causal_mask",

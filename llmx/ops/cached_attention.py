@@ -2,8 +2,9 @@
 
 Which kernels run is an `AttentionKernels` value, chosen once at load and held by the cache (whose
 layer object runs the fused ones, being the only writer of its buffers): with `-fa on`/`auto`
-one-token steps take the fused kernels (Triton on a GPU, native on the CPU) and prompt batches on a
-GPU PyTorch's flash kernels; with `-fa off` attention materializes the scores, as llama.cpp's does.
+one-token steps take the fused kernels (Triton on a GPU, native on the CPU) and prompt batches
+PyTorch's flash kernels (on the CPU too: a long context never stores a prompt batch's scores); with
+`-fa off` attention materializes the scores, as llama.cpp's does (a chunk of heads at a time: `-amb`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmx.ops.block_attention import block_attention
 from llmx.ops.masks import ring_mask
 from llmx.ops.rope import Rope
+from llmx.plan.memory import score_heads
 from llmx.quant import QType
 
 
@@ -30,16 +33,22 @@ class AttentionKernels:
     `decode`, for one-token steps: "auto" the fused kernels (RoPE, cache write and attention: Triton
     on a GPU, native on the CPU); "on" the Triton kernel on the CPU too (tests, TRITON_INTERPRET=1);
     "off" PyTorch's ops.
+    `max_score_bytes`: with `-fa off`, the math path's cap on the scores it stores at once (`-amb`,
+    0 = none): it attends `plan.memory.score_heads` query heads at a time.
     """
 
     flash: bool = True
     decode: str = "auto"
+    max_score_bytes: int = 0
 
     @classmethod
-    def choose(cls, flash_attn: str, fused: str) -> AttentionKernels:
-        """From `-fa` (on/off/auto) and LLMX_FUSED_ATTENTION: `-fa off` turns the fused decode
-        kernels off too (they never store the scores either)."""
-        return cls(flash=False, decode="off") if flash_attn == "off" else cls(flash=True, decode=fused)
+    def choose(cls, flash_attn: str, fused: str, max_batch_mib: int = 0) -> AttentionKernels:
+        """From `-fa` (on/off/auto), LLMX_FUSED_ATTENTION and `-amb` (MiB): `-fa off` turns the fused
+        decode kernels off too (they never store the scores either); `-amb` caps only `-fa off`'s
+        scores, as in ik_llama.cpp (the fused kernels store none)."""
+        if flash_attn == "off":
+            return cls(flash=False, decode="off", max_score_bytes=max_batch_mib * 2**20)
+        return cls(flash=True, decode=fused)
 
 
 DEFAULT_KERNELS = AttentionKernels()  # -fa auto, LLMX_FUSED_ATTENTION auto
@@ -154,7 +163,7 @@ def attention(
     t, n_head, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if softcap is not None or not kernels.flash:  # outside SDPA's vocabulary, or -fa off
-        return math_attention(q, k, v, mask, scale, softcap)
+        return math_attention(q, k, v, mask, scale, softcap, kernels.max_score_bytes)
     if kernels.decode != "off" and native_cpu_decode(q, k, mask):
         from llmx.kernels import cpu_attention
 
@@ -165,15 +174,34 @@ def attention(
     # on the CPU in float32, where half-precision math is slow.
     dtype = k.dtype if q.is_cuda else q.dtype
     qh, kh, vh = q.transpose(0, 1).to(dtype), k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype)
-    # Unmasked (a decode step over exactly its past): 4-D [batch, heads, tokens, dim] tensors, which
-    # reach PyTorch's fused kernels (the CPU's flash attention: 3-5x faster per step than the math
-    # path that 3-D tensors take). Masked prompts keep the math path, whose summation order matches
-    # the float32 references' (tests/test_logits.py).
-    if mask is None:
-        qh, kh, vh = qh[None], kh[None], vh[None]
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    out = out[0] if mask is None else out
+    if mask is not None and not q.is_cuda:
+        out = cpu_flash_attention(qh, kh, vh, mask, scale)
+    elif mask is None:
+        # Unmasked (a decode step over exactly its past): 4-D [batch, heads, tokens, dim] tensors,
+        # which reach PyTorch's fused kernels (the CPU's flash attention: 3-5x faster per step than
+        # the math path that 3-D tensors take).
+        out = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], scale=scale, enable_gqa=True)[0]
+    else:  # a GPU's masked prompt (a sliding window the flash path does not take)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
+
+
+def cpu_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [H, T, D] over k, v [Hk, N, D] on the CPU, `mask` [T, N]: PyTorch's CPU flash kernel, which
+    walks the keys in tiles, so a prompt batch over a long cache never holds its [H, T, N] scores (the
+    math path's 13 bytes a score: 4 GiB for 512 tokens of a 32-head model over 32K keys). Each KV
+    head is broadcast to its group of query heads (stride 0, no copy), which the kernel reads as 4-D
+    [Hk, group, T, D]. Returns [H, T, Dv]."""
+    n_head, t, head_dim = q.shape
+    n_kv, n = k.shape[0], k.shape[1]
+    group = n_head // n_kv
+    qg = q.reshape(n_kv, group, t, head_dim)
+    kg, vg = k[:, None].expand(n_kv, group, n, head_dim), v[:, None].expand(n_kv, group, n, v.shape[-1])
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # never the math path, whose scores this avoids
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+    return out.reshape(n_head, t, -1)
 
 
 def math_attention(
@@ -183,19 +211,25 @@ def math_attention(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
+    max_score_bytes: int = 0,
 ) -> torch.Tensor:
-    """`attention` spelled out, the scores [H, T, N] materialized in float32 (llama.cpp's attention
-    without `-fa`): softmax(softcap(q k^T * scale), masked) v. Shapes as `attention`'s."""
+    """`attention` spelled out, the scores [heads, T, N] materialized in float32 (llama.cpp's attention
+    without `-fa`): softmax(softcap(q k^T * scale), masked) v, for `score_heads` query heads at a
+    time (all of them unless `max_score_bytes`, -amb, caps the scores). Shapes as `attention`'s."""
     t, n_head, head_dim = q.shape
-    qh, kh, vh = (x.transpose(0, 1).float() for x in (q, k, v))
-    group = n_head // kh.shape[0]
-    kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
-    scores = (qh @ kh.transpose(1, 2)) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    out = scores.softmax(-1) @ vh
+    group = n_head // k.shape[1]
+    step = score_heads(n_head, t, k.shape[0], max_score_bytes)
+    qh, kh, vh = (x.transpose(0, 1) for x in (q, k, v))
+    chunks = []
+    for h0 in range(0, n_head, step):
+        kv_heads = torch.arange(h0, min(h0 + step, n_head), device=k.device) // group  # GQA: each head's K/V
+        scores = (qh[h0 : h0 + step].float() @ kh[kv_heads].float().transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        chunks.append(scores.softmax(-1) @ vh[kv_heads].float())
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
 
 

@@ -52,6 +52,15 @@ def kv_read_bytes(layers: Iterable[tuple[float, int]], n_kv: float) -> float:
     return sum(per_position * min(n_kv, rows) for per_position, rows in layers)
 
 
+def score_heads(n_head: int, n_queries: int, n_keys: int, max_bytes: int) -> int:
+    """Query heads whose float32 scores [heads, n_queries, n_keys] attention computes at once: all of
+    them, or under `-amb` (`max_bytes`; 0 = no cap) as many as keep the scores within it, at least one
+    (ik_llama.cpp's --attention-max-batch splits the `-fa off` path's heads the same way)."""
+    if not max_bytes:
+        return n_head
+    return max(1, min(n_head, max_bytes // (n_queries * n_keys * F32)))
+
+
 def kv_layer_bytes(model: ModelSpec, opts: Options, layer: int) -> int:
     """Layer `layer`'s K and V cache."""
     c = model.config
@@ -74,8 +83,9 @@ def compute_bytes(
     total = 0
     if attention or ffn:
         total += 4 * ub * model.config.n_embd * F32  # residual stream, normed input, op output, sum
-        fused = gpu and opts.flash_attn != "off"  # -fa off: every device attends over stored scores
-        attn = _attention_bytes(model, ub, ctx, fused) if attention else 0
+        flash = opts.flash_attn != "off"  # -fa off: every device attends over stored scores
+        max_scores = opts.attn_max_batch * MiB if opts.flash_attn == "off" else 0  # -amb: -fa off's cap
+        attn = _attention_bytes(model, ub, ctx, flash, gpu, max_scores) if attention else 0
         total += max(attn, 2 * ub * _ffn_width(model) * F32 if ffn else 0)  # gate and up (silu in place)
         total += _matmul_bytes(model, ub, gpu)
         if gpu:
@@ -110,9 +120,10 @@ def _ffn_width(model: ModelSpec) -> int:
     return max(c.n_ff, c.expert_width * max(c.n_expert_used, 1))
 
 
-def _attention_bytes(model: ModelSpec, ub: int, ctx: int, fused: bool) -> int:
-    """The attention phase of one block for `ub` queries over a full cache of `ctx` positions; `fused`:
-    a GPU's flash or memory-efficient kernels, which never store the scores."""
+def _attention_bytes(model: ModelSpec, ub: int, ctx: int, flash: bool, gpu: bool, max_scores: int) -> int:
+    """The attention phase of one block for `ub` queries over a full cache of `ctx` positions on a GPU
+    or the CPU (`gpu`); `flash`: PyTorch's flash or memory-efficient kernels, which never store the
+    scores; otherwise the scores of `score_heads` heads at a time (`max_scores`: -amb in bytes)."""
     c = model.config
     h, hk = c.n_head, c.n_head_kv
     d = max(c.head_dim, c.head_dim_v)
@@ -120,15 +131,21 @@ def _attention_bytes(model: ModelSpec, ub: int, ctx: int, fused: bool) -> int:
     total += 3 * ub * h * d * F32  # RoPE's rotated halves and products
     total += 2 * (1 << max(8, (ctx - 1).bit_length())) * (d // 2) * F32  # RoPE tables, kept
     total += 3 * ub * h * d * F32  # the output, in the cache's dtype, then float, then reshaped
-    if fused and not (c.sliding_window and c.sliding_window < ctx):
+    if flash and not gpu:
+        # The CPU's flash kernel (`ops.cached_attention.cpu_flash_attention`): K and V in f32, the
+        # mask in bool and as the float bias the kernel adds (made twice over); no scores.
+        return total + ctx * 2 * hk * d * F32 + ub * ctx * (1 + 2 * F32)
+    if flash and not (c.sliding_window and c.sliding_window < ctx):
         # PyTorch's fused causal kernels: no scores; after the first batch of a sequence K and V
         # are repeated to every query head (the bottom-right causal variant needs it).
         return total + 2 * ctx * h * d * F16 + ub * h * d * F16
-    # The masked math path (the CPU, a GPU's sliding-window layers, -fa off): q, K and V in f32, K and V
-    # repeated to every query head and K scaled, then per score the product, its softmax, the
-    # NaN-safe select over it and a bool (13 bytes), plus the mask in bool and float.
-    total += ctx * (2 * hk + 3 * h) * d * F32
-    return total + 13 * h * ub * ctx + ub * ctx * (1 + F32)
+    # The masked math path (the CPU, a GPU's sliding-window layers, -fa off), a chunk of heads at a
+    # time: q, K and V in f32, K and V repeated to the chunk's query heads and K scaled, then per
+    # score the product, its softmax, the NaN-safe select over it and a bool (13 bytes), plus the
+    # mask in bool and float.
+    chunk = score_heads(h, ub, ctx, max_scores)
+    total += ctx * (2 * hk + 3 * chunk) * d * F32
+    return total + 13 * chunk * ub * ctx + ub * ctx * (1 + F32)
 
 
 def _matmul_bytes(model: ModelSpec, ub: int, gpu: bool) -> int:

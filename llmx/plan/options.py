@@ -312,7 +312,7 @@ _ARGUMENTS: list[tuple[tuple[str, ...], str, str | None, str, dict[str, Any]]] =
         ("-amb", "--attention-max-batch"),
         "attn_max_batch",
         "MiB",
-        "not supported: llmx sizes attention scratch itself (run refuses it)",
+        "with -fa off, attend a chunk of heads at a time whose scores fit in MiB (default: all at once)",
         {},
     ),
     (

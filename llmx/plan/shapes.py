@@ -9,6 +9,7 @@ Face configs, tensor names and layouts those of llama.cpp's convert_hf_to_gguf.p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,37 @@ from llmx.plan.recipes import RECIPES, assign_types
 from llmx.plan.tensors import TensorSpec
 
 # --- the table ---
+
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3.1's "llama3" RoPE scaling (its config's rope_scaling). GGUFs carry it as no metadata
+    key but as the tensor rope_freqs.weight, a factor per rotated pair that divides its frequency."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+    def freq_factors(self, base: float, dims: int) -> list[float]:
+        """The tensor's values, as llama.cpp's converter computes them (LlamaModel.generate_extra_tensors):
+        pairs turning fast over the original context keep their frequency, slow ones are divided by
+        `factor`, and a smooth ramp joins them."""
+        low_wavelen = self.original_context / self.low_freq_factor
+        high_wavelen = self.original_context / self.high_freq_factor
+        out = []
+        for i in range(0, dims, 2):
+            wavelen = 2 * math.pi * base ** (i / dims)
+            if wavelen < high_wavelen:
+                out.append(1.0)
+            elif wavelen > low_wavelen:
+                out.append(self.factor)
+            else:
+                smooth = (self.original_context / wavelen - self.low_freq_factor) / (
+                    self.high_freq_factor - self.low_freq_factor
+                )
+                out.append(1 / ((1 - smooth) / self.factor + smooth))
+        return out
 
 
 @dataclass(frozen=True)
@@ -53,6 +85,7 @@ class ModelShape:
     q_lora_rank: int = 0  # DeepSeek MLA: q = q_b(norm(q_a(x)))
     kv_lora_rank: int = 0  # DeepSeek MLA: the compressed KV that the cache stores
     rope_dim: int = 0  # DeepSeek MLA: the rotary part of each head (qk_rope_head_dim)
+    llama3_rope: Llama3Rope | None = None  # Llama 3.1's scaling, written as rope_freqs.weight
     extra: tuple[tuple[str, Any], ...] = field(default=())  # further `{arch}.` keys, as in real files
 
     @property
@@ -61,6 +94,11 @@ class ModelShape:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_expert > 0 and layer >= self.n_leading_dense
+
+    def rope_freqs(self) -> list[float]:
+        """rope_freqs.weight's values (the shape must have `llama3_rope`)."""
+        assert self.llama3_rope is not None, f"{self.name} has no rope_freqs tensor"
+        return self.llama3_rope.freq_factors(self.rope_base, self.rope_dim or self.head_dim)
 
     def tensors(self, recipe: str) -> list[TensorSpec]:
         """The file's tensors with their types under `recipe` (e.g. "Q4_K_M", "Q8_0", "IQ4_KS")."""
@@ -145,6 +183,10 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in [
                tokenizer=("gpt2", "smollm", 1, 2), tied_embeddings=True),
     ModelShape("llama3-8b", "llama", "8B", n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8,
                n_vocab=128256, ctx_train=8192, rope_base=500000.0, rms_eps=1e-5, tokenizer=_LLAMA3_TOK),
+    # Llama 3.1: Llama 3's shapes with a 128K context, reached by its "llama3" RoPE scaling.
+    ModelShape("llama3.1-8b", "llama", "8B", n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8,
+               n_vocab=128256, ctx_train=131072, rope_base=500000.0, rms_eps=1e-5, tokenizer=_LLAMA3_TOK,
+               llama3_rope=Llama3Rope()),
     ModelShape("llama3-70b", "llama", "70B", n_layer=80, n_embd=8192, n_ff=28672, n_head=64, n_head_kv=8,
                n_vocab=128256, ctx_train=8192, rope_base=500000.0, rms_eps=1e-5, tokenizer=_LLAMA3_TOK),
     # The seed's "qwen-70b" (80 layers, ~40 GB at Q4): Qwen2.5-72B. Its FFN width 29568 is not a
@@ -194,6 +236,8 @@ def parse_shape_spec(spec: str) -> tuple[ModelShape, str]:
 def _raw_tensors(s: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor, in the order llama.cpp's converter writes them."""
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s.n_vocab, s.n_embd))]
+    if s.llama3_rope is not None:  # the converter's extra tensors come first
+        out.insert(0, ("rope_freqs.weight", ((s.rope_dim or s.head_dim) // 2,)))
     for i in range(s.n_layer):
         p = f"blk.{i}."
         out.append((p + "attn_norm.weight", (s.n_embd,)))
