@@ -4,6 +4,7 @@ API, streaming equal to the whole reply, stop strings, and one-line 400s for bad
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -13,8 +14,10 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import llmx  # noqa: E402
-from llmx.server.app import make_app  # noqa: E402
+from llmx.server.app import ServerConfig, make_app  # noqa: E402
+from llmx.server.metrics import Metrics  # noqa: E402
 from llmx.server.protocol import StopScanner  # noqa: E402
+from llmx.server.worker import Worker  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Name three primary colours."}]
 
@@ -26,7 +29,12 @@ def model(smollm2_path):
 
 @pytest.fixture(scope="module")
 def client(model):
-    return TestClient(make_app(model, "smollm2"))
+    worker = Worker(model, 8, Metrics())
+    engine = threading.Thread(target=worker.run)
+    engine.start()
+    yield TestClient(make_app(worker, ServerConfig("smollm2")))
+    worker.stop()
+    engine.join()
 
 
 def events(response) -> list:
@@ -75,7 +83,8 @@ def test_completion_stops_before_a_stop_string(client):
     assert full["finish_reason"] == "length" and len(full["text"]) > 4
     stop = full["text"][3:5]  # somewhere inside the reply, across a token boundary or not
     cut = client.post("/v1/completions", json=request | {"stop": [stop, "@@@"]}).json()["choices"][0]
-    assert cut == {"index": 0, "finish_reason": "stop", "text": full["text"][: full["text"].find(stop)]}
+    cut_text = full["text"][: full["text"].find(stop)]
+    assert cut == {"index": 0, "finish_reason": "stop", "text": cut_text, "logprobs": None}
     streamed = events(client.post("/v1/completions", json=request | {"stop": stop, "stream": True}))
     assert "".join(c["choices"][0]["text"] for c in streamed[:-1]) == cut["text"]
 
