@@ -6,6 +6,7 @@ Timing-sensitive checks count tokens rather than seconds where they can: the tes
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ KEY = "sk-test"
 CTX = 512
 LONG = {"prompt": "Once upon a time", "max_tokens": CTX, "temperature": 0}  # runs until -c is full
 HI = {"messages": [{"role": "user", "content": "Hi"}]}
+UNUSABLE = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no such type"}}}
 
 
 class Server:
@@ -125,6 +127,31 @@ def test_logprobs_rank_the_greedy_token_first(client):
     assert all(len(top) == 2 for top in columns.top_logprobs)
 
 
+def test_json_schema_response_format_gives_json_of_that_schema(client):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Describe a person."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
+    person = json.loads(reply.choices[0].message.content)
+    assert reply.choices[0].finish_reason == "stop" and set(person) == {"name", "age"}
+    assert isinstance(person["name"], str) and len(person["name"]) <= 12 and isinstance(person["age"], int)
+    any_object = client.chat.completions.create(
+        model="smol", max_tokens=40, temperature=0, response_format={"type": "json_object"}, **HI
+    )
+    if any_object.choices[0].finish_reason == "stop":  # else cut by max_tokens, mid-object
+        assert isinstance(json.loads(any_object.choices[0].message.content), dict)
+    assert any_object.choices[0].message.content.startswith("{")
+
+
 def test_models_tokenize_detokenize_props_metrics(server, client):
     assert [m.id for m in client.models.list()] == ["smol"]
     with server.http() as http:
@@ -204,7 +231,8 @@ BAD = [
         413,
         "body_too_large",
     ),
-    ("POST", "/v1/chat/completions", {"json": HI | {"response_format": {"type": "json_object"}}}, 400, None),
+    ("POST", "/v1/chat/completions", {"json": HI | {"response_format": {"type": "xml"}}}, 400, None),
+    ("POST", "/v1/chat/completions", {"json": HI | {"response_format": UNUSABLE}}, 400, None),
     ("POST", "/v1/chat/completions", {"json": HI | {"tools": [{"type": "function"}]}}, 400, None),
     ("POST", "/detokenize", {"json": {"tokens": [10**9]}}, 400, None),
 ]
@@ -247,6 +275,7 @@ def test_queue_limit_time_out_and_sigterm():
             for r in (running.result(), waiting.result()):  # the time-out ends both
                 assert r.status_code == 503 and r.json()["error"]["code"] == "timeout"
         with s.http() as http, http.stream("POST", "/v1/completions", json=LONG | {"stream": True}) as r:
+            assert r.status_code == 200  # the time-outs gave their places in the queue up
             lines = r.iter_lines()
             next(lines)
             t0 = time.monotonic()

@@ -33,6 +33,7 @@ from llmx.server.protocol import Kind, Reply, decode_body, parse_request
 from llmx.server.protocol import Request as Job
 from llmx.server.worker import Ticket, Worker
 from llmx.text.chat import takes_tools
+from llmx.text.grammar import Grammars
 from llmx.text.sampler import SamplingParams
 
 TEXT_THREADS = 2  # decode and tokenize bodies: a 4 MiB prompt takes seconds, /health must not wait
@@ -58,6 +59,7 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
     app.add_middleware(_Gate, api_key=config.api_key, metrics=metrics)
     text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="llmx-text")
     tools = takes_tools(model.tokenizer)
+    grammars = Grammars(model.tokenizer)
     n_ctx = model.engine.n_ctx
 
     async def off_loop(fn: Callable[..., T], *args: Any) -> T:
@@ -161,7 +163,8 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
         job = parse_request(kind, await body_of(request), tools)
         SamplingParams(**job.sampling)  # out-of-range values fail here, before the request waits
         loop = asyncio.get_running_loop()
-        ticket = Ticket(job, await off_loop(prompt_ids, job), loop)
+        constraint = None if job.schema is None else await off_loop(grammars.compile, job.schema)
+        ticket = Ticket(job, await off_loop(prompt_ids, job), loop, constraint)
         deadline = None if config.timeout is None else loop.time() + config.timeout
         worker.submit(ticket)
         # Until the response starts, nothing else notices a client that leaves: watch for it here.

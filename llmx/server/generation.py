@@ -13,8 +13,11 @@ import torch
 
 from llmx.api import LoadedModel
 from llmx.server.protocol import Candidate, Request, StopScanner, TokenLogprob
+from llmx.text.grammar import Constraint
 from llmx.text.sampler import Sampler, SamplingParams
 from llmx.text.tokenizer import StreamDecoder, Tokenizer
+
+Sample = Callable[[torch.Tensor, Sequence[int]], int]  # (logits [vocab], history) -> next id
 
 
 @dataclass(frozen=True)
@@ -33,12 +36,21 @@ class Done:
     completion_tokens: int
 
 
+def _constrained(sample: Sample, constraint: Constraint) -> Sample:
+    def pick(logits: torch.Tensor, history: Sequence[int]) -> int:
+        token = sample(constraint.mask(logits), history)
+        constraint.accept(token)
+        return token
+
+    return pick
+
+
 class _Recorder:
     """A sampler that also notes, for each token it picks, its log-probability under the model (the
     raw logits' softmax, before penalties and temperature, as OpenAI reports it) and the `top`
     likeliest tokens'."""
 
-    def __init__(self, sample: Callable[[torch.Tensor, Sequence[int]], int], tokenizer: Tokenizer, top: int):
+    def __init__(self, sample: Sample, tokenizer: Tokenizer, top: int):
         self.sample, self.tokenizer, self.top = sample, tokenizer, top
         self.noted: list[TokenLogprob] = []
 
@@ -59,12 +71,16 @@ class _Recorder:
         return noted
 
 
-def generate(model: LoadedModel, request: Request, ids: list[int]) -> Iterator[Piece | Done]:
-    """A `Piece` per generated token, then one `Done`. The engine's context restarts here; closing the
-    iterator stops generation after the current step."""
+def generate(
+    model: LoadedModel, request: Request, ids: list[int], constraint: Constraint | None = None
+) -> Iterator[Piece | Done]:
+    """A `Piece` per generated token, then one `Done`; only tokens `constraint` allows. The engine's
+    context restarts here; closing the iterator stops generation after the current step."""
     engine, tokenizer = model.engine, model.tokenizer
     engine.reset()
-    sample = Sampler(SamplingParams(**request.sampling))
+    sample: Sample = Sampler(SamplingParams(**request.sampling))
+    if constraint is not None:
+        sample = _constrained(sample, constraint)
     recorder = None if request.top_logprobs is None else _Recorder(sample, tokenizer, request.top_logprobs)
     decoder, scanner = StreamDecoder(tokenizer), StopScanner(request.stop)
 

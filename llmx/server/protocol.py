@@ -49,6 +49,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     top_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only
+    schema: dict[str, Any] | None = None  # response_format: the JSON schema the reply must follow
 
 
 # --- request bodies ----------------------------------------------------------------------------
@@ -115,7 +116,6 @@ def parse_request(kind: Kind, body: Any, takes_tools: bool = False) -> Request:
             raise LlmxError("'prompt' must be a non-empty string")
     if body.get("n", 1) != 1:
         raise LlmxError("'n' must be 1: this server returns one choice")
-    _refuse_response_format(body.get("response_format"))
     limit = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
     if limit is None:
         limit = DEFAULT_MAX_TOKENS
@@ -134,6 +134,7 @@ def parse_request(kind: Kind, body: Any, takes_tools: bool = False) -> Request:
         stream,
         _include_usage(body.get("stream_options"), stream),
         _top_logprobs(kind, body),
+        _schema(body.get("response_format")),
     )
 
 
@@ -215,15 +216,22 @@ def _refuse_tools(tools: Any, takes_tools: bool) -> None:
     raise LlmxError("'tools': tool calls are not parsed from the reply yet; send none")
 
 
-def _refuse_response_format(value: Any) -> None:
-    """Only plain text: a JSON format that is not enforced would be a promise broken silently."""
-    if value is None or value == {"type": "text"}:
-        return
-    kind = value.get("type") if isinstance(value, dict) else value
-    raise LlmxError(
-        f"'response_format' {_shown(kind)} is not supported yet (constrained decoding); "
-        'only {"type": "text"}'
-    )
+def _schema(value: Any) -> dict[str, Any] | None:
+    """The JSON schema of a `response_format` (`json_object`: any object), None for plain text."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None  # OpenAI: no schema, any JSON
+        if isinstance(schema, dict):
+            return schema
+        raise LlmxError("'response_format.json_schema' must be an object with a 'schema' object")
+    raise LlmxError("'response_format.type' must be text, json_object or json_schema")
 
 
 def _messages(value: Any) -> tuple[dict[str, str], ...]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 from llmx.api import LoadedModel
@@ -28,6 +29,7 @@ from llmx.server.errors import ApiError
 from llmx.server.generation import Done, Piece, generate
 from llmx.server.metrics import Metrics
 from llmx.server.protocol import Request
+from llmx.text.grammar import Constraint
 
 POLL_SECONDS = 0.1  # how often an idle worker looks at its stop flag (a signal handler may set it)
 RETRY_AFTER_SECONDS = 1
@@ -44,6 +46,7 @@ class Ticket:
     request: Request
     ids: list[int]
     loop: asyncio.AbstractEventLoop
+    constraint: Constraint | None = None  # response_format's grammar, compiled
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # set by the handler (client gone, time-out); read by the worker each step
 
@@ -57,49 +60,60 @@ class Ticket:
 
 
 class Worker:
-    """Generates for one ticket at a time; at most `max_queue` wait, later ones are refused (503)."""
+    """Generates for one ticket at a time; at most `max_queue` wait, later ones are refused (503).
+    A ticket cancelled while it waits (its client left, or timed out) gives its place up at once."""
 
     def __init__(self, model: LoadedModel, max_queue: int, metrics: Metrics) -> None:
-        self.model, self.metrics = model, metrics
-        self._queue: queue.Queue[Ticket] = queue.Queue(max_queue)
+        self.model, self.metrics, self.max_queue = model, metrics, max_queue
+        self._waiting: deque[Ticket] = deque()
+        self._changed = threading.Condition()
         self._stopping = False
-        metrics.queued.set_function(self._queue.qsize)
+        metrics.queued.set_function(self._live)
+
+    def _live(self) -> int:
+        with self._changed:
+            return sum(not t.cancelled for t in self._waiting)
 
     def submit(self, ticket: Ticket) -> None:
-        if self._stopping:
-            raise ApiError(503, "the server is shutting down", "shutting_down")
-        try:
-            self._queue.put_nowait(ticket)
-        except queue.Full:
-            self.metrics.rejected.inc()
-            raise ApiError(
-                503,
-                f"the server is busy: {self._queue.maxsize} requests are waiting already; retry later",
-                "queue_full",
-                retry_after=RETRY_AFTER_SECONDS,
-            ) from None
+        with self._changed:
+            if self._stopping:
+                raise ApiError(503, "the server is shutting down", "shutting_down")
+            self._waiting = deque(t for t in self._waiting if not t.cancelled)
+            if len(self._waiting) >= self.max_queue:
+                self.metrics.rejected.inc()
+                raise ApiError(
+                    503,
+                    f"the server is busy: {self.max_queue} requests are waiting already; retry later",
+                    "queue_full",
+                    retry_after=RETRY_AFTER_SECONDS,
+                )
+            self._waiting.append(ticket)
+            self._changed.notify()
 
     def stop(self) -> None:
-        """Ask `run` to return: the request in generation and those waiting get a 503. Only sets a flag,
-        so a signal handler may call it."""
+        """Ask `run` to return: the request in generation and those waiting get a 503. Only sets a flag
+        (no lock), so a signal handler may call it."""
         self._stopping = True
 
     def run(self) -> None:
         """Serve tickets until `stop`."""
         while not self._stopping:
-            try:
-                ticket = self._queue.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                continue
-            self._serve(ticket)
-        while not self._queue.empty():
-            self._queue.get_nowait().put(ApiError(503, "the server is shutting down", "shutting_down"))
+            with self._changed:
+                # a time-out, not a plain wait: `stop` sets its flag without notifying
+                self._changed.wait_for(lambda: self._waiting, timeout=POLL_SECONDS)
+                ticket = self._waiting.popleft() if self._waiting else None
+            if ticket is not None:
+                self._serve(ticket)
+        with self._changed:
+            for ticket in self._waiting:
+                ticket.put(ApiError(503, "the server is shutting down", "shutting_down"))
+            self._waiting.clear()
 
     def _serve(self, ticket: Ticket) -> None:
         if ticket.cancelled:  # its client left while it waited
             return
         self.metrics.running.set(1)
-        steps = generate(self.model, ticket.request, ticket.ids)
+        steps = generate(self.model, ticket.request, ticket.ids, ticket.constraint)
         try:
             for event in steps:
                 if ticket.cancelled:
