@@ -19,6 +19,7 @@ from llmx.server.metrics import Metrics  # noqa: E402
 from llmx.server.protocol import StopScanner  # noqa: E402
 from llmx.server.worker import Worker  # noqa: E402
 
+JSON = {"content-type": "application/json"}
 MESSAGES = [{"role": "user", "content": "Name three primary colours."}]
 
 
@@ -111,7 +112,7 @@ def test_models_and_health(client):
     ],
 )
 def test_bad_requests_are_one_line_400s(client, path, body, says):
-    send = {"content": body} if isinstance(body, bytes) else {"json": body}
+    send = {"content": body, "headers": JSON} if isinstance(body, bytes) else {"json": body}
     r = client.post(path, **send)
     assert r.status_code == 400
     message = r.json()["error"]["message"]

@@ -24,6 +24,7 @@ pytest.importorskip("prometheus_client")
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test"
+ORIGIN = "http://app.example"
 CTX = 512
 LONG = {"prompt": "Once upon a time", "max_tokens": CTX, "temperature": 0}  # runs until -c is full
 HI = {"messages": [{"role": "user", "content": "Hi"}]}
@@ -89,7 +90,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--alias", "smol", "--api-key", KEY)
+    s = Server("--alias", "smol", "--api-key", KEY, "--cors", ORIGIN)
     yield s
     s.stop()
 
@@ -137,7 +138,7 @@ def test_json_schema_response_format_gives_json_of_that_schema(client):
     reply = client.chat.completions.create(
         model="smol",
         messages=[{"role": "user", "content": "Describe a person."}],
-        max_tokens=40,
+        max_tokens=30,
         temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
     )
@@ -145,11 +146,9 @@ def test_json_schema_response_format_gives_json_of_that_schema(client):
     assert reply.choices[0].finish_reason == "stop" and set(person) == {"name", "age"}
     assert isinstance(person["name"], str) and len(person["name"]) <= 12 and isinstance(person["age"], int)
     any_object = client.chat.completions.create(
-        model="smol", max_tokens=40, temperature=0, response_format={"type": "json_object"}, **HI
+        model="smol", max_tokens=3, temperature=0, response_format={"type": "json_object"}, **HI
     )
-    if any_object.choices[0].finish_reason == "stop":  # else cut by max_tokens, mid-object
-        assert isinstance(json.loads(any_object.choices[0].message.content), dict)
-    assert any_object.choices[0].message.content.startswith("{")
+    assert any_object.choices[0].message.content.startswith("{")  # unconstrained, it says "Hello"
 
 
 def test_models_tokenize_detokenize_props_metrics(server, client):
@@ -188,7 +187,7 @@ def test_a_client_giving_up_on_a_whole_reply_stops_its_generation(server):
 
 
 def test_many_more_clients_than_threads_are_all_served_and_health_answers(server):
-    n = 48  # past anyio's 40 worker threads, which the server used to run requests on
+    n = 44  # past anyio's 40 worker threads, which the server used to run requests on
     request = {"prompt": "Hi", "max_tokens": 1}
 
     def one(_: int) -> int:
@@ -243,7 +242,7 @@ BAD = [
 )
 def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, method, path, send, status, code):
     with server.http() as http:
-        r = http.request(method, path, **send)
+        r = http.request(method, path, headers={"content-type": "application/json"}, **send)
         assert r.status_code == status
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
@@ -259,8 +258,26 @@ def test_the_api_key_is_required_except_for_health(server, key):
         assert http.get("/health").status_code == 200
 
 
+def test_web_pages_reach_it_only_from_the_cors_origin_with_json_and_by_its_own_name(server):
+    with server.http() as http:
+        preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+        r = http.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+        r = http.options("/v1/chat/completions", headers=preflight | {"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+        # a form or text/plain POST needs no preflight, so a page of any origin can send it
+        r = http.post(
+            "/v1/completions", content=json.dumps({"prompt": "Hi"}), headers={"content-type": "text/plain"}
+        )
+        assert r.status_code == 415 and r.json()["error"]["code"] == "not_json"
+        # DNS rebinding: another name that resolves to 127.0.0.1
+        r = http.get("/v1/models", headers={"Host": f"rebind.example:{server.port}"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "bad_host"
+        assert http.get("/v1/models", headers={"Host": f"localhost:{server.port}"}).status_code == 200
+
+
 def test_queue_limit_time_out_and_sigterm():
-    s = Server("--max-queue", "1", "--timeout", "4")
+    s = Server("--max-queue", "1", "--timeout", "3")
     try:
         with s.http() as a, s.http() as b, s.http() as c, ThreadPoolExecutor(2) as pool:
             running = pool.submit(a.post, "/v1/completions", json=LONG)

@@ -9,6 +9,7 @@ gives open connections SHUTDOWN_SECONDS to finish.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import signal
 import sys
 import threading
@@ -19,6 +20,7 @@ from llmx.errors import LlmxError
 from llmx.plan.options import add_options, options_from_args
 
 SHUTDOWN_SECONDS = 3
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 START_POLL_SECONDS = 0.05
 
 
@@ -36,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queue", type=int, default=64, help="requests that may wait (>= 1); more get 503 (default 64)"
     )
     g.add_argument("--max-body", type=float, default=4, help="largest request body in MiB (default 4)")
+    g.add_argument(
+        "--cors", default=None, metavar="ORIGIN", help="let pages of ORIGIN call the API (default: none)"
+    )
     add_options(parser)
 
 
@@ -57,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     print_load_report(model)
     name = args.alias or model.file.path.stem
     worker = Worker(model, args.max_queue, Metrics())
-    config = ServerConfig(name, args.api_key, int(args.max_body * (1 << 20)), args.timeout)
+    config = ServerConfig(
+        name, args.api_key, int(args.max_body * (1 << 20)), args.timeout, _hosts(args.host), args.cors
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             make_app(worker, config),
@@ -80,3 +87,13 @@ def run(args: argparse.Namespace) -> int:
     server.should_exit = True
     http.join()
     return 0
+
+
+def _hosts(address: str) -> frozenset[str] | None:
+    """The Host names a server bound to `address` answers to: a loopback one only its own (a web page
+    the user visits may reach it by another name that resolves to 127.0.0.1); None: any."""
+    try:
+        loopback = address == "localhost" or ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        return None
+    return LOOPBACK_NAMES | {address if ":" not in address else f"[{address}]"} if loopback else None

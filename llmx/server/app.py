@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,13 +51,19 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication
     max_body_bytes: int = 4 << 20
     timeout: float | None = None  # seconds a request may take, waiting included; None: no limit
+    hosts: frozenset[str] | None = None  # the Host header's names allowed (a loopback server's); None: any
+    cors_origin: str | None = None  # the one web origin whose pages may call the API (--cors)
 
 
 def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
     """The application in front of `worker` (whose `run` some thread must be running)."""
     model, metrics = worker.model, worker.metrics
     app = FastAPI(title="llmx", version=llmx.__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_Gate, api_key=config.api_key, metrics=metrics)
+    app.add_middleware(_Gate, config=config, metrics=metrics)
+    if config.cors_origin is not None:  # outside the gate: a browser's preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=[config.cors_origin], allow_methods=["*"], allow_headers=["*"]
+        )
     text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="llmx-text")
     tools = takes_tools(model.tokenizer)
     grammars = Grammars(model.tokenizer)
@@ -284,23 +291,25 @@ async def _stream(
 
 
 class _Gate:
-    """ASGI middleware: the API key (401 without it, except on OPEN_PATHS) and the count of answers
+    """ASGI middleware: what a request must show before anything reads it, and the count of answers
     by status. Plain ASGI, not Starlette's BaseHTTPMiddleware, so that streams and disconnects pass
-    through untouched."""
+    through untouched.
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics) -> None:
-        self.app, self.key, self.metrics = app, api_key, metrics
+    A web page the user visits can send requests to a server on their machine: with a name that
+    resolves to 127.0.0.1 (DNS rebinding), which the Host check refuses, or as a cross-origin "simple"
+    request, which may not carry `Content-Type: application/json`: the JSON-only rule refuses those."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig, metrics: Metrics) -> None:
+        self.app, self.config, self.metrics = app, config, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            e = ApiError(
-                401, "a valid API key is needed: send 'Authorization: Bearer KEY'", "invalid_api_key"
-            )
-            await JSONResponse(e.body(), status_code=401)(scope, receive, send)
-            self.metrics.requests.labels("401").inc()
+        refused = self._refusal(scope)
+        if refused is not None:
+            await JSONResponse(refused.body(), status_code=refused.status)(scope, receive, send)
+            self.metrics.requests.labels(str(refused.status)).inc()
             return
 
         async def counted(message: Message) -> None:
@@ -310,6 +319,31 @@ class _Gate:
 
         await self.app(scope, receive, counted)
 
-    def _authorized(self, scope: Scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, b"Bearer " + self.key.encode())
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        headers = dict(scope["headers"])
+        hosts = self.config.hosts
+        host = headers.get(b"host", b"").decode("latin-1")
+        if hosts is not None and _host_name(host) not in hosts:
+            return ApiError(
+                403, f"this server answers to {', '.join(sorted(hosts))}, not {host!r}", "bad_host"
+            )
+        key = self.config.api_key
+        given = headers.get(b"authorization", b"")
+        if (
+            key is not None
+            and scope["path"] not in OPEN_PATHS
+            and not hmac.compare_digest(given, b"Bearer " + key.encode())
+        ):
+            return ApiError(
+                401, "a valid API key is needed: send 'Authorization: Bearer KEY'", "invalid_api_key"
+            )
+        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if scope["method"] == "POST" and content_type != b"application/json":
+            return ApiError(415, "send the body as JSON, with 'Content-Type: application/json'", "not_json")
+        return None
+
+
+def _host_name(host: str) -> str:
+    """A Host header's name without its port (`[::1]:8080` -> `[::1]`)."""
+    name, colon, port = host.rpartition(":")
+    return name if colon and port.isdigit() else host

@@ -94,6 +94,8 @@ def generate(
         if scanner.stopped:
             yield Done("stop", len(ids), n)
             return
+        if n == request.max_tokens:  # asked for more, the engine would run a step whose logits go unused
+            break
     tail = scanner.push(decoder.flush()) + scanner.flush()
     if tail:
         yield Piece(tail, None if recorder is None else [])  # an end-of-turn token's logprob is not shown
