@@ -6,7 +6,8 @@ Three ways to decode the same greedy tokens, each round in this order:
 
 - `run`: `llmx run` in a process of its own; its "eval time" line;
 - `serve`: one `llmx serve` (started once), a /v1/completions request; the engine's decode rate is
-  the change in /metrics' llmx_tokens_predicted counters, the client's is tokens / request time;
+  the change in /metrics' llmx_decode_steps / llmx_decode_seconds, as `llmx run` counts its eval
+  time; the client's is tokens / request time (prompt, HTTP and all);
 - `thread`: this process loads the model, then decodes on a second thread, as the server did before
   its engine ran on the loading thread; also its voluntary context switches per token (libgomp's
   workers sleeping between parallel regions instead of spinning: see `llmx.server.worker`).
@@ -72,7 +73,7 @@ def start_server(model: list[str]) -> tuple[subprocess.Popen, str]:
 
 def counters(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
-    return {k: float(v) for k, v in re.findall(r"^(llmx_tokens_predicted\w*_total) (\S+)$", text, re.M)}
+    return {k: float(v) for k, v in re.findall(r"^(llmx_decode_\w+_total) (\S+)$", text, re.M)}
 
 
 def serve_speed(url: str, n: int) -> tuple[float, float]:
@@ -84,9 +85,9 @@ def serve_speed(url: str, n: int) -> tuple[float, float]:
     ).json()
     seconds = time.perf_counter() - t0
     after = counters(url)
-    tokens = after["llmx_tokens_predicted_total"] - before["llmx_tokens_predicted_total"]
-    decode = after["llmx_tokens_predicted_seconds_total"] - before["llmx_tokens_predicted_seconds_total"]
-    return tokens / decode, reply["usage"]["completion_tokens"] / seconds
+    steps = after["llmx_decode_steps_total"] - before["llmx_decode_steps_total"]
+    decode = after["llmx_decode_seconds_total"] - before["llmx_decode_seconds_total"]
+    return steps / decode, reply["usage"]["completion_tokens"] / seconds
 
 
 def voluntary_switches() -> int:

@@ -156,11 +156,14 @@ def test_models_tokenize_detokenize_props_metrics(server, client):
     with server.http() as http:
         ids = http.post("/tokenize", json={"content": "Hello world"}).json()["tokens"]
         assert http.post("/detokenize", json={"tokens": ids}).json() == {"content": "Hello world"}
+        assert http.get("/slots").json() == [{"id": 0, "n_ctx": CTX, "is_processing": False}]
         props = http.get("/props").json()
         assert props["model_alias"] == "smol" and props["n_ctx"] == CTX and props["total_slots"] == 1
         metrics = http.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
-    assert server.metric("llmx_tokens_predicted_total") > 0
+    before = server.metric("llmx_tokens_predicted_total")
+    client.completions.create(model="smol", prompt="Hi", max_tokens=2)
+    assert server.metric("llmx_tokens_predicted_total") - before == 2
 
 
 def test_a_client_leaving_mid_stream_frees_the_engine_at_once(server, client):
@@ -170,6 +173,8 @@ def test_a_client_leaving_mid_stream_frees_the_engine_at_once(server, client):
         lines = r.iter_lines()
         while not next(lines).startswith("data: "):
             pass
+        (slot,) = http.get("/slots").json()
+        assert slot["is_processing"] and slot["n_past"] >= slot["n_prompt_tokens"] > 0
     server.wait_idle()
     # the request would have run until the context was full (~500 tokens): it stopped within steps
     assert server.metric("llmx_tokens_predicted_total") - before < 40

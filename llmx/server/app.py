@@ -133,6 +133,13 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
             "default_generation_settings": vars(SamplingParams()),
         }
 
+    @app.get("/slots")
+    async def slots() -> list[dict]:
+        """llama-server's slot list; one slot until batching comes."""
+        busy = worker.busy
+        state = {"n_past": model.engine.n_past, "n_prompt_tokens": len(busy.ids)} if busy else {}
+        return [{"id": 0, "n_ctx": n_ctx, "is_processing": busy is not None} | state]
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.text(), media_type=CONTENT_TYPE)

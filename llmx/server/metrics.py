@@ -19,9 +19,9 @@ class Metrics:
         self.prompt_tokens = Counter("llmx_prompt_tokens", "Prompt tokens processed", registry=registry)
         self.generated_tokens = Counter("llmx_tokens_predicted", "Tokens generated", registry=registry)
         self.prompt_seconds = Counter("llmx_prompt_seconds", "Time spent on prompts", registry=registry)
-        self.generation_seconds = Counter(
-            "llmx_tokens_predicted_seconds", "Time spent generating tokens", registry=registry
-        )
+        # a reply's first token comes from its prompt's step: decode steps are one fewer than its tokens
+        self.decode_steps = Counter("llmx_decode_steps", "Decode steps run", registry=registry)
+        self.decode_seconds = Counter("llmx_decode_seconds", "Time spent in decode steps", registry=registry)
         self.requests = Counter(
             "llmx_requests", "Requests answered, by status", ["status"], registry=registry
         )
@@ -32,12 +32,13 @@ class Metrics:
         self.running = Gauge("llmx_requests_processing", "Requests being generated for", registry=registry)
         self.queued = Gauge("llmx_requests_deferred", "Requests waiting for the engine", registry=registry)
 
-    def add(self, timings: Timings) -> None:
-        """One request's engine counters."""
+    def add(self, timings: Timings, generated: int) -> None:
+        """One request's engine counters, and the tokens it generated."""
         self.prompt_tokens.inc(timings.prompt_tokens)
-        self.generated_tokens.inc(timings.gen_tokens)
+        self.generated_tokens.inc(generated)
         self.prompt_seconds.inc(timings.prompt_seconds)
-        self.generation_seconds.inc(timings.gen_seconds)
+        self.decode_steps.inc(timings.gen_tokens)
+        self.decode_seconds.inc(timings.gen_seconds)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -68,6 +68,7 @@ class Worker:
         self._waiting: deque[Ticket] = deque()
         self._changed = threading.Condition()
         self._stopping = False
+        self.busy: Ticket | None = None  # the ticket in generation (read by /slots)
         metrics.queued.set_function(self._live)
 
     def _live(self) -> int:
@@ -113,9 +114,12 @@ class Worker:
         if ticket.cancelled:  # its client left while it waited
             return
         self.metrics.running.set(1)
+        self.busy = ticket
         steps = generate(self.model, ticket.request, ticket.ids, ticket.constraint)
+        tokens = 0
         try:
             for event in steps:
+                tokens = event.completion_tokens if isinstance(event, Done) else tokens + 1
                 if ticket.cancelled:
                     self.metrics.cancelled.inc()
                     return
@@ -131,4 +135,5 @@ class Worker:
         finally:
             steps.close()  # left mid-way: the engine's step is over and no other one starts
             self.metrics.running.set(0)
-            self.metrics.add(self.model.engine.timings)  # this request's: `generate` reset them
+            self.busy = None
+            self.metrics.add(self.model.engine.timings, tokens)  # this request's: `generate` reset them
