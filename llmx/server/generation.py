@@ -88,7 +88,8 @@ def generate(
         return None if recorder is None else recorder.take()
 
     n = 0
-    for token in engine.generate(ids, request.max_tokens, recorder or sample, tokenizer.stop_ids):
+    pick = sample if recorder is None else recorder
+    for token in engine.generate(ids, request.max_tokens, pick, tokenizer.stop_ids):
         n += 1
         yield Piece(scanner.push(decoder.push(token)), noted())
         if scanner.stopped:
