@@ -9,8 +9,10 @@ Three ways to decode the same greedy tokens, each round in this order:
   the change in /metrics' llmx_decode_steps / llmx_decode_seconds, as `llmx run` counts its eval
   time; the client's is tokens / request time (prompt, HTTP and all);
 - `thread`: this process loads the model, then decodes on a second thread, as the server did before
-  its engine ran on the loading thread; also its voluntary context switches per token (libgomp's
-  workers sleeping between parallel regions instead of spinning: see `llmx.server.worker`).
+  its engine ran on the loading thread.
+
+For the server and the thread, also the process's voluntary context switches a token: libgomp's
+workers sleeping between parallel regions instead of spinning (see `llmx.server.worker`).
 
 Prints one markdown table: the median over rounds (the rounds interleave, so a machine shared with
 other work slows each way alike).
@@ -76,25 +78,27 @@ def counters(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"^(llmx_decode_\w+_total) (\S+)$", text, re.M)}
 
 
-def serve_speed(url: str, n: int) -> tuple[float, float]:
-    """(engine decode tokens/s, client tokens/s over the whole request)."""
-    before = counters(url)
+def serve_speed(url: str, n: int, pid: int) -> tuple[float, float, float]:
+    """(engine decode tokens/s, client tokens/s over the whole request, the server's voluntary
+    context switches a token)."""
+    before, switches = counters(url), voluntary_switches(pid)
     t0 = time.perf_counter()
     reply = httpx.post(
         f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": n, "temperature": 0}, timeout=600
     ).json()
     seconds = time.perf_counter() - t0
-    after = counters(url)
+    after, switches = counters(url), voluntary_switches(pid) - switches
     steps = after["llmx_decode_steps_total"] - before["llmx_decode_steps_total"]
     decode = after["llmx_decode_seconds_total"] - before["llmx_decode_seconds_total"]
-    return steps / decode, reply["usage"]["completion_tokens"] / seconds
+    tokens = reply["usage"]["completion_tokens"]
+    return steps / decode, tokens / seconds, switches / tokens
 
 
-def voluntary_switches() -> int:
-    """This process's voluntary context switches so far, all threads."""
+def voluntary_switches(pid: int | str = "self") -> int:
+    """A process's voluntary context switches so far, all threads."""
     total = 0
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/status") as f:
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status") as f:
             total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
     return total
 
@@ -124,26 +128,31 @@ def main() -> None:
     loaded = llmx.load(args.model, ctx_size=512)
     loaded.generate(PROMPT, 4, temperature=0)  # on this (the loading) thread, as `llmx run` does
     server, url = start_server(model_flag)
-    serve_speed(url, 4)  # the server's first request pays for first-use work; not timed
-    rows: dict[str, list[float]] = {k: [] for k in ("run", "serve", "serve client", "thread", "switches")}
+    serve_speed(url, 4, server.pid)  # the server's first request pays for first-use work; not timed
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("run", "serve", "serve client", "serve switches", "thread", "thread switches")
+    }
     try:
         for _ in range(args.rounds):
             rows["run"].append(run_speed(model_flag, args.n))
-            engine, client = serve_speed(url, args.n)
+            engine, client, switches = serve_speed(url, args.n, server.pid)
             rows["serve"].append(engine)
             rows["serve client"].append(client)
+            rows["serve switches"].append(switches)
             tps, switches = thread_speed(loaded, args.n)
             rows["thread"].append(tps)
-            rows["switches"].append(switches)
+            rows["thread switches"].append(switches)
     finally:
         server.terminate()
         server.wait()
-    print(f"| way (n={args.n}, {args.rounds} rounds, median) | decode tokens/s |")
-    print("| --- | ---: |")
+    print(
+        f"| way (n={args.n}, {args.rounds} rounds, median) | decode tokens/s | voluntary switches a token |"
+    )
+    print("| --- | ---: | ---: |")
     for name in ("run", "serve", "serve client", "thread"):
-        print(f"| {name} | {statistics.median(rows[name]):.1f} |")
-    switches = statistics.median(rows["switches"])
-    print(f"\nvoluntary context switches a token on the second thread: {switches:.0f}")
+        switches = rows.get(f"{name} switches")
+        shown = f"{statistics.median(switches):.0f}" if switches else ""
+        print(f"| {name} | {statistics.median(rows[name]):.1f} | {shown} |")
 
 
 if __name__ == "__main__":
