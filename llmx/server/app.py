@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,7 +40,6 @@ TEXT_THREADS = 2  # decode and tokenize bodies: a 4 MiB prompt takes seconds, /h
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers probe it)
 CLIENT_GONE = 499  # nginx's status for a request its client closed; only the metrics see it
 
-log = logging.getLogger("llmx.server")
 T = TypeVar("T")
 
 

@@ -10,8 +10,8 @@ thread). torch's CPU kernels and llmx's native ones run their parallel loops on 
 OpenMP team; libgomp gives every thread that opens a parallel region a team of its own, and once a
 process's teams hold more threads than it has CPUs it stops spin-waiting between parallel regions
 and puts its workers to sleep at each one (its "throttled" spin count). Measured on SmolLM2 (2-core
-CPU): a model loaded on the main thread and decoded on another thread took ~600 sleeps a token
-(futex waits) against ~0 on the main thread, at 13-26 tokens/s against 43-50.
+CPU, bench/serve_speed.py): decoded on another thread than the one that loaded it, ~615 voluntary
+context switches a token against ~6, and 13-26 tokens/s against 43-53 on a quiet machine.
 """
 
 from __future__ import annotations
