@@ -83,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"llmx: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
-    worker.run()
-    server.should_exit = True
-    http.join()
+    try:
+        worker.run()
+    finally:  # the HTTP thread is not a daemon: it must be told to end, or the process stays
+        server.should_exit = True
+        http.join()
     return 0
 
 
