@@ -3,6 +3,7 @@ API, streaming equal to the whole reply, stop strings, and one-line 400s for bad
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -15,9 +16,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 import llmx  # noqa: E402
 from llmx.server.app import ServerConfig, make_app  # noqa: E402
+from llmx.server.errors import ApiError  # noqa: E402
 from llmx.server.metrics import Metrics  # noqa: E402
-from llmx.server.protocol import StopScanner  # noqa: E402
-from llmx.server.worker import Worker  # noqa: E402
+from llmx.server.protocol import Request, StopScanner  # noqa: E402
+from llmx.server.worker import Ticket, Worker  # noqa: E402
 
 JSON = {"content-type": "application/json"}
 MESSAGES = [{"role": "user", "content": "Name three primary colours."}]
@@ -125,3 +127,21 @@ def test_stop_scanner_holds_back_a_possible_stop_and_cuts_at_the_first():
     assert scan.push("yz") == "" and scan.stopped and scan.push("more") == "" and scan.flush() == ""
     tail = StopScanner(("END",))
     assert tail.push("aE") == "a" and tail.flush() == "E" and not tail.stopped
+
+
+def test_the_queue_refuses_past_its_limit_frees_cancelled_places_and_answers_them_at_stop(model):
+    worker, loop = Worker(model, 1, Metrics()), asyncio.new_event_loop()
+    tickets = [Ticket(Request("completion", prompt="Hi"), [1], loop) for _ in range(3)]
+    worker.submit(tickets[0])
+    with pytest.raises(ApiError) as full:
+        worker.submit(tickets[1])
+    assert full.value.status == 503 and full.value.headers() == {"Retry-After": "1"}
+    tickets[0].cancel()  # its client left while it waited
+    worker.submit(tickets[2])
+    worker.stop()
+    worker.run()  # returns at once, answering what waits
+    answer = loop.run_until_complete(asyncio.wait_for(tickets[2].events.get(), 1))
+    assert isinstance(answer, ApiError) and answer.code == "shutting_down"
+    with pytest.raises(ApiError):
+        worker.submit(tickets[1])
+    loop.close()
