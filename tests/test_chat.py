@@ -20,6 +20,7 @@ from llmx.text.chat import (
     render_chat,
     render_template,
     special_token_texts,
+    takes_tools,
 )
 from llmx.text.tokenizer import Tokenizer
 
@@ -90,6 +91,18 @@ def test_chatml_when_nothing_else_fits(smollm2):
     assert render_chat(bare, messages) == hf.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, chat_template=CHATML_TEMPLATE
     )
+
+
+def test_takes_tools_when_the_template_reads_them(smollm2):
+    tok, _ = smollm2
+    meta = open_gguf(default_model_path()).metadata
+    with_tools = meta | {"tokenizer.chat_template": "{% if tools %}{{ tools | tojson }}{% endif %}"}
+    loop_var = meta | {
+        "tokenizer.chat_template": "{% for tools in messages %}{{ tools.content }}{% endfor %}"
+    }
+    assert not takes_tools(tok)  # SmolLM2's template has no tools
+    assert takes_tools(Tokenizer.from_metadata(with_tools))
+    assert not takes_tools(Tokenizer.from_metadata(loop_var))  # a name it sets itself is not the variable
 
 
 # --- template features, against apply_chat_template with a template passed in ---------------------

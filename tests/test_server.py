@@ -3,7 +3,9 @@ API, streaming equal to the whole reply, stop strings, and one-line 400s for bad
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 import pytest
 
@@ -13,9 +15,13 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import llmx  # noqa: E402
-from llmx.server.app import make_app  # noqa: E402
-from llmx.server.protocol import StopScanner  # noqa: E402
+from llmx.server.app import ServerConfig, make_app  # noqa: E402
+from llmx.server.errors import ApiError  # noqa: E402
+from llmx.server.metrics import Metrics  # noqa: E402
+from llmx.server.protocol import Request, StopScanner  # noqa: E402
+from llmx.server.worker import Ticket, Worker  # noqa: E402
 
+JSON = {"content-type": "application/json"}
 MESSAGES = [{"role": "user", "content": "Name three primary colours."}]
 
 
@@ -26,7 +32,12 @@ def model(smollm2_path):
 
 @pytest.fixture(scope="module")
 def client(model):
-    return TestClient(make_app(model, "smollm2"))
+    worker = Worker(model, 8, Metrics())
+    engine = threading.Thread(target=worker.run)
+    engine.start()
+    yield TestClient(make_app(worker, ServerConfig("smollm2")))
+    worker.stop()
+    engine.join()
 
 
 def events(response) -> list:
@@ -75,7 +86,8 @@ def test_completion_stops_before_a_stop_string(client):
     assert full["finish_reason"] == "length" and len(full["text"]) > 4
     stop = full["text"][3:5]  # somewhere inside the reply, across a token boundary or not
     cut = client.post("/v1/completions", json=request | {"stop": [stop, "@@@"]}).json()["choices"][0]
-    assert cut == {"index": 0, "finish_reason": "stop", "text": full["text"][: full["text"].find(stop)]}
+    cut_text = full["text"][: full["text"].find(stop)]
+    assert cut == {"index": 0, "finish_reason": "stop", "text": cut_text, "logprobs": None}
     streamed = events(client.post("/v1/completions", json=request | {"stop": stop, "stream": True}))
     assert "".join(c["choices"][0]["text"] for c in streamed[:-1]) == cut["text"]
 
@@ -102,7 +114,7 @@ def test_models_and_health(client):
     ],
 )
 def test_bad_requests_are_one_line_400s(client, path, body, says):
-    send = {"content": body} if isinstance(body, bytes) else {"json": body}
+    send = {"content": body, "headers": JSON} if isinstance(body, bytes) else {"json": body}
     r = client.post(path, **send)
     assert r.status_code == 400
     message = r.json()["error"]["message"]
@@ -115,3 +127,21 @@ def test_stop_scanner_holds_back_a_possible_stop_and_cuts_at_the_first():
     assert scan.push("yz") == "" and scan.stopped and scan.push("more") == "" and scan.flush() == ""
     tail = StopScanner(("END",))
     assert tail.push("aE") == "a" and tail.flush() == "E" and not tail.stopped
+
+
+def test_the_queue_refuses_past_its_limit_frees_cancelled_places_and_answers_them_at_stop(model):
+    worker, loop = Worker(model, 1, Metrics()), asyncio.new_event_loop()
+    tickets = [Ticket(Request("completion", prompt="Hi"), [1], loop) for _ in range(3)]
+    worker.submit(tickets[0])
+    with pytest.raises(ApiError) as full:
+        worker.submit(tickets[1])
+    assert full.value.status == 503 and full.value.headers() == {"Retry-After": "1"}
+    tickets[0].cancel()  # its client left while it waited
+    worker.submit(tickets[2])
+    worker.stop()
+    worker.run()  # returns at once, answering what waits
+    answer = loop.run_until_complete(asyncio.wait_for(tickets[2].events.get(), 1))
+    assert isinstance(answer, ApiError) and answer.code == "shutting_down"
+    with pytest.raises(ApiError):
+        worker.submit(tickets[1])
+    loop.close()

@@ -1,118 +1,354 @@
-"""The FastAPI application: HTTP in, `llmx.server.protocol` for the shapes, the loaded model for text.
+"""The FastAPI application: HTTP in, `llmx.server.protocol` for the shapes, the `Worker` for tokens.
 
-Errors a client can cause (bad JSON, a wrong field, a prompt longer than the context) are HTTP 400
-with one line in OpenAI's error object; the model's state is reset before every request, so a
-failed one leaves nothing behind.
+Handlers are coroutines that never block the event loop: bodies are decoded and prompts tokenized on
+a small pool of text threads, generation happens on the worker's thread, and a handler only waits
+for events. So /health answers at once however many requests wait. A client that leaves (or runs past
+--timeout) cancels its ticket, and the worker stops within a step. Every error, unknown paths included,
+is OpenAI's error object with its status.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
-import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmx.api import LoadedModel
-from llmx.errors import LlmxError
-from llmx.server.protocol import Kind, Reply, StopScanner, error_body, parse_request
+import llmx
+from llmx.errors import LlmxError, first_line
+from llmx.server.errors import ApiError, error_body
+from llmx.server.generation import Done, Piece
+from llmx.server.metrics import CONTENT_TYPE, Metrics
+from llmx.server.protocol import Kind, Reply, decode_body, parse_request
 from llmx.server.protocol import Request as Job
+from llmx.server.worker import Ticket, Worker
+from llmx.text.chat import takes_tools
+from llmx.text.grammar import Grammars
 from llmx.text.sampler import SamplingParams
-from llmx.text.tokenizer import StreamDecoder
+
+TEXT_THREADS = 2  # decode and tokenize bodies: a 4 MiB prompt takes seconds, /health must not wait
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers probe it)
+CLIENT_GONE = 499  # nginx's status for a request its client closed; only the metrics see it
+
+T = TypeVar("T")
 
 
-def make_app(model: LoadedModel, model_id: str) -> FastAPI:
-    """The application serving `model` under the name `model_id`."""
-    app = FastAPI(title="llmx", version="0")
-    turn = threading.Lock()  # one sequence at a time: the engine holds one KV cache
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str  # the name /v1/models lists and replies carry (--alias)
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 4 << 20
+    timeout: float | None = None  # seconds a request may take, waiting included; None: no limit
+    hosts: frozenset[str] | None = None  # the Host header's names allowed (a loopback server's); None: any
+    cors_origin: str | None = None  # the one web origin whose pages may call the API (--cors)
+
+
+def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
+    """The application in front of `worker` (whose `run` some thread must be running)."""
+    model, metrics = worker.model, worker.metrics
+    app = FastAPI(title="llmx", version=llmx.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Gate, config=config, metrics=metrics)
+    if config.cors_origin is not None:  # outside the gate: a browser's preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=[config.cors_origin], allow_methods=["*"], allow_headers=["*"]
+        )
+    text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="llmx-text")
+    tools = takes_tools(model.tokenizer)
+    grammars = Grammars(model.tokenizer)
+    n_ctx = model.engine.n_ctx
+
+    async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(text_threads, fn, *args)
+
+    async def body_of(request: Request) -> Any:
+        return await off_loop(decode_body, await _read(request, config.max_body_bytes))
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
     @app.exception_handler(LlmxError)
     async def bad_request(_: Request, e: LlmxError) -> JSONResponse:
-        return JSONResponse(error_body(str(e)), status_code=400)
+        return JSONResponse(error_body(first_line(e)), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        message = f"no such path: {request.url.path}" if e.status_code == 404 else str(e.detail)
+        return JSONResponse(error_body(message, e.status_code), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(f"invalid request: {e.errors()[0]['msg']}", 422), status_code=422)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {first_line(e)}", 500), status_code=500)
 
     @app.get("/health")
-    def health() -> dict:
+    async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    def models() -> dict:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "llmx"}]}
+    def model_card() -> dict:
+        meta = {
+            "n_ctx": n_ctx,
+            "n_ctx_train": model.config.n_ctx_train,
+            "n_vocab": model.config.n_vocab,
+            "size": model.file.nbytes,
+        }
+        return {"id": config.model_id, "object": "model", "owned_by": "llmx", "meta": meta}
 
-    async def serve(kind: Kind, request: Request) -> Any:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise LlmxError("the request body is not valid JSON") from None
-        job = parse_request(kind, body)
-        SamplingParams(**job.sampling)  # out-of-range values fail here, before a stream has begun
-        reply = Reply(model_id, kind)
-        ids = model.chat_prompt(list(job.messages)) if kind == "chat" else model.encode(job.prompt)
-        if len(ids) >= model.engine.n_ctx:
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name}")
+    async def one_model(name: str) -> dict:
+        if name != config.model_id:
+            raise ApiError(
+                404, f"no model {name!r}: this server serves {config.model_id!r}", "model_not_found"
+            )
+        return model_card()
+
+    @app.get("/props")
+    async def props() -> dict:
+        return {
+            "model_alias": config.model_id,
+            "model_path": str(model.file.path),
+            "n_ctx": n_ctx,
+            "total_slots": 1,
+            "chat_template": model.tokenizer.chat_template or "",
+            "build_info": f"llmx {llmx.__version__}",
+            "default_generation_settings": vars(SamplingParams()),
+        }
+
+    @app.get("/slots")
+    async def slots() -> list[dict]:
+        """llama-server's slot list; one slot until batching comes."""
+        busy = worker.busy
+        state = {"n_past": model.engine.n_past, "n_prompt_tokens": len(busy.ids)} if busy else {}
+        return [{"id": 0, "n_ctx": n_ctx, "is_processing": busy is not None} | state]
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await body_of(request)
+        content = body.get("content") if isinstance(body, dict) else None
+        if not isinstance(content, str):
+            raise LlmxError("'content' must be a string")
+        add_special = body.get("add_special", False)
+        if not isinstance(add_special, bool):
+            raise LlmxError("'add_special' must be true or false")
+        return {"tokens": await off_loop(model.tokenizer.encode, content, add_special)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await body_of(request)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        vocab = model.tokenizer.vocab_size
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
+            raise LlmxError(f"'tokens' must be a list of token ids in [0, {vocab})")
+        return {"content": await off_loop(model.tokenizer.decode, ids)}
+
+    def prompt_ids(job: Job) -> list[int]:
+        ids = model.chat_prompt(list(job.messages)) if job.kind == "chat" else model.encode(job.prompt)
+        if len(ids) >= n_ctx:
             raise LlmxError(
-                f"the prompt has {len(ids)} tokens but the context holds {model.engine.n_ctx}; "
+                f"the prompt has {len(ids)} tokens but the context holds {n_ctx}; "
                 "shorten it, or restart the server with a larger -c"
             )
-        if job.stream:
-            return StreamingResponse(_events(model, turn, job, ids, reply), media_type="text/event-stream")
-        return await run_in_threadpool(_whole, model, turn, job, ids, reply)  # the event loop stays free
+        return ids
+
+    async def complete(kind: Kind, request: Request) -> Response:
+        job = parse_request(kind, await body_of(request), tools)
+        SamplingParams(**job.sampling)  # out-of-range values fail here, before the request waits
+        loop = asyncio.get_running_loop()
+        constraint = None if job.schema is None else await off_loop(grammars.compile, job.schema)
+        ticket = Ticket(job, await off_loop(prompt_ids, job), loop, constraint)
+        deadline = None if config.timeout is None else loop.time() + config.timeout
+        worker.submit(ticket)
+        # Until the response starts, nothing else notices a client that leaves: watch for it here.
+        gone = asyncio.ensure_future(_disconnected(request))
+        streaming = False
+        try:
+            first = await _next(ticket, deadline, gone)
+            if first is None:
+                return Response(status_code=CLIENT_GONE)
+            reply = Reply(config.model_id, kind)
+            if job.stream:
+                streaming = True  # from here the stream's `finally` cancels the ticket
+                return StreamingResponse(
+                    _stream(ticket, reply, first, deadline), media_type="text/event-stream"
+                )
+            events = [first]
+            while not isinstance(events[-1], Done):
+                event = await _next(ticket, deadline, gone)
+                if event is None:
+                    return Response(status_code=CLIENT_GONE)
+                events.append(event)
+            return JSONResponse(_whole(reply, job, events))
+        finally:
+            gone.cancel()
+            if not streaming:
+                ticket.cancel()  # done, or ended early (an error, a time-out): the worker stops
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        return await serve("chat", request)
+    async def chat(request: Request) -> Response:
+        return await complete("chat", request)
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        return await serve("completion", request)
+    async def completions(request: Request) -> Response:
+        return await complete("completion", request)
 
     return app
 
 
-def _whole(model: LoadedModel, turn: threading.Lock, job: Job, ids: list[int], reply: Reply) -> dict:
-    """A reply generated to its end, as one response body."""
-    with turn:
-        pieces, last = [], ("", "stop", 0)
-        for last in _generate(model, job, ids):
-            pieces.append(last[0])
-    return reply.body("".join(pieces), last[1], len(ids), last[2])
+async def _read(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past `limit` bytes before more of it is read."""
+    too_big = ApiError(413, f"the request body is larger than {limit} bytes (--max-body)", "body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def _generate(model: LoadedModel, job: Job, ids: list[int]) -> Iterator[tuple[str, str, int]]:
-    """(text piece, finish reason so far, tokens generated) as the model generates: "length" when
-    max_tokens (or the context) ran out, "stop" at an end-of-turn token or a stop string."""
-    decoder, scanner = StreamDecoder(model.tokenizer), StopScanner(job.stop)
-    n = 0
-    for token in model.stream_ids(ids, job.max_tokens, **job.sampling):
-        n += 1
-        piece = scanner.push(decoder.push(token))
-        if scanner.stopped:
-            yield piece, "stop", n
-            return
-        yield piece, "length" if n == job.max_tokens else "stop", n
-    reason = "length" if n == job.max_tokens or model.engine.n_past >= model.engine.n_ctx else "stop"
-    yield scanner.push(decoder.flush()) + scanner.flush(), reason, n
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
-def _events(
-    model: LoadedModel, turn: threading.Lock, job: Job, ids: list[int], reply: Reply
-) -> Iterator[str]:
-    """Server-sent events of a streamed reply, ending with OpenAI's `[DONE]`."""
+async def _next(ticket: Ticket, deadline: float | None, gone: asyncio.Future | None) -> Piece | Done | None:
+    """The ticket's next event; None when `gone` (the client left) came first. A time-out or an
+    error from the worker raises ApiError; either way the ticket is cancelled."""
+    get = asyncio.ensure_future(ticket.events.get())
+    waits = {get} if gone is None else {get, gone}
+    timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+    done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if get not in done:
+        get.cancel()
+        ticket.cancel()
+        if gone is not None and gone in done:
+            return None
+        raise ApiError(503, "the request took longer than the server's --timeout", "timeout")
+    event = get.result()
+    if isinstance(event, ApiError):
+        raise event
+    return event
 
-    def event(obj: dict) -> str:
+
+def _whole(reply: Reply, job: Job, events: list[Piece | Done]) -> dict:
+    pieces = [e for e in events if isinstance(e, Piece)]
+    done = events[-1]
+    assert isinstance(done, Done)
+    logprobs = None if job.top_logprobs is None else [t for p in pieces for t in p.logprobs or ()]
+    text = "".join(p.text for p in pieces)
+    return reply.body(text, done.finish_reason, done.prompt_tokens, done.completion_tokens, logprobs)
+
+
+async def _stream(
+    ticket: Ticket, reply: Reply, event: Piece | Done, deadline: float | None
+) -> AsyncIterator[str]:
+    """Server-sent events of a streamed reply, ending with OpenAI's `[DONE]`. A client that leaves
+    mid-stream makes the response close this generator: `finally` cancels the generation."""
+
+    def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    with turn:
+    try:
         if reply.kind == "chat":
-            yield event(reply.chunk(None, first=True))
-        last = ("", "stop", 0)
-        try:
-            for last in _generate(model, job, ids):
-                if last[0]:
-                    yield event(reply.chunk(last[0]))
-        except LlmxError as e:  # the status line is sent already: the error goes in the stream
-            yield event(error_body(str(e)))
-            return
-        yield event(reply.chunk(None, finish_reason=last[1]))
+            yield sse(reply.chunk(None, first=True))
+        offset = 0
+        while isinstance(event, Piece):
+            if event.text or event.logprobs:
+                yield sse(reply.chunk(event.text, logprobs=event.logprobs, offset=offset))
+                offset += len(event.text)
+            try:
+                event = await _next(ticket, deadline, None)
+            except ApiError as e:  # the status line is sent already: the error goes in the stream
+                yield sse(e.body())
+                return
+        assert event is not None
+        yield sse(reply.chunk(None, finish_reason=event.finish_reason))
+        if ticket.request.include_usage:
+            yield sse(reply.usage_chunk(event.prompt_tokens, event.completion_tokens))
         yield "data: [DONE]\n\n"
+    finally:
+        ticket.cancel()
+
+
+class _Gate:
+    """ASGI middleware: what a request must show before anything reads it, and the count of answers
+    by status. Plain ASGI, not Starlette's BaseHTTPMiddleware, so that streams and disconnects pass
+    through untouched.
+
+    A web page the user visits can send requests to a server on their machine: with a name that
+    resolves to 127.0.0.1 (DNS rebinding), which the Host check refuses, or as a cross-origin "simple"
+    request, which may not carry `Content-Type: application/json`: the JSON-only rule refuses those."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig, metrics: Metrics) -> None:
+        self.app, self.config, self.metrics = app, config, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refused = self._refusal(scope)
+        if refused is not None:
+            await JSONResponse(refused.body(), status_code=refused.status)(scope, receive, send)
+            self.metrics.requests.labels(str(refused.status)).inc()
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        headers = dict(scope["headers"])
+        hosts = self.config.hosts
+        host = headers.get(b"host", b"").decode("latin-1")
+        if hosts is not None and _host_name(host) not in hosts:
+            return ApiError(
+                403, f"this server answers to {', '.join(sorted(hosts))}, not {host!r}", "bad_host"
+            )
+        key = self.config.api_key
+        given = headers.get(b"authorization", b"")
+        if (
+            key is not None
+            and scope["path"] not in OPEN_PATHS
+            and not hmac.compare_digest(given, b"Bearer " + key.encode())
+        ):
+            return ApiError(
+                401, "a valid API key is needed: send 'Authorization: Bearer KEY'", "invalid_api_key"
+            )
+        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if scope["method"] == "POST" and content_type != b"application/json":
+            return ApiError(415, "send the body as JSON, with 'Content-Type: application/json'", "not_json")
+        return None
+
+
+def _host_name(host: str) -> str:
+    """A Host header's name without its port (`[::1]:8080` -> `[::1]`)."""
+    name, colon, port = host.rpartition(":")
+    return name if colon and port.isdigit() else host

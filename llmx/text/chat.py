@@ -26,6 +26,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -74,6 +75,13 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         **{**special_token_texts(tokenizer), **variables},
     )
+
+
+def takes_tools(tokenizer: Tokenizer) -> bool:
+    """Whether the model's chat template renders the `tools` it is given (the fallbacks do not)."""
+    source = tokenizer.chat_template or fallback_template(tokenizer)
+    _compile(source)  # a template that does not parse fails here, with its line
+    return "tools" in meta.find_undeclared_variables(_environment().parse(source))
 
 
 def chat_ids(
@@ -159,15 +167,20 @@ class _GenerationTag(Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
-@lru_cache(maxsize=16)
-def _compile(source: str) -> jinja2.Template:
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise LlmxError(f"the chat template does not parse: {e.message} (template line {e.lineno})") from None

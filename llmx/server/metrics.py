@@ -1,0 +1,44 @@
+"""`/metrics`: the server's counters in Prometheus' text format (`prometheus-client`).
+
+Each app has a registry of its own, so two servers in one process (the tests) count apart. Names
+follow Prometheus' conventions under an `llmx_` prefix; the token counters are llama-server's.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from llmx.engine import Timings
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.prompt_tokens = Counter("llmx_prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.generated_tokens = Counter("llmx_tokens_predicted", "Tokens generated", registry=registry)
+        self.prompt_seconds = Counter("llmx_prompt_seconds", "Time spent on prompts", registry=registry)
+        # a reply's first token comes from its prompt's step: decode steps are one fewer than its tokens
+        self.decode_steps = Counter("llmx_decode_steps", "Decode steps run", registry=registry)
+        self.decode_seconds = Counter("llmx_decode_seconds", "Time spent in decode steps", registry=registry)
+        self.requests = Counter(
+            "llmx_requests", "Requests answered, by status", ["status"], registry=registry
+        )
+        self.cancelled = Counter(
+            "llmx_requests_cancelled", "Generations stopped because the client left", registry=registry
+        )
+        self.rejected = Counter("llmx_requests_rejected", "Requests refused: queue full", registry=registry)
+        self.running = Gauge("llmx_requests_processing", "Requests being generated for", registry=registry)
+        self.queued = Gauge("llmx_requests_deferred", "Requests waiting for the engine", registry=registry)
+
+    def add(self, timings: Timings, generated: int) -> None:
+        """One request's engine counters, and the tokens it generated."""
+        self.prompt_tokens.inc(timings.prompt_tokens)
+        self.generated_tokens.inc(generated)
+        self.prompt_seconds.inc(timings.prompt_seconds)
+        self.decode_steps.inc(timings.gen_tokens)
+        self.decode_seconds.inc(timings.gen_seconds)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

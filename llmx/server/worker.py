@@ -1,0 +1,139 @@
+"""The engine's owner: one thread that takes requests from a bounded queue and generates for them.
+
+HTTP handlers never touch the model. They `submit` a `Ticket` and read its events (an asyncio queue,
+filled from this thread with `call_soon_threadsafe`); a handler whose client has gone `cancel`s its
+ticket, and generation stops after the step in progress. One request is generated at a time; a
+batching scheduler will replace `_serve` and keep this shape (one owner thread, tickets in, events out).
+
+`Worker.run` should be called on the thread that loaded the model (`llmx serve` runs it on the main
+thread). torch's CPU kernels and llmx's native ones run their parallel loops on the calling thread's
+OpenMP team; libgomp gives every thread that opens a parallel region a team of its own, and once a
+process's teams hold more threads than it has CPUs it stops spin-waiting between parallel regions
+and puts its workers to sleep at each one (its "throttled" spin count). Measured on SmolLM2 (2-core
+CPU, bench/serve_speed.py): decoded on another thread than the one that loaded it, ~615 voluntary
+context switches a token against ~6, and 13-26 tokens/s against 43-53 on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmx.api import LoadedModel
+from llmx.errors import LlmxError, first_line
+from llmx.server.errors import ApiError
+from llmx.server.generation import Done, Piece, generate
+from llmx.server.metrics import Metrics
+from llmx.server.protocol import Request
+from llmx.text.grammar import Constraint
+
+POLL_SECONDS = 0.1  # how often an idle worker looks at its stop flag (a signal handler may set it)
+RETRY_AFTER_SECONDS = 1
+
+log = logging.getLogger("llmx.server")
+
+Event = Piece | Done | ApiError
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request waiting for or in generation; its events arrive on `events` in the submitter's loop."""
+
+    request: Request
+    ids: list[int]
+    loop: asyncio.AbstractEventLoop
+    constraint: Constraint | None = None  # response_format's grammar, compiled
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False  # set by the handler (client gone, time-out); read by the worker each step
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def put(self, event: Event) -> None:
+        """From the worker's thread: hand `event` to the handler's loop (gone at shutdown: dropped)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Worker:
+    """Generates for one ticket at a time; at most `max_queue` wait, later ones are refused (503).
+    A ticket cancelled while it waits (its client left, or timed out) gives its place up at once."""
+
+    def __init__(self, model: LoadedModel, max_queue: int, metrics: Metrics) -> None:
+        self.model, self.metrics, self.max_queue = model, metrics, max_queue
+        self._waiting: deque[Ticket] = deque()
+        self._changed = threading.Condition()
+        self._stopping = False
+        self.busy: Ticket | None = None  # the ticket in generation (read by /slots)
+        metrics.queued.set_function(self._live)
+
+    def _live(self) -> int:
+        with self._changed:
+            return sum(not t.cancelled for t in self._waiting)
+
+    def submit(self, ticket: Ticket) -> None:
+        with self._changed:
+            if self._stopping:
+                raise ApiError(503, "the server is shutting down", "shutting_down")
+            self._waiting = deque(t for t in self._waiting if not t.cancelled)
+            if len(self._waiting) >= self.max_queue:
+                self.metrics.rejected.inc()
+                raise ApiError(
+                    503,
+                    f"the server is busy: {self.max_queue} requests are waiting already; retry later",
+                    "queue_full",
+                    retry_after=RETRY_AFTER_SECONDS,
+                )
+            self._waiting.append(ticket)
+            self._changed.notify()
+
+    def stop(self) -> None:
+        """Ask `run` to return: the request in generation and those waiting get a 503. Only sets a flag
+        (no lock), so a signal handler may call it."""
+        self._stopping = True
+
+    def run(self) -> None:
+        """Serve tickets until `stop`."""
+        while not self._stopping:
+            with self._changed:
+                # a time-out, not a plain wait: `stop` sets its flag without notifying
+                self._changed.wait_for(lambda: self._waiting, timeout=POLL_SECONDS)
+                ticket = self._waiting.popleft() if self._waiting else None
+            if ticket is not None:
+                self._serve(ticket)
+        with self._changed:
+            for ticket in self._waiting:
+                ticket.put(ApiError(503, "the server is shutting down", "shutting_down"))
+            self._waiting.clear()
+
+    def _serve(self, ticket: Ticket) -> None:
+        if ticket.cancelled:  # its client left while it waited
+            return
+        self.metrics.running.set(1)
+        self.busy = ticket
+        steps = generate(self.model, ticket.request, ticket.ids, ticket.constraint)
+        tokens = 0
+        try:
+            for event in steps:
+                tokens = event.completion_tokens if isinstance(event, Done) else tokens + 1
+                if ticket.cancelled:
+                    self.metrics.cancelled.inc()
+                    return
+                if self._stopping:
+                    ticket.put(ApiError(503, "the server is shutting down", "shutting_down"))
+                    return
+                ticket.put(event)
+        except LlmxError as e:
+            ticket.put(ApiError(400, first_line(e)))
+        except Exception as e:  # a bug: the client hears of it, the server goes on
+            log.exception("generation failed")
+            ticket.put(ApiError(500, f"internal error: {first_line(e)}"))
+        finally:
+            steps.close()  # left mid-way: the engine's step is over and no other one starts
+            self.metrics.running.set(0)
+            self.busy = None
+            self.metrics.add(self.model.engine.timings, tokens)  # this request's: `generate` reset them
