@@ -7,7 +7,7 @@ by round, on the same fresh routings (random top-8 per token, as a router spread
 
 - per expert: `ops.moe.grouped_ffn`, the path before the one call (argsort/bincount, one native SwiGLU
   call an expert that has tokens, weighted index_add);
-- one call:   `ops.moe_ffn`'s native call for M <= MAX_ROWS (`cpu_native.moe_swiglu`).
+- one call:   `ops.moe_ffn`'s native call (`cpu_native.moe_swiglu`), for decode steps and prompts.
 
 Each round times `--calls` layer calls; the table gives ms a call and per token, and GB/s of the
 chosen experts' bytes (each expert once a call, whichever tokens share it), as the range over rounds
@@ -64,7 +64,7 @@ def timed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], routes: list
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
-    ap.add_argument("--m", default="1", help="tokens a call (up to MAX_ROWS = 8), comma-separated")
+    ap.add_argument("--m", default="1", help="tokens a call (decode: 1; prompts: e.g. 64), comma-separated")
     ap.add_argument("--down-type", default="Q6_K", help="the down stack's type (Q4_K_M mixes Q6_K and Q4_K)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20, help="layer calls a round")

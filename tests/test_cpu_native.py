@@ -274,11 +274,14 @@ MOE_TYPES = [(name, name) for name in TYPES] + [("Q4_K", "Q6_K")]
 
 
 @pytest.mark.parametrize(("gate_type", "down_type"), MOE_TYPES, ids=[f"{g}-{d}" for g, d in MOE_TYPES])
-def test_moe_swiglu_is_the_weighted_sum_of_the_chosen_experts(gate_type, down_type, native_kernels):
+def test_moe_swiglu_is_the_weighted_sum_of_the_chosen_experts(
+    gate_type, down_type, native_kernels, monkeypatch
+):
     """A MoE layer's routed experts in one native call, for 1 to MAX_ROWS tokens that share some
     experts and leave others unused, against float64 products of the reference's dequantized stacks
     (x and each activation read as the kernels quantize them); and the same bits on 1 thread as on 2
-    (each sum's order is fixed, whichever thread computes it)."""
+    (each sum's order is fixed, whichever thread computes it) and in calls of fewer tokens (a token's
+    result depends on its x alone)."""
     n_expert, k_used, e, f = 6, 3, 512, 256
     stacks = [
         (
@@ -322,6 +325,11 @@ def test_moe_swiglu_is_the_weighted_sum_of_the_chosen_experts(gate_type, down_ty
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(again, y), m
+    monkeypatch.setattr(cpu_native, "MOE_TOKENS", 3)
+    chunked = cpu_native.moe_swiglu(
+        x, [(raw, qtype(name)) for raw, name in stacks], (n_expert, f, e), ids, weights
+    )
+    assert torch.equal(chunked, y)
 
 
 @pytest.mark.parametrize("k", [1, 40, 256, 1000])

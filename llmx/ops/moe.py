@@ -12,10 +12,10 @@ The experts run where their stacks live (the activation moves there and back, as
 `moe_ffn` is the one entry point for the experts' compute. Stacks of GGUF blocks on a GPU take the
 grouped Triton kernels (`llmx.quant.triton.moe`): the routing stays on the device, so no step waits
 for the host and a CUDA graph can hold the layer. CPU stacks of the native kernels' types take one
-native call for a decode step's few tokens (`quant.weight.moe_swiglu`): every chosen expert's blocks
-read once, the rows of all of them shared out among the threads. Elsewhere (prompts, float stacks)
-tokens are grouped by expert with a sort, and each expert that has tokens multiplies all of its rows
-at once (`grouped_ffn`).
+native call for the layer (`quant.weight.moe_swiglu`), decode steps and prompts alike: every chosen
+expert's blocks read once, the rows of all of them shared out among the threads. Elsewhere (float
+stacks, other types) tokens are grouped by expert with a sort, and each expert that has tokens
+multiplies all of its rows at once (`grouped_ffn`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def moe_ffn(
     if on_grouped_kernels(gate_exps, up_exps, down_exps):
         return grouped.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, fused)
     y = qw.moe_swiglu(x, gate_exps, up_exps, down_exps, weights, ids)
-    if y is not None:  # a decode step on the CPU: one native call for the layer's experts
+    if y is not None:  # CPU GGUF blocks: one native call for the layer's experts
         return y
     return grouped_ffn(x, gate_exps, up_exps, down_exps, weights, ids)
 

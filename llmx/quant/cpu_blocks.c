@@ -759,10 +759,12 @@ typedef struct {
  * for all the tokens that chose it, the rows of all the chosen experts shared out evenly), then each
  * (token, expert) pair's activation quantized as x is, then the chosen experts' down rows the same
  * way; last, each output element sums its token's k_used products in slot order (deterministic,
- * whatever the threads did). gate and up are [n_expert, F, K], down [n_expert, N, F], y [m, N]. A decode step's
- * MoE layer thus costs one call, where one call an expert took two parallel regions each, eight
- * experts a token: their fork, join and small shares cost more than the reads on the 2-core machine
- * (bench/moe_cpu.py). Returns 0, or -1 for an unknown type, sizes not whole blocks, an id outside
+ * whatever the threads did). gate and up are [n_expert, F, K], down [n_expert, N, F], y [m, N]. A decode
+ * step's MoE layer thus costs one call where it took one an expert, eight experts a token, each with
+ * three parallel regions whose fork, join and small shares cost more than the reads (bench/moe_cpu.py).
+ * Prompts too: against that path (which multiplied an expert's rows dequantized to float32 with
+ * torch.mm past 8 tokens) it was faster at 16 to 256 tokens and as fast at 512 on one thread of the
+ * 2-core machine. Returns 0, or -1 for an unknown type, sizes not whole blocks, an id outside
  * 0..n_expert-1, or no memory. */
 static int experts_swiglu(const experts_t *gate, const experts_t *up, const experts_t *down, int64_t n_expert,
                           int64_t k, int64_t n_ff, int64_t n_out, const float *x, int64_t m, int64_t k_used,

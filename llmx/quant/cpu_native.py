@@ -43,6 +43,9 @@ SOURCE = Path(__file__).with_name("cpu_blocks.c")
 TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q5_K": 5}  # the C file's type numbers
 MAX_ROWS = 8  # rows of x a `gemv` call takes
 MAX_WEIGHTS = 4  # matrices one `gemv` call takes (cpu_blocks.c's MAX_WEIGHTS)
+# tokens a native MoE call takes: its scratch is tokens * k * (2 * F + E) floats, 29 MB at 256 for
+# Qwen3-30B-A3B, and each call reads its chosen experts once (nearly all of them past ~64 tokens)
+MOE_TOKENS = 256
 PREFETCH_CHOICES = (1024, 2048, 4096, 8192)  # bytes ahead of its rows a GEMV thread asks for weights
 PREFETCH_MATRIX = 128 << 20  # bytes of the matrix timed to choose: past any CPU's last-level cache
 PREFETCH_FILE = "cpu-prefetch.json"  # the distances chosen, by CPU and thread count
@@ -261,11 +264,12 @@ def moe_swiglu(
     ids: torch.Tensor,
     weights: torch.Tensor,
 ) -> torch.Tensor:
-    """The routed experts' FFNs of a MoE layer in one native call: x2 [T, E] float32, the gate, up
-    and down stacks as their GGUF rows `raw` [X * rows, row_bytes] and type, of `shape` (X, F, E) for
-    gate and up (down: (X, E, F)), each token's expert ids [T, k] (in 0..X-1) and routing weights
-    [T, k] -> [T, E] float32: sum over j of weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),
-    e = ids[t, j]. Each chosen expert's blocks are read once, for all the tokens that chose it."""
+    """The routed experts' FFNs of a MoE layer in one native call a MOE_TOKENS tokens: x2 [T, E]
+    float32, the gate, up and down stacks as their GGUF rows `raw` [X * rows, row_bytes] and type, of
+    `shape` (X, F, E) for gate and up (down: (X, E, F)), each token's expert ids [T, k] (in 0..X-1)
+    and routing weights [T, k] -> [T, E] float32: sum over j of weights[t, j] * down_e(silu(gate_e
+    x_t) * up_e x_t), e = ids[t, j]. A call reads each chosen expert's blocks once, for all the
+    tokens that chose it; x and the activations are read as 16-bit codes, as `gemv` reads x."""
     lib = _library()
     n_expert, n_ff, n_embd = shape
     assert lib is not None and x2.dtype == torch.float32 and x2.shape[1] == n_embd and len(stacks) == 3
@@ -276,11 +280,14 @@ def moe_swiglu(
     m, k_used = ids.shape
     y = torch.empty((m, n_embd), dtype=torch.float32)
     args = [a for raw, qt in stacks for a in (TYPES[qt.name], raw.data_ptr(), raw.shape[1])]
-    err = lib.llmx_moe_swiglu(
-        *args, n_expert, n_ff, n_embd, x2.data_ptr(), m, k_used, ids.data_ptr(), weights.data_ptr(),
-        y.data_ptr(), _threads(lib),
-    )  # fmt: skip
-    assert err == 0, (shape, m, k_used)
+    threads = _threads(lib)
+    for t0 in range(0, m, MOE_TOKENS):
+        n = min(MOE_TOKENS, m - t0)
+        err = lib.llmx_moe_swiglu(
+            *args, n_expert, n_ff, n_embd, x2[t0].data_ptr(), n, k_used, ids[t0].data_ptr(),
+            weights[t0].data_ptr(), y[t0].data_ptr(), threads,
+        )  # fmt: skip
+        assert err == 0, (shape, n, k_used)
     return y
 
 

@@ -358,10 +358,9 @@ def moe_swiglu(
     weights: torch.Tensor,
     ids: torch.Tensor,
 ) -> torch.Tensor | None:
-    """The routed experts' FFNs (`ops.moe_ffn`) in one native call for a decode step's x [M, K]
-    (M <= MAX_ROWS) when the three stacks take the native kernels (`cpu_native.moe_swiglu`); None
-    otherwise."""
-    if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > N.MAX_ROWS or not x.is_cpu:
+    """The routed experts' FFNs (`ops.moe_ffn`) of x [T, K] in native calls (`cpu_native.moe_swiglu`)
+    when the three stacks take the native kernels; None otherwise."""
+    if KERNEL not in ("auto", "packed") or x.dim() != 2 or not x.is_cpu:
         return None
     stacks = (gate_exps, up_exps, down_exps)
     if not all(w.experts and w.experts[0].native is not None and w.raw.is_contiguous() for w in stacks):
