@@ -776,7 +776,8 @@ static int experts_swiglu(const experts_t *gate, const experts_t *up, const expe
         if (ids[p] < 0 || ids[p] >= n_expert) return -1;
     /* the pairs p = t * k_used + j, grouped by expert (ascending), in p's order within an expert:
      * sorted[s] is the pair at place s, place[p] the place of pair p, token[s] its token */
-    int64_t *count = calloc((size_t)(n_expert + 1), sizeof(int64_t)), *sorted = malloc(sizeof(int64_t) * (size_t)(4 * pairs));
+    int64_t *count = calloc((size_t)(n_expert + 1), sizeof(int64_t));
+    int64_t *sorted = malloc(sizeof(int64_t) * (size_t)(4 * pairs));
     int64_t *place = sorted + pairs, *token = place + pairs, *places = token + pairs;
     matrix_t *mats = malloc(sizeof(matrix_t) * (size_t)(3 * pairs));
     float *gu = malloc(sizeof(float) * (size_t)(pairs * (2 * f + e))), *out = gu + pairs * 2 * f;
@@ -834,7 +835,8 @@ static int experts_swiglu(const experts_t *gate, const experts_t *up, const expe
             for (int64_t i = 0; i < m * e; i++) {
                 const int64_t t = i / e, c = i % e;
                 float sum = 0.0f;
-                for (int64_t j = 0; j < k_used; j++) sum += w[t * k_used + j] * out[place[t * k_used + j] * e + c];
+                for (int64_t j = 0; j < k_used; j++)
+                    sum += w[t * k_used + j] * out[place[t * k_used + j] * e + c];
                 y[i] = sum;
             }
         }

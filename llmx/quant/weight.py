@@ -360,7 +360,7 @@ def moe_swiglu(
 ) -> torch.Tensor | None:
     """The routed experts' FFNs (`ops.moe_ffn`) of x [T, K] in native calls (`cpu_native.moe_swiglu`)
     when the three stacks take the native kernels; None otherwise."""
-    if KERNEL not in ("auto", "packed") or x.dim() != 2 or not x.is_cpu:
+    if KERNEL not in ("auto", "packed") or x.dim() != 2 or not x.is_cpu or x.dtype != torch.float32:
         return None
     stacks = (gate_exps, up_exps, down_exps)
     if not all(w.experts and w.experts[0].native is not None and w.raw.is_contiguous() for w in stacks):
