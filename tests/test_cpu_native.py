@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llmx.errors import LlmxError
-from llmx.quant import cpu_native, qtype
+from llmx.quant import cpu_native, qtype, reference
 from llmx.quant.weight import QWeight, linear, linear_many, prepare_cpu, prepare_shared
 from tests.test_quant import assert_bits_equal, gguf_py, random_blocks
 
@@ -263,6 +263,73 @@ def test_swiglu_is_one_call_matching_a_float64_ffn(m, native_kernels):
     assert np.all(np.abs(y.numpy() - want) <= 1e-4 * scale)
     gate_up = cpu_native.Gemv([(gate_raw, qtype("Q4_K")), (up_raw, qtype("Q4_K"))])
     assert torch.equal(y, gate_up.swiglu(x, cpu_native.Gemv([(down_raw, qtype("Q6_K"))])))
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    return v * 0.5 * (1 + np.tanh(v / 2))  # without exp overflowing for large -v
+
+
+# gate/up and down types of each case: every native type alone, and Q4_K_M's mix
+MOE_TYPES = [(name, name) for name in TYPES] + [("Q4_K", "Q6_K")]
+
+
+@pytest.mark.parametrize(("gate_type", "down_type"), MOE_TYPES, ids=[f"{g}-{d}" for g, d in MOE_TYPES])
+def test_moe_swiglu_is_the_weighted_sum_of_the_chosen_experts(
+    gate_type, down_type, native_kernels, monkeypatch
+):
+    """A MoE layer's routed experts in one native call, for 1 to MAX_ROWS tokens that share some
+    experts and leave others unused, against float64 products of the reference's dequantized stacks
+    (x and each activation read as the kernels quantize them); and the same bits on 1 thread as on 2
+    (each sum's order is fixed, whichever thread computes it) and in calls of fewer tokens (a token's
+    result depends on its x alone)."""
+    n_expert, k_used, e, f = 6, 3, 512, 256
+    stacks = [
+        (
+            torch.from_numpy(
+                random_blocks(qtype(name), n_expert * rows, width // qtype(name).block_elems, seed)
+            ),
+            name,
+        )
+        for name, rows, width, seed in ((gate_type, f, e, 1), (gate_type, f, e, 2), (down_type, e, f, 3))
+    ]
+    dense = [
+        reference.dequantize(raw.numpy(), qtype(name)).astype(np.float64).reshape(n_expert, -1, width)
+        for (raw, name), width in zip(stacks, (e, e, f), strict=True)
+    ]
+    g = torch.Generator().manual_seed(0)
+    for m in range(1, cpu_native.MAX_ROWS + 1):
+        x = torch.randn(m, e, generator=g)
+        # experts 0-3 only, so experts 4 and 5 stay unused and the rest serve several tokens
+        ids = torch.stack([torch.randperm(4, generator=g)[:k_used] for _ in range(m)])
+        weights = torch.rand(m, k_used, generator=g)
+        y = cpu_native.moe_swiglu(
+            x, [(raw, qtype(name)) for raw, name in stacks], (n_expert, f, e), ids, weights
+        )
+        xq = quantized(x.numpy()).astype(np.float64)
+        want, scale = np.zeros((m, e)), np.zeros((m, e))
+        for t in range(m):
+            for j, ex in enumerate(ids[t].tolist()):
+                act = silu(dense[0][ex] @ xq[t]) * (dense[1][ex] @ xq[t])
+                aq = quantized(act[None].astype(np.float32))[0].astype(np.float64)
+                w = float(weights[t, j])
+                want[t] += w * (dense[2][ex] @ aq)
+                scale[t] += w * (np.abs(dense[2][ex]) @ np.abs(aq))  # the sum's magnitude
+        assert y.shape == (m, e)
+        assert np.all(np.abs(y.numpy() - want) <= 1e-4 * scale), m
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            again = cpu_native.moe_swiglu(
+                x, [(raw, qtype(name)) for raw, name in stacks], (n_expert, f, e), ids, weights
+            )
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(again, y), m
+    monkeypatch.setattr(cpu_native, "MOE_TOKENS", 3)
+    chunked = cpu_native.moe_swiglu(
+        x, [(raw, qtype(name)) for raw, name in stacks], (n_expert, f, e), ids, weights
+    )
+    assert torch.equal(chunked, y)
 
 
 @pytest.mark.parametrize("k", [1, 40, 256, 1000])

@@ -13,8 +13,11 @@ unless the runtime takes that crossing over for a while (`crossing`): it may cap
 pieces around expert stacks in RAM, or copy the experts a prompt uses to the GPU.
 `moe_ffn` is the one entry point for the experts' compute. Stacks of GGUF blocks on a GPU take the
 grouped Triton kernels (`llmx.quant.triton.moe`): the routing stays on the device, so no step waits
-for the host and a CUDA graph can hold the layer. Elsewhere (the CPU, float stacks) tokens are grouped
-by expert with a sort, and each expert that has tokens multiplies all of its rows at once.
+for the host and a CUDA graph can hold the layer. CPU stacks of the native kernels' types take one
+native call for the layer (`quant.weight.moe_swiglu`), decode steps and prompts alike: every chosen
+expert's blocks read once, the rows of all of them shared out among the threads. Elsewhere (float
+stacks, other types) tokens are grouped by expert with a sort, and each expert that has tokens
+multiplies all of its rows at once (`grouped_ffn`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from contextvars import ContextVar
 import torch
 
 from llmx.ops.ffn import swiglu
+from llmx.quant import weight as qw
 from llmx.quant.triton import moe as grouped
 from llmx.quant.triton.launch import has_triton
 from llmx.quant.triton.layout import TRITON_TYPES
@@ -81,6 +85,23 @@ def moe_ffn(
         return y.to(x.device)
     if on_grouped_kernels(gate_exps, up_exps, down_exps):
         return grouped.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, fused)
+    y = qw.moe_swiglu(x, gate_exps, up_exps, down_exps, weights, ids)
+    if y is not None:  # CPU GGUF blocks: one native call for the layer's experts
+        return y
+    return grouped_ffn(x, gate_exps, up_exps, down_exps, weights, ids)
+
+
+def grouped_ffn(
+    x: torch.Tensor,
+    gate_exps: QWeight,
+    up_exps: QWeight,
+    down_exps: QWeight,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """`moe_ffn` with the (token, slot) pairs grouped by expert with a sort, and each expert that has
+    pairs multiplying all of them at once (`expert_swiglu`), on the stacks' device."""
+    device = gate_exps.raw.device
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs, grouped by expert

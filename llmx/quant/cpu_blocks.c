@@ -621,80 +621,258 @@ static int block_of(int type, dot_fn *dot, void (**decode)(const uint8_t *, floa
 #define CHUNKS_A_THREAD 16
 #endif
 
+/* --- passes of GEMVs over several matrices -------------------------------------------------------- */
+
+/* m rows of x [m, k] as the dot products read them (qx_t), in one allocation: the code halves, then
+ * per group dx, s32, two s16, and (X_FLOATS) f, k floats a row. */
+typedef struct {
+    int8_t *hi, *lo;
+    float *dx, *s32, *s16, *f;
+    int64_t k, groups;
+} qx_rows_t;
+
+static int qx_alloc(qx_rows_t *q, int64_t m, int64_t k) {
+    const int64_t groups = k / 32;
+    q->hi = malloc((size_t)(2 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k)));
+    if (q->hi == NULL) return 0;
+    q->lo = q->hi + m * k;
+    q->dx = (float *)(q->lo + m * k);
+    q->s32 = q->dx + m * groups;
+    q->s16 = q->s32 + m * groups;
+    q->f = q->s16 + 2 * m * groups;
+    q->k = k, q->groups = groups;
+    return 1;
+}
+
+static inline qx_t qx_row(const qx_rows_t *q, int64_t i) {
+    const qx_t xi = {q->hi + i * q->k, q->lo + i * q->k, q->dx + i * q->groups, q->s16 + 2 * i * q->groups,
+                     q->s32 + i * q->groups, q->f + X_FLOATS * i * q->k};
+    return xi;
+}
+
+/* Group g of the rows (row g / groups, its values from 32 (g % groups)) quantized from 32 floats. */
+static inline void qx_set(const qx_rows_t *q, int64_t g, const float *values) {
+    quantize_group(values, q->hi + 32 * g, q->lo + 32 * g, q->dx + g, q->s16 + 2 * g, q->s32 + g,
+                   q->f + X_FLOATS * 32 * g);
+}
+
+/* Every row of x quantized: inside a parallel region the groups shared out among the team, outside
+ * it on the calling thread. */
+static void qx_fill(const qx_rows_t *q, const float *x, int64_t m) {
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < m * q->groups; g++) qx_set(q, g, x + 32 * g);
+}
+
+/* One matrix of a pass: n rows of `blocks` blocks, row_bytes apart, each multiplied with the quantized
+ * x rows xs[0..nx); the product of row r with x row xs[i] goes to y[i * y_stride + r]. `start` is its
+ * first row in the pass (set by pass_rows). */
+typedef struct {
+    dot_fn dot;
+    const uint8_t *w;
+    int64_t row_bytes, blocks, n, start;
+    const int64_t *xs;
+    int64_t nx;
+    float *y;
+    int64_t y_stride;
+} matrix_t;
+
+/* The matrix `type` makes of n rows of k weights at w; 0 for an unknown type or k not whole blocks. */
+static int matrix_of(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, matrix_t *a) {
+    void (*decode)(const uint8_t *, float *);
+    int qk, bytes;
+    if (!block_of(type, &a->dot, &decode, &qk, &bytes) || k % qk != 0) return 0;
+    a->w = w, a->row_bytes = row_bytes, a->blocks = k / qk, a->n = n;
+    return 1;
+}
+
+/* Numbers the matrices' rows one after another; returns how many there are. */
+static int64_t pass_rows(matrix_t *mats, int64_t count) {
+    int64_t total = 0;
+    for (int64_t j = 0; j < count; j++) mats[j].start = total, total += mats[j].n;
+    return total;
+}
+
+/* Rows go out in chunks, about CHUNKS_A_THREAD a thread, to whichever thread is free: a VM's threads
+ * start late and run at uneven speeds, and with fixed shares the slowest decides. On the 16-core H200
+ * host a Llama-3-8B decode's matmuls streamed 57.4 GB/s at 1 chunk a thread, 66.2 at 4, 67.9 at 8,
+ * 71.3 at 16 (4 alternating rounds each); 2 threads here: no difference. */
+static int64_t chunk_of(int64_t total, int threads) {
+    const int64_t share = total / (CHUNKS_A_THREAD * threads);
+    return share > 16 ? share : 16;
+}
+
+/* Inside a parallel region: every row of the pass's matrices times its x rows, each row read once
+ * (it stays in L1 while the x rows take turns), the rows shared out as chunk_of says. */
+static void gemv_pass(const matrix_t *mats, int64_t count, int64_t total, const qx_rows_t *qx, int64_t chunk) {
+    int64_t j = 0;
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t r = 0; r < total; r++) {
+        if (r < mats[j].start) j = 0; /* a thread's chunks come in order: j rarely starts over */
+        while (j + 1 < count && r >= mats[j + 1].start) j++;
+        const matrix_t *a = mats + j;
+        const int64_t i = r - a->start;
+        const uint8_t *row = a->w + i * a->row_bytes;
+        for (int64_t t = 0; t < a->nx; t++) {
+            const qx_t xt = qx_row(qx, a->xs[t]);
+            a->y[t * a->y_stride + i] = a->dot(row, a->blocks, &xt);
+        }
+    }
+}
+
+static const int64_t ALL_ROWS[8] = {0, 1, 2, 3, 4, 5, 6, 7}; /* every x row of a GEMV call */
+
 /* Several matrices that multiply the same x (q/k/v, gate/up), of any of the types, in one parallel
  * region: y [m, N] holds weight j's outputs in columns off_j .. off_j + n[j] - 1 (in order, N their
  * sum). Each W_j is n[j] rows of k weights, row_bytes[j] apart; m <= 8 rows of x [m, k].
  * Returns 0, or -1 for an unknown type, a bad count or m, or no memory. */
 int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const int64_t *ns,
                    const int64_t *row_bytes, int64_t k, const float *x, int64_t m, float *y, int threads) {
-    dot_fn dot[MAX_WEIGHTS];
-    void (*decode)(const uint8_t *, float *);
-    int64_t blocks[MAX_WEIGHTS], start[MAX_WEIGHTS + 1] = {0};
+    matrix_t mats[MAX_WEIGHTS];
     if (count < 1 || count > MAX_WEIGHTS || m < 1 || m > 8) return -1;
-    for (int j = 0; j < count; j++) {
-        int qk, bytes;
-        if (!block_of(types[j], &dot[j], &decode, &qk, &bytes)) return -1;
-        blocks[j] = k / qk;
-        start[j + 1] = start[j] + ns[j];
-    }
-    const int64_t total = start[count], groups = k / 32;
-    /* x's code halves, then per group dx, s32, two s16, and (X_FLOATS) f, k floats a row */
-    int8_t *hi = malloc((size_t)(2 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k))),
-           *lo = hi + m * k;
-    if (hi == NULL) return -1;
-    float *dx = (float *)(lo + m * k), *s32 = dx + m * groups, *s16 = s32 + m * groups, *f = s16 + 2 * m * groups;
-    /* Rows go out in chunks, about CHUNKS_A_THREAD a thread, to whichever thread is free: a VM's
-     * threads start late and run at uneven speeds, and with fixed shares the slowest decides. On the
-     * 16-core H200 host a Llama-3-8B decode's matmuls streamed 57.4 GB/s at 1 chunk a thread, 66.2
-     * at 4, 67.9 at 8, 71.3 at 16 (4 alternating rounds each); 2 threads here: no difference. */
-    const int64_t share = total / (CHUNKS_A_THREAD * threads), chunk = share > 16 ? share : 16;
+    for (int j = 0; j < count; j++)
+        if (!matrix_of(types[j], ws[j], row_bytes[j], ns[j], k, &mats[j])) return -1;
+    const int64_t total = pass_rows(mats, count);
+    for (int j = 0; j < count; j++) mats[j].xs = ALL_ROWS, mats[j].nx = m, mats[j].y = y + mats[j].start,
+                                    mats[j].y_stride = total;
+    qx_rows_t qx;
+    if (!qx_alloc(&qx, m, k)) return -1;
+    const int64_t chunk = chunk_of(total, threads);
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < m * groups; g++)
-            quantize_group(x + 32 * g, hi + 32 * g, lo + 32 * g, dx + g, s16 + 2 * g, s32 + g, f + X_FLOATS * 32 * g);
-#pragma omp for schedule(dynamic, chunk)
-        for (int64_t r = 0; r < total; r++) {
-            int j = 0;
-            while (r >= start[j + 1]) j++;
-            const uint8_t *row = ws[j] + (r - start[j]) * row_bytes[j];
-            for (int64_t i = 0; i < m; i++) {
-                const qx_t xi = {hi + i * k, lo + i * k, dx + i * groups,
-                                 s16 + 2 * i * groups, s32 + i * groups, f + X_FLOATS * i * k};
-                y[i * total + r] = dot[j](row, blocks[j], &xi);
-            }
-        }
+        qx_fill(&qx, x, m);
+        gemv_pass(mats, count, total, &qx, chunk);
     }
-    free(hi);
+    free(qx.hi);
     return 0;
 }
 
+/* --- gated FFNs: a dense one, and the routed experts of a MoE layer -------------------------------- */
+
+/* An expert stack as the GGUF stores it: n_expert matrices one after another, rows row_bytes apart. */
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t row_bytes;
+} experts_t;
+
+/* For m tokens x [m, K] and each token's k_used experts ids [m, k_used] with weights w [m, k_used]:
+ * y[t] = sum over j of w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j], in one parallel
+ * region of three passes: the gate and up rows of every chosen expert (each expert's rows read once
+ * for all the tokens that chose it, the rows of all the chosen experts shared out evenly), then each
+ * (token, expert) pair's activation quantized as x is, then the chosen experts' down rows the same
+ * way; last, each output element sums its token's k_used products in slot order (deterministic,
+ * whatever the threads did). gate and up are [n_expert, F, K], down [n_expert, N, F], y [m, N]. A decode
+ * step's MoE layer thus costs one call where it took one an expert, eight experts a token, each with
+ * three parallel regions whose fork, join and small shares cost more than the reads (bench/moe_cpu.py).
+ * Prompts too: against that path (which multiplied an expert's rows dequantized to float32 with
+ * torch.mm past 8 tokens) it was faster at 16 to 256 tokens and as fast at 512 on one thread of the
+ * 2-core machine. Returns 0, or -1 for an unknown type, sizes not whole blocks, an id outside
+ * 0..n_expert-1, or no memory. */
+static int experts_swiglu(const experts_t *gate, const experts_t *up, const experts_t *down, int64_t n_expert,
+                          int64_t k, int64_t n_ff, int64_t n_out, const float *x, int64_t m, int64_t k_used,
+                          const int64_t *ids, const float *w, float *y, int threads) {
+    const int64_t pairs = m * k_used, f = n_ff, e = n_out;
+    if (m < 1 || k_used < 1 || n_expert < 1 || k % 32 != 0 || f % 32 != 0) return -1;
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] < 0 || ids[p] >= n_expert) return -1;
+    /* the pairs p = t * k_used + j, grouped by expert (ascending), in p's order within an expert:
+     * sorted[s] is the pair at place s, place[p] the place of pair p, token[s] its token */
+    int64_t *count = calloc((size_t)(n_expert + 1), sizeof(int64_t));
+    int64_t *sorted = malloc(sizeof(int64_t) * (size_t)(4 * pairs));
+    int64_t *place = sorted + pairs, *token = place + pairs, *places = token + pairs;
+    matrix_t *mats = malloc(sizeof(matrix_t) * (size_t)(3 * pairs));
+    float *gu = malloc(sizeof(float) * (size_t)(pairs * (2 * f + e))), *out = gu + pairs * 2 * f;
+    qx_rows_t qx, qa;
+    int ok = count != NULL && sorted != NULL && mats != NULL && gu != NULL && qx_alloc(&qx, m, k);
+    if (ok && !qx_alloc(&qa, pairs, f)) ok = 0, free(qx.hi);
+    if (!ok) {
+        free(count), free(sorted), free(mats), free(gu);
+        return -1;
+    }
+    for (int64_t p = 0; p < pairs; p++) count[ids[p] + 1]++;
+    for (int64_t i = 0; i < n_expert; i++) count[i + 1] += count[i]; /* count[i]: expert i's first place */
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t s = count[ids[p]]++;
+        sorted[s] = p, place[p] = s, token[s] = p / k_used, places[s] = s;
+    }
+    /* each chosen expert: its gate and up matrices (pass 1), its down matrix (pass 2) */
+    matrix_t *gate_up = mats, *downs = mats + 2 * pairs;
+    int64_t used = 0;
+    for (int64_t s = 0; s < pairs && ok; used++) {
+        const int64_t ex = ids[sorted[s]];
+        int64_t n = 1;
+        while (s + n < pairs && ids[sorted[s + n]] == ex) n++;
+        matrix_t *g = gate_up + 2 * used, *u = g + 1, *d = downs + used;
+        ok = matrix_of(gate->type, gate->w + ex * f * gate->row_bytes, gate->row_bytes, f, k, g) &&
+             matrix_of(up->type, up->w + ex * f * up->row_bytes, up->row_bytes, f, k, u) &&
+             matrix_of(down->type, down->w + ex * e * down->row_bytes, down->row_bytes, e, f, d);
+        g->xs = u->xs = token + s, d->xs = places + s;
+        g->nx = u->nx = d->nx = n;
+        g->y = gu + s * 2 * f, u->y = g->y + f, d->y = out + s * e;
+        g->y_stride = u->y_stride = 2 * f, d->y_stride = e;
+        s += n;
+    }
+    if (ok) {
+        const int64_t rows_gu = pass_rows(gate_up, 2 * used), rows_down = pass_rows(downs, used);
+        const int64_t chunk_gu = chunk_of(rows_gu, threads), chunk_down = chunk_of(rows_down, threads);
+        const int64_t groups = f / 32;
+        /* x on this thread (microseconds, ~0.1% of a prompt's call) and the sums below without a
+         * barrier of their own: on a machine shared with other work every barrier waits for a
+         * preempted thread (three sync points here, against some forty-eight a decode step's eight
+         * calls an expert made) */
+        qx_fill(&qx, x, m);
+#pragma omp parallel num_threads(threads)
+        {
+            gemv_pass(gate_up, 2 * used, rows_gu, &qx, chunk_gu);
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < pairs * groups; g++) {
+                const float *gs = gu + (g / groups) * 2 * f + 32 * (g % groups), *us = gs + f;
+                float act[32];
+                for (int l = 0; l < 32; l++) act[l] = gs[l] / (1.0f + expf(-gs[l])) * us[l];
+                qx_set(&qa, g, act);
+            }
+            gemv_pass(downs, used, rows_down, &qa, chunk_down);
+#pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < m * e; i++) {
+                const int64_t t = i / e, c = i % e;
+                float sum = 0.0f;
+                for (int64_t j = 0; j < k_used; j++)
+                    sum += w[t * k_used + j] * out[place[t * k_used + j] * e + c];
+                y[i] = sum;
+            }
+        }
+    }
+    free(count), free(sorted), free(mats), free(gu), free(qx.hi), free(qa.hi);
+    return ok ? 0 : -1;
+}
+
+/* The routed experts' FFNs of a MoE layer (experts_swiglu), the stacks given as type, base and row
+ * bytes each. */
+int llmx_moe_swiglu(int gate_type, const uint8_t *gate, int64_t gate_row_bytes, int up_type, const uint8_t *up,
+                    int64_t up_row_bytes, int down_type, const uint8_t *down, int64_t down_row_bytes,
+                    int64_t n_expert, int64_t n_ff, int64_t n_embd, const float *x, int64_t m, int64_t k_used,
+                    const int64_t *ids, const float *w, float *y, int threads) {
+    const experts_t g = {gate_type, gate, gate_row_bytes}, u = {up_type, up, up_row_bytes},
+                    d = {down_type, down, down_row_bytes};
+    return experts_swiglu(&g, &u, &d, n_expert, n_embd, n_ff, n_embd, x, m, k_used, ids, w, y, threads);
+}
+
 /* The gated FFN of a few tokens, down(silu(gate(x)) * up(x)), in one call: gate and up (a joined
- * pair, as llmx_gemv_many takes them: count 2, equal heights F) into [m, 2F], silu(g) * u into [m, F]
- * on every thread, then the down matrix (count 1, F weights a row) into y [m, nd]. A decode step's
- * FFN thus costs one call where it took five torch ops and two GEMV calls (~70 us a layer of Python
- * and dispatch on the H200 host). The down matrix must take F weights a row (the caller checks: its
- * rows' bytes do not say). Returns 0, or -1 as llmx_gemv_many does, or for unequal heights. */
+ * pair, as llmx_gemv_many takes them: count 2, equal heights F), down (count 1, F weights a row) into
+ * y [m, nd]: experts_swiglu with one expert that every token takes at weight 1 (the same products: a
+ * sum of one term times 1 is exact). A decode step's FFN thus costs one call where it took five torch
+ * ops and two GEMV calls (~70 us a layer of Python and dispatch on the H200 host). The down matrix must
+ * take F weights a row (the caller checks: its rows' bytes do not say). Returns 0, or -1 as
+ * llmx_gemv_many does, or for unequal heights. */
 int llmx_swiglu(int count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *row_bytes,
                 int64_t k, const float *x, int64_t m, int down_count, const int *down_type,
                 const uint8_t *const *down, const int64_t *nd, const int64_t *down_row_bytes, float *y, int threads) {
+    static const int64_t expert0[8] = {0};
+    static const float one[8] = {1, 1, 1, 1, 1, 1, 1, 1};
     if (count != 2 || ns[0] != ns[1] || down_count != 1 || m < 1 || m > 8) return -1;
-    const int64_t f = ns[0];
-    float *gu = malloc(sizeof(float) * (size_t)(3 * m * f)), *act = gu + 2 * m * f;
-    if (gu == NULL) return -1;
-    int err = llmx_gemv_many(2, types, ws, ns, row_bytes, k, x, m, gu, threads);
-    if (err == 0) {
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            for (int64_t j = 0; j < f; j++) {
-                const float g = gu[r * 2 * f + j], u = gu[r * 2 * f + f + j];
-                act[r * f + j] = g / (1.0f + expf(-g)) * u;
-            }
-        }
-        err = llmx_gemv_many(1, down_type, down, nd, down_row_bytes, f, act, m, y, threads);
-    }
-    free(gu);
-    return err;
+    const experts_t g = {types[0], ws[0], row_bytes[0]}, u = {types[1], ws[1], row_bytes[1]},
+                    d = {down_type[0], down[0], down_row_bytes[0]};
+    return experts_swiglu(&g, &u, &d, 1, k, ns[0], nd[0], x, m, 1, expert0, one, y, threads);
 }
 
 /* out[i, :] = W[r, :] in float32 for n rows r: ids[i] (an embedding lookup), or r0 + i where ids is

@@ -43,6 +43,9 @@ SOURCE = Path(__file__).with_name("cpu_blocks.c")
 TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q5_K": 5}  # the C file's type numbers
 MAX_ROWS = 8  # rows of x a `gemv` call takes
 MAX_WEIGHTS = 4  # matrices one `gemv` call takes (cpu_blocks.c's MAX_WEIGHTS)
+# tokens a native MoE call takes: its scratch is tokens * k * (2 * F + E) floats, 29 MB at 256 for
+# Qwen3-30B-A3B, and each call reads its chosen experts once (nearly all of them past ~64 tokens)
+MOE_TOKENS = 256
 PREFETCH_CHOICES = (1024, 2048, 4096, 8192)  # bytes ahead of its rows a GEMV thread asks for weights
 PREFETCH_MATRIX = 128 << 20  # bytes of the matrix timed to choose: past any CPU's last-level cache
 PREFETCH_FILE = "cpu-prefetch.json"  # the distances chosen, by CPU and thread count
@@ -72,6 +75,7 @@ def bind(path: Path) -> ctypes.CDLL:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
     lib.llmx_swiglu.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.llmx_moe_swiglu.argtypes = [i32, ptr, i64] * 3 + [i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, ptr, i64, i64, i64, i64, ptr, i32]
     lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, ptr, ptr, i32]
     lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i64, i64]
@@ -85,7 +89,7 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_set_prefetch.argtypes = [i64]
     lib.llmx_set_prefetch.restype = None
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
-    lib.llmx_swiglu.restype = i32
+    lib.llmx_swiglu.restype = lib.llmx_moe_swiglu.restype = i32
     lib.llmx_pin_threads.restype = i32
     return lib
 
@@ -251,6 +255,40 @@ class Gemv:
 def gemv(x2: torch.Tensor, weights: Sequence[tuple[torch.Tensor, QType]]) -> torch.Tensor:
     """`Gemv(weights)(x2)`, for a call made once."""
     return Gemv(weights)(x2)
+
+
+def moe_swiglu(
+    x2: torch.Tensor,
+    stacks: Sequence[tuple[torch.Tensor, QType]],
+    shape: tuple[int, int, int],
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts' FFNs of a MoE layer in one native call a MOE_TOKENS tokens: x2 [T, E]
+    float32, the gate, up and down stacks as their GGUF rows `raw` [X * rows, row_bytes] and type, of
+    `shape` (X, F, E) for gate and up (down: (X, E, F)), each token's expert ids [T, k] (in 0..X-1)
+    and routing weights [T, k] -> [T, E] float32: sum over j of weights[t, j] * down_e(silu(gate_e
+    x_t) * up_e x_t), e = ids[t, j]. A call reads each chosen expert's blocks once, for all the
+    tokens that chose it; x and the activations are read as 16-bit codes, as `gemv` reads x."""
+    lib = _library()
+    n_expert, n_ff, n_embd = shape
+    assert lib is not None and x2.dtype == torch.float32 and x2.shape[1] == n_embd and len(stacks) == 3
+    assert all(raw.is_contiguous() for raw, _ in stacks)
+    x2 = x2.contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    m, k_used = ids.shape
+    y = torch.empty((m, n_embd), dtype=torch.float32)
+    args = [a for raw, qt in stacks for a in (TYPES[qt.name], raw.data_ptr(), raw.shape[1])]
+    threads = _threads(lib)
+    for t0 in range(0, m, MOE_TOKENS):
+        n = min(MOE_TOKENS, m - t0)
+        err = lib.llmx_moe_swiglu(
+            *args, n_expert, n_ff, n_embd, x2[t0].data_ptr(), n, k_used, ids[t0].data_ptr(),
+            weights[t0].data_ptr(), y[t0].data_ptr(), threads,
+        )  # fmt: skip
+        assert err == 0, (shape, n, k_used)
+    return y
 
 
 def dequantize_rows(

@@ -350,6 +350,27 @@ def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.
     return group.native.swiglu(x, down_call)
 
 
+def moe_swiglu(
+    x: torch.Tensor,
+    gate_exps: QWeight,
+    up_exps: QWeight,
+    down_exps: QWeight,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor | None:
+    """The routed experts' FFNs (`ops.moe_ffn`) of x [T, K] in native calls (`cpu_native.moe_swiglu`)
+    when the three stacks take the native kernels; None otherwise."""
+    if KERNEL not in ("auto", "packed") or x.dim() != 2 or not x.is_cpu or x.dtype != torch.float32:
+        return None
+    stacks = (gate_exps, up_exps, down_exps)
+    if not all(w.experts and w.experts[0].native is not None and w.raw.is_contiguous() for w in stacks):
+        return None
+    n_expert, f, e = gate_exps.shape
+    if up_exps.shape != gate_exps.shape or down_exps.shape != (n_expert, e, f):
+        return None
+    return N.moe_swiglu(x, [(w.raw, w.qtype) for w in stacks], (n_expert, f, e), ids, weights)
+
+
 def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
     """Rows `ids` (integer, any shape) of the table W [rows, cols] -> float32 [*ids.shape, cols]."""
     cols = w.shape[-1]
