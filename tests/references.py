@@ -4,15 +4,36 @@ reference, greedy continuations up to the stop token, and batched prefill agains
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from llmx.api import LoadedModel
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def greedy(logits: torch.Tensor, history: Sequence[int]) -> int:
     return int(logits.argmax())
+
+
+def transformers_outputs(
+    hf: PreTrainedModel, prompts: list[list[int]], n_greedy: int
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """A transformers model's logits [T, vocab] at every position of each prompt, and its greedy
+    continuation of `n_greedy` ids (through EOS: random weights may well predict it, and llmx without
+    stop ids continues too)."""
+    hf.generation_config.eos_token_id = None
+    logits, continuations = [], []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            logits.append(hf(x).logits[0].float())
+            out = hf.generate(x, max_new_tokens=n_greedy, do_sample=False, attention_mask=torch.ones_like(x))
+            continuations.append(out[0, len(ids) :].tolist())
+    return logits, continuations
 
 
 def top_logits_vs_reference(model: LoadedModel, ref: np.lib.npyio.NpzFile, i: int) -> tuple[float, bool]:

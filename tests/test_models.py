@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from references import greedy, prefill_and_decode, top_logits_vs_reference, until_stop
+from references import greedy, prefill_and_decode, top_logits_vs_reference, transformers_outputs, until_stop
 from tiny_models import SLIDING_WINDOW, TINY_SHAPES, TYPES, random_prompt, write_tiny
 from transformers import AutoModelForCausalLM
 
@@ -177,16 +177,7 @@ class Reference:
 
 def transformers_reference(path: Path, prompts: list[list[int]]) -> Reference:
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    hf.eval()
-    # Random weights may well predict EOS: continue through it, as llmx does without stop ids.
-    hf.generation_config.eos_token_id = None
-    logits, continuations = [], []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            logits.append(hf(x).logits[0].float())
-            out = hf.generate(x, max_new_tokens=N_GREEDY, do_sample=False, attention_mask=torch.ones_like(x))
-            continuations.append(out[0, len(ids) :].tolist())
+    logits, continuations = transformers_outputs(hf.eval(), prompts, N_GREEDY)
     return Reference(logits, continuations, hf.config)
 
 

@@ -33,7 +33,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
-from references import greedy
+from references import greedy, transformers_outputs
 from tiny_models import TINY_MOE_SHAPES, random_prompt, write_tiny
 from transformers import (
     MixtralConfig,
@@ -326,7 +326,6 @@ def transformers_model(path: Path, s: ModelShape) -> PreTrainedModel:
     cls = {"llama": MixtralForCausalLM, "qwen3moe": Qwen3MoeForCausalLM, "qwen2moe": Qwen2MoeForCausalLM}
     model = cls[s.arch](hf_config(s))
     model.load_state_dict(state, strict=True)  # every parameter comes from the file
-    model.generation_config.eos_token_id = None  # random weights may predict EOS: continue, as llmx does
     return model.eval()
 
 
@@ -345,13 +344,7 @@ def tiny(request, tmp_path_factory) -> Tiny:
     path = write_tiny(arch, type_name, tmp_path_factory.mktemp("moe"))
     prompts = [random_prompt(n, seed=k) for k, n in enumerate(PROMPT_LENGTHS)]
     hf = transformers_model(path, TINY_MOE_SHAPES[arch])
-    logits, continuations = [], []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            logits.append(hf(x).logits[0].float())
-            out = hf.generate(x, max_new_tokens=N_GREEDY, do_sample=False, attention_mask=torch.ones_like(x))
-            continuations.append(out[0, len(ids) :].tolist())
+    logits, continuations = transformers_outputs(hf, prompts, N_GREEDY)
     model = llmx.load(path, ctx_size=128, ubatch_size=32, **OPTIONS)
     return Tiny(model, path, prompts, logits, continuations)
 
