@@ -19,7 +19,8 @@ import torch
 
 from llmx.errors import LlmxError
 from llmx.models.common import Step
-from llmx.ops import current_device, rope_attention
+from llmx.ops import current_device
+from llmx.ops.cached_attention import cached_attention
 from llmx.ops.rope import Rope
 from llmx.runtime.executor import Executor
 from llmx.runtime.paged import BlockTable, PagedKVCache, SequenceKV
@@ -47,7 +48,8 @@ class BatchStep(Step):
 @dataclass(frozen=True)
 class BatchKV:
     """A layer's cache for the batch, as the model's `ops.rope_attention` sees it: it takes every step
-    in `rope_store_attend`, attending each sequence's rows `bounds` over its own cache `views`."""
+    in `rope_store_attend`, attending each sequence's rows `bounds` over its own cache `views` (so it
+    needs none of the `ops.LayerKV` members that the eager path after that call uses)."""
 
     views: list[SequenceKV]
     steps: list[Step]  # per sequence: its positions, and its masks (made once, shared by the layers)
@@ -58,13 +60,14 @@ class BatchKV:
         sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
         softcap: float | None,
     ) -> torch.Tensor:  # fmt: skip
-        """q [T, H, D], k and v [T, Hk, D] of the whole batch -> [T, H * D]; `mask` (the batch's:
-        None) is replaced by each sequence's."""
+        """q [T, H, D], k and v [T, Hk, D] of the whole batch -> [T, H * D]: RoPE over every row at
+        once, then each sequence's rows stored and attended; `mask` (the batch's: None) is replaced by
+        each sequence's."""
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         outs = [
-            rope_attention(q[a:b], k[a:b], v[a:b], rope, cos[a:b], sin[a:b], kv, step.mask(window),
-                           window, scale, softcap)
+            cached_attention(q[a:b], k[a:b], v[a:b], kv, step.mask(window), window, scale, softcap)
             for (a, b), kv, step in zip(self.bounds, self.views, self.steps, strict=True)
-        ]  # fmt: skip
+        ]
         return torch.cat(outs)
 
 
