@@ -23,7 +23,7 @@ from llmx.errors import LlmxError, first_line
 from llmx.runtime.batch import Chunk, forward_batch
 from llmx.runtime.paged import BlockTable, PagedKVCache
 from llmx.server.errors import ApiError
-from llmx.server.generation import Done, Generation
+from llmx.server.generation import Done, Generation, Piece
 from llmx.server.metrics import Metrics
 from llmx.server.worker import Ticket, Worker
 
@@ -131,7 +131,7 @@ class Batcher(Worker):
             if chunk.logits:
                 self._deliver(slot, slot.reply.step(next(rows)))
 
-    def _deliver(self, slot: Slot, events: list) -> None:
+    def _deliver(self, slot: Slot, events: list[Piece | Done]) -> None:
         for event in events:
             slot.ticket.put(event)
             if isinstance(event, Done):
