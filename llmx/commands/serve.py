@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait (>= 1); more get 503 (default 64)"
     )
+    g.add_argument(
+        "-np", "--parallel", type=int, default=1,
+        help="requests generated at once, in batched steps; they share -c (default 1: the engine alone)",
+    )  # fmt: skip
     g.add_argument("--max-body", type=float, default=4, help="largest request body in MiB (default 4)")
     g.add_argument(
         "--cors", default=None, metavar="ORIGIN", help="let pages of ORIGIN call the API (default: none)"
@@ -50,18 +54,22 @@ def run(args: argparse.Namespace) -> int:
 
         from llmx.server.app import ServerConfig, make_app
         from llmx.server.metrics import Metrics
+        from llmx.server.scheduler import Batcher
         from llmx.server.worker import Worker
     except ImportError as e:
         raise LlmxError(f"the server needs {e.name}: pip install 'llmx[server]'") from None
     from llmx.api import load_with_options
     from llmx.commands.progress import load_progress
 
-    if args.max_queue < 1 or args.max_body <= 0 or args.timeout <= 0:
-        raise LlmxError("--max-queue must be at least 1, --max-body and --timeout above 0")
+    if args.max_queue < 1 or args.parallel < 1 or args.max_body <= 0 or args.timeout <= 0:
+        raise LlmxError("--max-queue and -np must be at least 1, --max-body and --timeout above 0")
     model = load_with_options(args.model, options_from_args(args), progress=load_progress())
     print_load_report(model)
     name = args.alias or model.file.path.stem
-    worker = Worker(model, args.max_queue, Metrics())
+    if args.parallel == 1:
+        worker = Worker(model, args.max_queue, Metrics())
+    else:
+        worker = Batcher(model, args.max_queue, Metrics(), args.parallel, model.options.n_ubatch)
     config = ServerConfig(
         name, args.api_key, int(args.max_body * (1 << 20)), args.timeout, _hosts(args.host), args.cors
     )

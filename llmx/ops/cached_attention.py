@@ -106,6 +106,21 @@ def rope_attention(
     if out is not None:
         return out
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    return cached_attention(q, k, v, cache, mask, window, scale, softcap)
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerKV,
+    mask: torch.Tensor | None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`rope_attention` after RoPE, on the eager path: k and v stored in `cache`, then attention over
+    its first n_read rows: q [T, H, D], k and v [T, Hk, D] -> [T, H * D]."""
     keys, values = cache(k, v)
     ring = cache.key_positions()
     if ring is not None:  # a sliding-window layer's ring: rows are not in position order

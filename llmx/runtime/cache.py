@@ -43,6 +43,20 @@ def head_dim(buffer: torch.Tensor, qt: QType) -> int:
     return buffer.shape[-1] if qt.is_float else buffer.shape[-1] // qt.block_bytes * qt.block_elems
 
 
+def kv_buffer(rows: int, n_head_kv: int, dim: int, qt: QType, device: str | torch.device) -> torch.Tensor:
+    """A zeroed cache buffer [rows, Hk, row] of type `qt`: floats, or each head's values as GGUF blocks."""
+    if qt.is_float:
+        return torch.zeros(rows, n_head_kv, dim, dtype=FLOAT_DTYPES[qt.name], device=device)
+    return torch.zeros(rows, n_head_kv, qt.row_bytes(dim), dtype=torch.uint8, device=device)
+
+
+def store_rows(buffer: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, qt: QType | None = None) -> None:
+    """Write x [T, Hk, D] into rows `slots` of `buffer`, quantized first where `qt` is a block type
+    (None or a float type: converted to the buffer's dtype). The cache's one way in."""
+    stored = x if qt is None or qt.is_float else quantize(x, qt)
+    buffer.index_copy_(0, slots, stored.to(buffer.device, buffer.dtype))
+
+
 @dataclass(frozen=True)
 class LayerShape:
     """What one layer stores per token: Hk heads of `k_dim` keys and `v_dim` values."""
@@ -68,14 +82,11 @@ class KVCache:
         # chosen once: float caches keep the plain writer, with no per-step test of the type
         self.blocks = not all(t.is_float for t in self.types)
 
-        def buffer(s: LayerShape, dim: int, qt: QType) -> torch.Tensor:
-            rows = min(s.rows or n_ctx, n_ctx)
-            if qt.is_float:
-                return torch.zeros(rows, s.n_head_kv, dim, dtype=FLOAT_DTYPES[qt.name], device=s.device)
-            return torch.zeros(rows, s.n_head_kv, qt.row_bytes(dim), dtype=torch.uint8, device=s.device)
+        def rows(s: LayerShape) -> int:
+            return min(s.rows or n_ctx, n_ctx)
 
-        self.k = [buffer(s, s.k_dim, self.types[0]) for s in layers]
-        self.v = [buffer(s, s.v_dim, self.types[1]) for s in layers]
+        self.k = [kv_buffer(rows(s), s.n_head_kv, s.k_dim, self.types[0], s.device) for s in layers]
+        self.v = [kv_buffer(rows(s), s.n_head_kv, s.v_dim, self.types[1], s.device) for s in layers]
 
     @property
     def nbytes(self) -> int:
@@ -107,11 +118,13 @@ class LayerWriter:
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v [T, Hk, D]; the first `n_read` rows (of a ring: all of them, see
-        `key_positions`), on k's device, for attention."""
+        `key_positions`), on k's device, for attention: raw blocks for a block type (for
+        --no-kv-offload a GPU layer reads blocks over the bus, not floats)."""
         rows = self.k.shape[0]
         slots = self.positions if self.n_read <= rows else self.positions % rows
-        self.k.index_copy_(0, slots, k.to(self.k.device, self.k.dtype))
-        self.v.index_copy_(0, slots, v.to(self.v.device, self.v.dtype))
+        types = self.types or (None, None)
+        store_rows(self.k, slots, k, types[0])
+        store_rows(self.v, slots, v, types[1])
         return self.k[: self.n_read].to(k.device), self.v[: self.n_read].to(v.device)
 
     def key_positions(self) -> torch.Tensor | None:
@@ -186,13 +199,3 @@ class BlockWriter(LayerWriter):
     quantized as they are stored, and the rows read come back raw, for `ops.block_attention`."""
 
     types: tuple[QType, QType] = (F16, F16)
-
-    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k, v [T, Hk, D]; the first `n_read` raw rows (of a ring: all), on k's
-        device: for --no-kv-offload a GPU layer reads blocks over the bus, not floats."""
-        rows = self.k.shape[0]
-        slots = self.positions if self.n_read <= rows else self.positions % rows
-        for buffer, x, qt in ((self.k, k, self.types[0]), (self.v, v, self.types[1])):
-            stored = x.to(buffer.dtype) if qt.is_float else quantize(x, qt)
-            buffer.index_copy_(0, slots, stored.to(buffer.device))
-        return self.k[: self.n_read].to(k.device), self.v[: self.n_read].to(v.device)

@@ -147,7 +147,7 @@ class Executor:
         positions = torch.arange(n_past, n_past + t)
         for k, seg in enumerate(self.segments):
             arriving = time.perf_counter()
-            x = self._move(x, seg.device)
+            x = self.move(x, seg.device)
             graphs = self.use_graphs and seg.device.type == "cuda" and self._graphable[k]
             if (
                 graphs
@@ -166,7 +166,7 @@ class Executor:
             elif self._offloads(seg, t):
                 with current_device(self._streamer.device):
                     x = self._run_streamed(
-                        seg, self._move(x, self._streamer.device), positions, n_past + t, all_logits
+                        seg, self.move(x, self._streamer.device), positions, n_past + t, all_logits
                     )
             else:
                 step = Step(positions.to(seg.device), masked=t > 1, n_read=n_past + t)
@@ -182,7 +182,7 @@ class Executor:
         counters.issued_at = time.perf_counter()
         return x.float().cpu()
 
-    def _move(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def move(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         """x on `device`: from the CPU to a GPU through the pinned staging buffer; from a GPU to the CPU
         this waits for the GPU's work so far."""
         if x.is_cpu and device.type == "cuda":

@@ -65,7 +65,7 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
     text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="llmx-text")
     tools = takes_tools(model.tokenizer)
     grammars = Grammars(model.tokenizer)
-    n_ctx = model.engine.n_ctx
+    n_ctx = worker.n_ctx
 
     async def off_loop(fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(text_threads, fn, *args)
@@ -125,7 +125,7 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
             "model_alias": config.model_id,
             "model_path": str(model.file.path),
             "n_ctx": n_ctx,
-            "total_slots": 1,
+            "total_slots": len(worker.slots()),
             "chat_template": model.tokenizer.chat_template or "",
             "build_info": f"llmx {llmx.__version__}",
             "default_generation_settings": vars(SamplingParams()),
@@ -133,10 +133,8 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
 
     @app.get("/slots")
     async def slots() -> list[dict]:
-        """llama-server's slot list; one slot until batching comes."""
-        busy = worker.busy
-        state = {"n_past": model.engine.n_past, "n_prompt_tokens": len(busy.ids)} if busy else {}
-        return [{"id": 0, "n_ctx": n_ctx, "is_processing": busy is not None} | state]
+        """llama-server's slot list."""
+        return worker.slots()
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -71,34 +71,69 @@ class _Recorder:
         return noted
 
 
+class Generation:
+    """One request's text side, fed the logits of each of its steps: the sampler (constrained and
+    recorded as asked), UTF-8 pieces, stop strings and finish reasons. Whoever runs the model (the
+    engine alone, or a batch of slots) calls `step` with each step's logits until `done`.
+
+    `room` is how many tokens the context lets it generate: every one but the last must be stored.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, request: Request, ids: list[int], room: int, constraint: Constraint | None
+    ) -> None:
+        sample: Sample = Sampler(SamplingParams(**request.sampling))
+        if constraint is not None:
+            sample = _constrained(sample, constraint)
+        self.recorder = (
+            None if request.top_logprobs is None else _Recorder(sample, tokenizer, request.top_logprobs)
+        )
+        self.pick = sample if self.recorder is None else self.recorder
+        self.decoder, self.scanner = StreamDecoder(tokenizer), StopScanner(request.stop)
+        self.stop_ids, self.history, self.n_prompt = tokenizer.stop_ids, list(ids), len(ids)
+        self.limit = min(request.max_tokens, room)
+        self.done = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.history) - self.n_prompt
+
+    def step(self, logits: torch.Tensor) -> list[Piece | Done]:
+        """Pick the next token from `logits` [vocab]: the events it makes (the last a `Done` once the
+        reply is over; then `done`, and the token is not to be run)."""
+        token = self.pick(logits, self.history)
+        if token in self.stop_ids:
+            return self._end("stop")
+        self.history.append(token)
+        noted = None if self.recorder is None else self.recorder.take()
+        events: list[Piece | Done] = [Piece(self.scanner.push(self.decoder.push(token)), noted)]
+        if self.scanner.stopped:
+            self.done = True
+            return [*events, Done("stop", self.n_prompt, self.generated)]
+        if self.generated == self.limit:
+            return events + self._end("length")
+        return events
+
+    def _end(self, reason: str) -> list[Piece | Done]:
+        self.done = True
+        tail = self.scanner.push(self.decoder.flush()) + self.scanner.flush()
+        # an end-of-turn token's logprob is not shown
+        pieces = [Piece(tail, None if self.recorder is None else [])] if tail else []
+        return [*pieces, Done(reason, self.n_prompt, self.generated)]
+
+
 def generate(
     model: LoadedModel, request: Request, ids: list[int], constraint: Constraint | None = None
 ) -> Iterator[Piece | Done]:
-    """A `Piece` per generated token, then one `Done`; only tokens `constraint` allows. The engine's
-    context restarts here; closing the iterator stops generation after the current step."""
-    engine, tokenizer = model.engine, model.tokenizer
+    """A `Piece` per generated token, then one `Done`, run by the engine alone; only tokens
+    `constraint` allows. The engine's context restarts here; closing the iterator stops generation
+    after the current step."""
+    engine = model.engine
     engine.reset()
-    sample: Sample = Sampler(SamplingParams(**request.sampling))
-    if constraint is not None:
-        sample = _constrained(sample, constraint)
-    recorder = None if request.top_logprobs is None else _Recorder(sample, tokenizer, request.top_logprobs)
-    decoder, scanner = StreamDecoder(tokenizer), StopScanner(request.stop)
-
-    def noted() -> list[TokenLogprob] | None:
-        return None if recorder is None else recorder.take()
-
-    n = 0
-    pick = sample if recorder is None else recorder
-    for token in engine.generate(ids, request.max_tokens, pick, tokenizer.stop_ids):
-        n += 1
-        yield Piece(scanner.push(decoder.push(token)), noted())
-        if scanner.stopped:
-            yield Done("stop", len(ids), n)
+    reply = Generation(model.tokenizer, request, ids, engine.n_ctx - len(ids) + 1, constraint)
+    logits = engine.prefill(ids)
+    while True:
+        yield from reply.step(logits)
+        if reply.done:
             return
-        if n == request.max_tokens:  # asked for more, the engine would run a step whose logits go unused
-            break
-    tail = scanner.push(decoder.flush()) + scanner.flush()
-    if tail:
-        yield Piece(tail, None if recorder is None else [])  # an end-of-turn token's logprob is not shown
-    full = n == request.max_tokens or engine.n_past >= engine.n_ctx
-    yield Done("length" if full else "stop", len(ids), n)
+        logits = engine.decode(reply.history[-1])

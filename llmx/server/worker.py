@@ -2,8 +2,9 @@
 
 HTTP handlers never touch the model. They `submit` a `Ticket` and read its events (an asyncio queue,
 filled from this thread with `call_soon_threadsafe`); a handler whose client has gone `cancel`s its
-ticket, and generation stops after the step in progress. One request is generated at a time; a
-batching scheduler will replace `_serve` and keep this shape (one owner thread, tickets in, events out).
+ticket, and generation stops after the step in progress. `Worker` generates for one request at a
+time with the engine alone (its CUDA graphs and fused kernels: `-np 1`); `server.scheduler.Batcher`
+keeps this shape (one owner thread, tickets in, events out) and runs `-np` requests in batched steps.
 
 `Worker.run` should be called on the thread that loaded the model (`llmx serve` runs it on the main
 thread). torch's CPU kernels and llmx's native ones run their parallel loops on the calling thread's
@@ -96,23 +97,44 @@ class Worker:
         (no lock), so a signal handler may call it."""
         self._stopping = True
 
+    @property
+    def n_ctx(self) -> int:
+        """The context a request may fill: its prompt and its reply."""
+        return self.model.engine.n_ctx
+
+    def slots(self) -> list[dict]:
+        """llama-server's /slots: one, with the engine's context while it generates."""
+        busy, engine = self.busy, self.model.engine
+        state = {"n_past": engine.n_past, "n_prompt_tokens": len(busy.ids)} if busy else {}
+        return [{"id": 0, "n_ctx": self.n_ctx, "is_processing": busy is not None} | state]
+
     def run(self) -> None:
         """Serve tickets until `stop`."""
         while not self._stopping:
-            with self._changed:
-                # a time-out, not a plain wait: `stop` sets its flag without notifying
-                self._changed.wait_for(lambda: self._waiting, timeout=POLL_SECONDS)
-                ticket = self._waiting.popleft() if self._waiting else None
+            ticket = next(iter(self._take(1)), None)
             if ticket is not None:
                 self._serve(ticket)
+        self._refuse_waiting()
+
+    def _take(self, room: int, wait: bool = True) -> list[Ticket]:
+        """Up to `room` waiting tickets that are not cancelled, waiting a moment for one if `wait`."""
+        with self._changed:
+            if wait:  # a time-out, not a plain wait: `stop` sets its flag without notifying
+                self._changed.wait_for(lambda: self._waiting, timeout=POLL_SECONDS)
+            taken: list[Ticket] = []
+            while self._waiting and len(taken) < room:
+                ticket = self._waiting.popleft()
+                if not ticket.cancelled:  # its client left while it waited
+                    taken.append(ticket)
+            return taken
+
+    def _refuse_waiting(self) -> None:
         with self._changed:
             for ticket in self._waiting:
                 ticket.put(ApiError(503, "the server is shutting down", "shutting_down"))
             self._waiting.clear()
 
     def _serve(self, ticket: Ticket) -> None:
-        if ticket.cancelled:  # its client left while it waited
-            return
         self.metrics.running.set(1)
         self.busy = ticket
         steps = generate(self.model, ticket.request, ticket.ids, ticket.constraint)

@@ -1,0 +1,77 @@
+"""Aggregate decode throughput of `llmx serve` with N concurrent streams: the engine alone (-np 1,
+one stream) against batched steps (-np N, N streams).
+
+    python bench/serve_batch.py [-m MODEL] [-n 64] [--streams 1,4,8] [-t THREADS]
+
+For each N a server is started with `-np N` (N = 1: the single-sequence engine; a batch of one is
+also measured, with -np 2 and one stream), N clients each ask for `-n` greedy tokens of a different
+prompt at once (ignoring end-of-text would need a sampler option: prompts that run long are chosen),
+and the aggregate rate is all completion tokens / the wall time from the first request to the last
+reply. Prints one markdown table, the median of `--rounds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from serve_speed import start_server
+
+PROMPTS = [
+    "Once upon a time",
+    "Write a long story about a dragon:",
+    "The history of the Roman empire begins",
+    "Here is a detailed recipe for bread:",
+    "Explain how a computer works, step by step:",
+    "A poem about the sea:",
+    "The rules of chess are",
+    "My favourite places to visit are",
+]
+
+
+def aggregate(url: str, streams: int, n: int) -> tuple[float, float]:
+    """(completion tokens / second over all streams, the mean tokens a stream got)."""
+
+    def one(k: int) -> int:
+        body = {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": n, "temperature": 0}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()["usage"][
+            "completion_tokens"
+        ]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        tokens = list(pool.map(one, range(streams)))
+    return sum(tokens) / (time.perf_counter() - t0), sum(tokens) / streams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--streams", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-t", "--threads", default=None)
+    args = ap.parse_args()
+    model = (["-m", args.model] if args.model else []) + (["-t", args.threads] if args.threads else [])
+    cases = [(1, 1), (2, 1)] + [(s, s) for s in map(int, args.streams.split(",")) if s > 1]
+    print("| -np | streams | aggregate t/s | x one stream (engine) | tokens a stream |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    base = None
+    for slots, streams in cases:
+        server, url = start_server([*model, "-np", str(slots)])
+        try:
+            aggregate(url, streams, 4)  # warm: the first steps of a shape are slower
+            runs = [aggregate(url, streams, args.n) for _ in range(args.rounds)]
+        finally:
+            server.terminate()
+            server.wait()
+        rate = statistics.median(r[0] for r in runs)
+        base = base or rate
+        print(f"| {slots} | {streams} | {rate:.1f} | {rate / base:.2f} | {runs[0][1]:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Batched steps over the paged KV cache: the paged cache's blocks (taken, given back, reused, never
+more rows than -c), and logits of a step over several sequences equal to each sequence run alone
+through the single-sequence engine, for sequences decoding beside one whose prompt is prefilled in
+chunks. The matmuls of a batch run over several rows at once, so logits agree to float rounding,
+not bit for bit; the greedy token always agrees (the tiny models' logits are never near a tie)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import SLIDING_WINDOW, random_prompt, write_tiny
+
+import llmx
+from llmx.errors import LlmxError
+from llmx.runtime.batch import Chunk, forward_batch
+from llmx.runtime.cache import KVCache, LayerShape
+from llmx.runtime.paged import BlockTable, PagedKVCache
+
+STEPS = 4  # decode steps of every sequence
+CHUNK = 8  # the late sequence's prompt goes in chunks of this many tokens (-ub)
+
+# --- the paged cache -------------------------------------------------------------------------------
+
+
+def _cache(n_ctx: int = 128, rows: int = 0) -> KVCache:
+    return KVCache(n_ctx, [LayerShape(2, 64, 64, "cpu"), LayerShape(2, 64, 64, "cpu", rows)])
+
+
+def test_pools_lie_over_the_planned_buffers_and_a_ring_gets_its_own():
+    cache = _cache(n_ctx=100, rows=24)
+    paged = PagedKVCache.over(cache, n_seq=3, block_rows=16)
+    assert paged.seq_ctx == 32 and paged.n_blocks == 6  # 100 / 3 = 33 positions: two whole blocks
+    assert paged.k[0].data_ptr() == cache.k[0].data_ptr() and paged.k[0].shape[0] == 96 <= cache.n_ctx
+    assert paged.v[1].shape[0] == 96 and paged.v[1].data_ptr() != cache.v[1].data_ptr()  # the ring's
+    with pytest.raises(LlmxError, match="raise -c or lower -np"):
+        PagedKVCache.over(cache, n_seq=8, block_rows=16)
+
+
+def test_blocks_are_taken_as_a_sequence_grows_given_back_and_reused():
+    paged = PagedKVCache.over(_cache(), n_seq=2, block_rows=16)  # 8 blocks, 64 positions a sequence
+    a, b = BlockTable(), BlockTable()
+    paged.reserve(a, 1)
+    assert len(a.blocks) == 1 and paged.free_blocks == 7
+    a.length = 16
+    paged.reserve(a, 1)  # position 16 starts a second block
+    assert len(a.blocks) == 2
+    paged.reserve(b, 64)
+    assert len(b.blocks) == 4 and paged.free_blocks == 2
+    with pytest.raises(LlmxError, match="the context is full"):
+        paged.reserve(b, 65)
+    assert len(b.blocks) == 4  # a refused reservation takes nothing
+    held = set(a.blocks)
+    paged.free(a)
+    assert a.blocks == [] and a.length == 0 and paged.free_blocks == 4
+    c = BlockTable()
+    paged.reserve(c, 32)
+    assert set(c.blocks) == held and not set(c.blocks) & set(b.blocks)
+    assert paged.rows(c, 20, torch.device("cpu")).tolist() == [c.blocks[0] * 16 + r for r in range(16)] + [
+        c.blocks[1] * 16 + r for r in range(4)
+    ]
+
+
+# --- batched logits against the single-sequence path ---------------------------------------------
+
+
+def _alone(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """The engine alone: greedy tokens after `prompt` and the logits [STEPS + 1, vocab] that chose them
+    (the prompt's, then each decode step's)."""
+    engine = model.engine
+    engine.reset()
+    logits, tokens = [engine.prefill(prompt)], []
+    for _ in range(STEPS):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(engine.decode(tokens[-1]))
+    return tokens, torch.stack(logits)
+
+
+def _check_batched(model, lengths: list[int], n_seq: int, tolerance: float = 5e-3) -> None:
+    """All but the last sequence prefill together, then decode STEPS tokens (each the token the engine
+    alone chose: a difference never compounds) while the last joins, its prompt in CHUNK-token chunks."""
+    prompts = [random_prompt(n, seed) for seed, n in enumerate(lengths)]
+    alone = [_alone(model, p) for p in prompts]  # first: the pools below lie over the engine's cache
+    paged = PagedKVCache.over(model.engine.executor.cache, n_seq)
+    tables = [BlockTable() for _ in prompts]
+    early, late = range(len(prompts) - 1), len(prompts) - 1
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    out = forward_batch(model.engine.executor, paged, [Chunk(tables[j], prompts[j]) for j in early])
+    got |= {(j, 0): out[j] for j in early}
+    done = 0
+    for s in range(STEPS):
+        chunks = [Chunk(tables[j], [alone[j][0][s]]) for j in early]
+        if done < lengths[late]:
+            piece = prompts[late][done : done + CHUNK]
+            done += len(piece)
+            chunks.append(Chunk(tables[late], piece, logits=done == lengths[late]))
+        out = forward_batch(model.engine.executor, paged, chunks)
+        got |= {(j, s + 1): out[j] for j in early}
+        if len(out) > len(early):
+            got[late, 0] = out[-1]
+    assert done == lengths[late] and (late, 0) in got
+    for (j, s), logits in got.items():
+        want = alone[j][1][s]
+        assert int(logits.argmax()) == int(want.argmax()), (j, s)
+        torch.testing.assert_close(logits, want, atol=tolerance * want.abs().max().item(), rtol=0)
+    assert [t.length for t in tables[:late]] == [n + STEPS for n in lengths[:late]]
+
+
+@pytest.mark.parametrize(
+    ("arch", "type_name", "cache_type"),
+    [
+        ("llama", "F32", "f16"),
+        ("qwen2", "Q8_0", "f32"),
+        ("qwen3", "Q4_K_M", "q8_0"),
+        ("gemma3", "Q4_K_M", "f16"),  # sliding-window layers: prompts longer than the window
+        ("qwen3moe", "Q8_0", "f16"),
+    ],
+)
+def test_a_batched_step_gives_each_sequence_its_own_logits(arch, type_name, cache_type, tmp_path):
+    path = write_tiny(arch, type_name, tmp_path)
+    model = llmx.load(path, ctx_size=256, cache_type_k=cache_type, cache_type_v=cache_type)
+    lengths = [5, 2 * SLIDING_WINDOW + 3, 1, 2 * CHUNK + 3]  # the last joins late, in three chunks
+    _check_batched(model, lengths, n_seq=4)
+
+
+def test_eight_sequences_of_smollm2_batched(smollm2_path):
+    model = llmx.load(smollm2_path, ctx_size=512)
+    _check_batched(model, [7, 30, 2, 11, 19, 4, 25, 13], n_seq=8)
+
+
+# On a GPU a decode step alone takes the integer-dot GEMV, the fused decode attention and a CUDA graph;
+# a batch the float GEMV or the GEMM and PyTorch's attention: float16 rounding apart, not 5e-3.
+GPU_TOLERANCE = 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("arch", "type_name", "placement"),
+    [
+        ("llama", "Q4_K_M", {"n_gpu_layers": "all"}),
+        ("gemma3", "Q4_K_M", {"n_gpu_layers": 3}),  # hybrid: the first three layers on the CPU
+        ("qwen3", "Q8_0", {"n_gpu_layers": "all", "no_kv_offload": True, "cache_type_k": "q8_0"}),
+        ("qwen3moe", "Q8_0", {"n_gpu_layers": "all", "override_tensor": ["exps=CPU"]}),
+    ],
+)
+def test_a_batched_step_on_a_gpu_gives_each_sequence_its_own_logits(arch, type_name, placement, tmp_path):
+    model = llmx.load(write_tiny(arch, type_name, tmp_path), ctx_size=256, **placement)
+    assert any(d.type == "cuda" for d in model.engine.executor.layer_devices)
+    _check_batched(model, [5, 2 * SLIDING_WINDOW + 3, 1, 2 * CHUNK + 3], n_seq=4, tolerance=GPU_TOLERANCE)
