@@ -145,3 +145,22 @@ def test_the_queue_refuses_past_its_limit_frees_cancelled_places_and_answers_the
     with pytest.raises(ApiError):
         worker.submit(tickets[1])
     loop.close()
+
+
+def test_a_prompt_stops_between_its_chunks_once_cancelled(model):
+    """A long prompt runs a -ub chunk at a time and stops at the first chunk boundary after its client
+    left: the engine holds the chunks before it, not the whole prompt, and nothing is generated."""
+    from llmx.server.generation import generate
+
+    engine = model.engine
+    ubatch, engine.ubatch = engine.ubatch, 8
+    try:
+        ran: list[int] = []
+        steps = generate(model, Request("completion", prompt="x"), list(range(1, 41)), None,
+                         lambda: (ran.append(engine.n_past) or len(ran)) > 2)  # fmt: skip
+        assert list(steps) == []
+        assert ran == [0, 8, 16] and engine.n_past == 16
+        whole = generate(model, Request("completion", prompt="x", max_tokens=1), list(range(1, 41)))
+        assert len(list(whole)) >= 1 and engine.n_past == 40
+    finally:
+        engine.ubatch = ubatch

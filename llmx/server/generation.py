@@ -123,15 +123,23 @@ class Generation:
 
 
 def generate(
-    model: LoadedModel, request: Request, ids: list[int], constraint: Constraint | None = None
+    model: LoadedModel,
+    request: Request,
+    ids: list[int],
+    constraint: Constraint | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> Iterator[Piece | Done]:
     """A `Piece` per generated token, then one `Done`, run by the engine alone; only tokens
     `constraint` allows. The engine's context restarts here; closing the iterator stops generation
-    after the current step."""
+    after the current step. The prompt runs a `-ub` chunk at a time, and stops (yielding nothing)
+    once `cancelled()`: a long prompt's client that left does not hold the engine to its end."""
     engine = model.engine
     engine.reset()
     reply = Generation(model.tokenizer, request, ids, engine.n_ctx - len(ids) + 1, constraint)
-    logits = engine.prefill(ids)
+    for start in range(0, len(ids), engine.ubatch):
+        if cancelled():
+            return
+        logits = engine.prefill(ids[start : start + engine.ubatch])
     while True:
         yield from reply.step(logits)
         if reply.done:

@@ -134,21 +134,35 @@ class Worker:
                 ticket.put(ApiError(503, "the server is shutting down", "shutting_down"))
             self._waiting.clear()
 
+    def _left(self, ticket: Ticket) -> bool:
+        """Whether `ticket`'s generation is to stop here: its client left (counted), or the server is
+        stopping (the client is told)."""
+        if ticket.cancelled:
+            self.metrics.cancelled.inc()
+            return True
+        if self._stopping:
+            ticket.put(ApiError(503, "the server is shutting down", "shutting_down"))
+            return True
+        return False
+
     def _serve(self, ticket: Ticket) -> None:
         self.metrics.running.set(1)
         self.busy = ticket
-        steps = generate(self.model, ticket.request, ticket.ids, ticket.constraint)
-        tokens = 0
+
+        def gone() -> bool:  # read between a prompt's chunks too
+            return ticket.cancelled or self._stopping
+
+        steps = generate(self.model, ticket.request, ticket.ids, ticket.constraint, gone)
+        tokens, done = 0, False
         try:
             for event in steps:
-                tokens = event.completion_tokens if isinstance(event, Done) else tokens + 1
-                if ticket.cancelled:
-                    self.metrics.cancelled.inc()
-                    return
-                if self._stopping:
-                    ticket.put(ApiError(503, "the server is shutting down", "shutting_down"))
+                done = isinstance(event, Done)
+                tokens = event.completion_tokens if done else tokens + 1
+                if self._left(ticket):
                     return
                 ticket.put(event)
+            if not done:  # the prompt was cut short: `generate` ended without a word
+                self._left(ticket)
         except LlmxError as e:
             ticket.put(ApiError(400, first_line(e)))
         except Exception as e:  # a bug: the client hears of it, the server goes on
