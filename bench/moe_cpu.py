@@ -71,8 +71,8 @@ def main() -> None:
     args = ap.parse_args()
     gate, up = stack("Q4_K", N_FF, N_EMBD, 1), stack("Q4_K", N_FF, N_EMBD, 2)
     down = stack(args.down_type, N_EMBD, N_FF, 3)
-    for matrices in zip(gate.experts, up.experts, strict=True):  # as the loader joins them
-        prepare_shared(matrices, join_packed=False)
+    for matrices in zip(gate.experts, up.experts, strict=True):  # as the per-expert path had them
+        prepare_shared(matrices)
     expert_bytes = sum(w.raw.nbytes for w in (gate, up, down)) // N_EXPERT
     ways = {
         "per expert": lambda x, w, i: moe.grouped_ffn(x, gate, up, down, w, i),

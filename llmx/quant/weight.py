@@ -216,16 +216,15 @@ def prepare_gpu(w: QWeight) -> QWeight:
     return w
 
 
-def prepare_shared(ws: Sequence[QWeight], join_packed: bool = True) -> SharedInput | None:
+def prepare_shared(ws: Sequence[QWeight]) -> SharedInput | None:
     """Prepare CPU weights that multiply the same x to run as one call (`linear_many`, `swiglu`): one
-    native call, or (where `join_packed`) their packed forms joined along N (no extra memory: each
-    weight's packed form becomes a row view of the concatenation, and keeps working alone). None
-    where they cannot."""
+    native call, or their packed forms joined along N (no extra memory: each weight's packed form
+    becomes a row view of the concatenation, and keeps working alone). None where they cannot."""
     if len(ws) < 2 or any(w.raw.device.type != "cpu" for w in ws):
         return None
     group = SharedInput(tuple(ws))
     group.derive()
-    if group.native is None and not (join_packed and _join(group)):
+    if group.native is None and not _join(group):
         return None
     for w in ws:
         object.__setattr__(w, "shared", group)

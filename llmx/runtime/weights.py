@@ -26,14 +26,9 @@ from llmx.quant import QType
 from llmx.quant.weight import QWeight, prepare_cpu, prepare_gpu, prepare_shared
 
 # Matrices of a layer that the models multiply by the same x in one call (`ops.linear_many`,
-# `ops.swiglu`): prepared at load to run as one CPU call (`quant.weight.prepare_shared`); for expert
-# stacks, expert by expert.
-SHARED_INPUT = (
-    ("attn_q", "attn_k", "attn_v"),
-    ("ffn_gate", "ffn_up"),
-    ("ffn_gate_shexp", "ffn_up_shexp"),
-    ("ffn_gate_exps", "ffn_up_exps"),
-)
+# `ops.swiglu`): prepared at load to run as one CPU call (`quant.weight.prepare_shared`). Expert
+# stacks are not: the native MoE call (`quant.weight.moe_swiglu`) takes a layer's stacks whole.
+SHARED_INPUT = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"))
 ARENA_ALIGN = 256  # bytes: keeps every tensor view aligned for vectorised GPU loads
 STAGING_BYTES = 64 << 20
 
@@ -265,14 +260,8 @@ def load_weights(
     for group in layers.values():
         for names in SHARED_INPUT:
             ws = [group.get(n) for n in names]
-            if not all(isinstance(w, QWeight) for w in ws):
-                continue
-            if not ws[0].experts:
+            if all(isinstance(w, QWeight) for w in ws):
                 prepare_shared(ws)
-                continue
-            # an expert's packed forms are views of its stack's: joining them would copy them
-            for matrices in zip(*(w.experts for w in ws), strict=True):
-                prepare_shared(matrices, join_packed=False)
     n_layer = max(layers) + 1 if layers else 0
     groups = [TensorGroup(f"blk.{i}.", layers.get(i, {})) for i in range(n_layer)]
     report.seconds = time.perf_counter() - t0
