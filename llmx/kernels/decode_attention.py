@@ -275,25 +275,32 @@ def _f16_at(ptrs, mask):
 def _load_rows(row_ptrs, d, mask, levels_ptr, QT: tl.constexpr, QB: tl.constexpr):
     """Values d of the cache rows at `row_ptrs` (a head's start in each row) as float32 (a block
     type's dequantized: d * code (+ m), IQ4_NL's code its level), or in the cache's dtype."""
+    # One return at the end: Triton 3.6 compiles the statements after a constexpr branch's return
+    # too, and refuses returns of different types (the cache's dtype, float32).
     if QT == 0:
-        return tl.load(row_ptrs + d, mask=mask, other=0.0)
-    j = d % 32
-    block = row_ptrs + (d // 32) * QB
-    scale = _f16_at(block, mask)
-    if QT == Q8_0:
-        codes = tl.load((block + 2 + j).to(tl.pointer_type(tl.int8)), mask=mask, other=0)
-        return scale * codes.to(tl.float32)
-    code = (tl.load(block + (QB - 16) + j % 16, mask=mask, other=0).to(tl.int32) >> ((j // 16) * 4)) & 15
-    if QT >= Q5_0 and QT <= Q5_1:
-        qh = tl.load(block + (QB - 20) + j // 8, mask=mask, other=0).to(tl.int32)
-        code = code | (((qh >> (j % 8)) & 1) << 4)
-    if QT == IQ4_NL:
-        return scale * tl.load(levels_ptr + code)
-    if QT == Q4_0:
-        return scale * (code - 8).to(tl.float32)
-    if QT == Q5_0:
-        return scale * (code - 16).to(tl.float32)
-    return scale * code.to(tl.float32) + _f16_at(block + 2, mask)
+        values = tl.load(row_ptrs + d, mask=mask, other=0.0)
+    else:
+        j = d % 32
+        block = row_ptrs + (d // 32) * QB
+        scale = _f16_at(block, mask)
+        if QT == Q8_0:
+            codes = tl.load((block + 2 + j).to(tl.pointer_type(tl.int8)), mask=mask, other=0)
+            values = scale * codes.to(tl.float32)
+        else:
+            nibbles = tl.load(block + (QB - 16) + j % 16, mask=mask, other=0).to(tl.int32)
+            code = (nibbles >> ((j // 16) * 4)) & 15
+            if QT >= Q5_0 and QT <= Q5_1:
+                qh = tl.load(block + (QB - 20) + j // 8, mask=mask, other=0).to(tl.int32)
+                code = code | (((qh >> (j % 8)) & 1) << 4)
+            if QT == IQ4_NL:
+                values = scale * tl.load(levels_ptr + code)
+            elif QT == Q4_0:
+                values = scale * (code - 8).to(tl.float32)
+            elif QT == Q5_0:
+                values = scale * (code - 16).to(tl.float32)
+            else:
+                values = scale * code.to(tl.float32) + _f16_at(block + 2, mask)
+    return values
 
 
 @triton.jit
