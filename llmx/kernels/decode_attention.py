@@ -168,7 +168,8 @@ def _dot(a, b, DOT: tl.constexpr):
     a, b = a.to(DOT), b.to(DOT)
     if a.dtype == tl.float32:
         return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit

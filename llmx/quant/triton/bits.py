@@ -53,7 +53,8 @@ def byte_mask(v, MASK: tl.constexpr, WORDS: tl.constexpr):
     MASK's width keep each byte's bits its own)."""
     if WORDS:
         return v & (MASK * 0x01010101)
-    return v & MASK
+    else:
+        return v & MASK
 
 
 @triton.jit
