@@ -21,7 +21,8 @@ from llmx.api import LoadedModel
 from llmx.engine import Timings
 from llmx.errors import LlmxError, first_line
 from llmx.runtime.batch import Chunk, forward_batch
-from llmx.runtime.paged import BlockTable, PagedKVCache
+from llmx.runtime.blocks import BlockTable
+from llmx.runtime.paged import PagedKVCache
 from llmx.server.errors import ApiError
 from llmx.server.generation import Done, Generation, Piece
 from llmx.server.metrics import Metrics
@@ -141,7 +142,7 @@ class Batcher(Worker):
         """Take `slot` out of the batch, its blocks back to the pool, `error` sent if there is one."""
         if error is not None:
             slot.ticket.put(error)
-        self.cache.free(slot.table)
+        self.cache.blocks.free(slot.table)
         self.running.remove(slot)
         self.metrics.running.set(len(self.running))
         self.metrics.add(slot.timings, slot.reply.generated)
