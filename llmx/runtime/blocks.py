@@ -6,7 +6,8 @@ position order.
 
 Prefix cache (as vLLM's): a full block is known by a key chained from its tokens and its predecessor's
 key, so equal keys mean equal tokens at equal positions, hence equal keys and values in the cache
-(the model, its placement and the cache types are fixed for the pool's life). A block becomes known
+(the model, its placement and the cache types are fixed for the pool's life; up to the rounding of
+the batch that computed them, as any batched step's). A block becomes known
 once a step has stored all its rows (`commit`); a new sequence starts on the longest chain of known
 blocks its prompt begins with (`reuse`), shared by reference count, and computes only the rest. No
 one writes into a shared block: a sequence writes only past its shared ones, and it always computes
