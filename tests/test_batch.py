@@ -13,8 +13,9 @@ from tiny_models import SLIDING_WINDOW, random_prompt, write_tiny
 import llmx
 from llmx.errors import LlmxError
 from llmx.runtime.batch import Chunk, forward_batch
+from llmx.runtime.blocks import BlockTable
 from llmx.runtime.cache import KVCache, LayerShape
-from llmx.runtime.paged import BlockTable, PagedKVCache
+from llmx.runtime.paged import PagedKVCache
 
 STEPS = 4  # decode steps of every sequence
 CHUNK = 8  # the late sequence's prompt goes in chunks of this many tokens (-ub)
@@ -29,7 +30,7 @@ def _cache(n_ctx: int = 128, rows: int = 0) -> KVCache:
 def test_pools_lie_over_the_planned_buffers_and_a_ring_gets_its_own():
     cache = _cache(n_ctx=100, rows=24)
     paged = PagedKVCache.over(cache, n_seq=3, block_rows=16)
-    assert paged.seq_ctx == 32 and paged.n_blocks == 6  # 100 / 3 = 33 positions: two whole blocks
+    assert paged.seq_ctx == 32 and paged.blocks.n_blocks == 6  # 100 / 3 = 33 positions: two whole blocks
     assert paged.k[0].data_ptr() == cache.k[0].data_ptr() and paged.k[0].shape[0] == 96 <= cache.n_ctx
     assert paged.v[1].shape[0] == 96 and paged.v[1].data_ptr() != cache.v[1].data_ptr()  # the ring's
     with pytest.raises(LlmxError, match="raise -c or lower -np"):
@@ -39,21 +40,21 @@ def test_pools_lie_over_the_planned_buffers_and_a_ring_gets_its_own():
 def test_blocks_are_taken_as_a_sequence_grows_given_back_and_reused():
     paged = PagedKVCache.over(_cache(), n_seq=2, block_rows=16)  # 8 blocks, 64 positions a sequence
     a, b = BlockTable(), BlockTable()
-    paged.reserve(a, 1)
-    assert len(a.blocks) == 1 and paged.free_blocks == 7
+    paged.blocks.reserve(a, 1)
+    assert len(a.blocks) == 1 and paged.blocks.free_blocks == 7
     a.length = 16
-    paged.reserve(a, 1)  # position 16 starts a second block
+    paged.blocks.reserve(a, 1)  # position 16 starts a second block
     assert len(a.blocks) == 2
-    paged.reserve(b, 64)
-    assert len(b.blocks) == 4 and paged.free_blocks == 2
+    paged.blocks.reserve(b, 64)
+    assert len(b.blocks) == 4 and paged.blocks.free_blocks == 2
     with pytest.raises(LlmxError, match="the context is full"):
-        paged.reserve(b, 65)
+        paged.blocks.reserve(b, 65)
     assert len(b.blocks) == 4  # a refused reservation takes nothing
     held = set(a.blocks)
-    paged.free(a)
-    assert a.blocks == [] and a.length == 0 and paged.free_blocks == 4
+    paged.blocks.free(a)
+    assert a.blocks == [] and a.length == 0 and paged.blocks.free_blocks == 4
     c = BlockTable()
-    paged.reserve(c, 32)
+    paged.blocks.reserve(c, 32)
     assert set(c.blocks) == held and not set(c.blocks) & set(b.blocks)
     assert paged.rows(c, 20, torch.device("cpu")).tolist() == [c.blocks[0] * 16 + r for r in range(16)] + [
         c.blocks[1] * 16 + r for r in range(4)
@@ -63,13 +64,13 @@ def test_blocks_are_taken_as_a_sequence_grows_given_back_and_reused():
 # --- batched logits against the single-sequence path ---------------------------------------------
 
 
-def _alone(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """The engine alone: greedy tokens after `prompt` and the logits [STEPS + 1, vocab] that chose them
+def _alone(model, prompt: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
+    """The engine alone: greedy tokens after `prompt` and the logits [steps + 1, vocab] that chose them
     (the prompt's, then each decode step's)."""
     engine = model.engine
     engine.reset()
     logits, tokens = [engine.prefill(prompt)], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         tokens.append(int(logits[-1].argmax()))
         logits.append(engine.decode(tokens[-1]))
     return tokens, torch.stack(logits)
@@ -120,6 +121,77 @@ def test_a_batched_step_gives_each_sequence_its_own_logits(arch, type_name, cach
     model = llmx.load(path, ctx_size=256, cache_type_k=cache_type, cache_type_v=cache_type)
     lengths = [5, 2 * SLIDING_WINDOW + 3, 1, 2 * CHUNK + 3]  # the last joins late, in three chunks
     _check_batched(model, lengths, n_seq=4)
+
+
+# --- the prefix cache: sequences on blocks others computed, against the engine alone --------------
+
+
+def _serve(model, paged: PagedKVCache, prompts: list[list[int]], starts: list[int], chunk: int) -> list[int]:
+    """Prompt i joins at step starts[i] on the blocks of it the cache holds (as the scheduler admits
+    a request), prefills the rest in `chunk`-token chunks and decodes a token (the engine alone's)
+    beside the others, then ends, its blocks released. Every logits is checked against the engine
+    alone's; the positions each took from the cache come back."""
+    alone = [_alone(model, p, steps=1) for p in prompts]  # first: the pools lie over the engine's cache
+    tables = [BlockTable() for _ in prompts]
+    reused, fed, decoded = [0] * len(prompts), [0] * len(prompts), [0] * len(prompts)
+    live: list[int] = []
+    step = 0
+    while step <= max(starts) or live:
+        for i in (i for i, start in enumerate(starts) if start == step):
+            reused[i] = fed[i] = paged.blocks.reuse(tables[i], prompts[i])
+            live.append(i)
+        work = []
+        for i in live:
+            if fed[i] < len(prompts[i]):
+                piece = prompts[i][fed[i] : fed[i] + chunk]
+                fed[i] += len(piece)
+                work.append((i, Chunk(tables[i], piece, logits=fed[i] == len(prompts[i]))))
+            else:
+                work.append((i, Chunk(tables[i], [alone[i][0][decoded[i]]])))
+                decoded[i] += 1
+        out = iter(forward_batch(model.engine.executor, paged, [c for _, c in work]) if work else ())
+        for i, c in work:
+            if c.logits:
+                got, want = next(out), alone[i][1][decoded[i]]
+                assert int(got.argmax()) == int(want.argmax()), (i, decoded[i])
+                torch.testing.assert_close(got, want, atol=5e-3 * want.abs().max().item(), rtol=0)
+        for i in [i for i in live if decoded[i] == 1]:
+            paged.blocks.free(tables[i])
+            live.remove(i)
+        step += 1
+    return reused
+
+
+@pytest.mark.parametrize(
+    ("arch", "type_name", "cache_type"),
+    [
+        ("qwen3", "Q8_0", "f16"),
+        # sliding-window layers (the shared prefix is longer than the window), blocks of q8_0 blocks
+        ("gemma3", "Q8_0", "q8_0"),
+    ],
+)
+def test_a_sequence_on_cached_blocks_gets_its_own_logits_before_and_after_eviction(
+    arch, type_name, cache_type, tmp_path
+):
+    """Two sequences of 3 blocks over a pool of 6. A system prompt of two blocks and a bit: B starts
+    on A's two blocks while A decodes. C and D then hold 5 blocks at once, and only 4 are empty, so
+    the least recently released cached block (the system prompt's second) is evicted: B's prompt
+    served again reuses only the first."""
+    model = llmx.load(
+        write_tiny(arch, type_name, tmp_path), ctx_size=256, cache_type_k=cache_type, cache_type_v=cache_type
+    )
+    planned = PagedKVCache.over(model.engine.executor.cache, n_seq=2)
+    rows = planned.block_rows
+    paged = PagedKVCache(planned.k, planned.v, planned.types, planned.kernels, n_seq=2, seq_ctx=3 * rows)
+    system = random_prompt(2 * rows + 5, 10)
+    a, b = system + random_prompt(6, 11), system + random_prompt(3, 12)
+    c, d = random_prompt(2 * rows + 8, 13), random_prompt(rows + 8, 14)  # 3 and 2 blocks, C in 2 chunks
+    chunk = 2 * rows
+    b_joins = -(-len(a) // chunk)  # A's decode step
+    c_d_join = b_joins + 2  # B: one chunk, its decode step, then it is gone
+    b_again = c_d_join + 3  # C: two chunks and its decode step
+    reused = _serve(model, paged, [a, b, c, d, b], [0, b_joins, c_d_join, c_d_join, b_again], chunk)
+    assert reused == [0, 2 * rows, 0, 0, rows]
 
 
 def test_eight_sequences_of_smollm2_batched(smollm2_path):

@@ -1,15 +1,18 @@
 """`llmx serve -np 4` as its users meet it: requests served together in batched steps give the text
 each gets alone, prompts longer than -ub are prefilled in chunks beside the others' decode steps, a
-client that leaves frees its slot, and the slots share -c as llama-server's do."""
+client that leaves frees its slot, the slots share -c as llama-server's do, and a system prompt two
+requests share is computed once (the prefix cache; its eviction: `test_batch.py`)."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from test_server_http import CTX, KEY, Server
 
 import llmx
+from llmx.runtime.paged import BLOCK_ROWS
 
 openai = pytest.importorskip("openai")
 
@@ -22,6 +25,14 @@ PROMPTS = [
     "List three colours:",
 ]
 MAX_TOKENS = 16
+SYSTEM = (
+    "You are the assistant of a small bakery in Lyon. Answer questions about bread, pastries, opening "
+    "hours and orders in one friendly sentence. Never invent prices, and say so when you do not know. "
+    "The bakery opens at seven every morning but Monday, sells sourdough, rye and brioche, and takes "
+    "orders for cakes two days ahead. "
+)  # 70 tokens, and as many of the prompts' 79 and 80 as they share: 4 whole blocks
+QUESTIONS = ["Q: When do you open on Sundays?\nA:", "Q: Do you bake rye bread?\nA:"]
+REPLY_TOKENS = 4  # what the prefix cache changes is the prompt's keys and values: the first tokens tell
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +45,12 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine_alone(smollm2_path):
+    """The engine alone, with a slot's context: the text each request should get."""
+    return llmx.load(smollm2_path, ctx_size=CTX // N_SLOTS)
 
 
 def _complete(client, prompt: str) -> str:
@@ -49,8 +66,7 @@ def _chat_stream(client, prompt: str) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
-def test_concurrent_greedy_requests_each_get_the_text_they_get_alone(server, client, smollm2_path):
-    engine_alone = llmx.load(smollm2_path, ctx_size=CTX // N_SLOTS)
+def test_concurrent_greedy_requests_each_get_the_text_they_get_alone(server, client, engine_alone):
     want = [engine_alone.generate(p, MAX_TOKENS, temperature=0) for p in PROMPTS]
     assert [_complete(client, p) for p in PROMPTS] == want  # one at a time: a batch of one
     with ThreadPoolExecutor(2 * N_SLOTS) as pool:
@@ -81,3 +97,24 @@ def test_slots_share_the_context_and_a_client_that_leaves_frees_its_slot(server,
     assert server.metric("llmx_tokens_predicted_total") - before < 40  # not the slot's ~120
     assert server.metric("llmx_requests_cancelled_total") >= 1
     assert _complete(client, PROMPTS[0])
+
+
+def test_a_shared_system_prompt_is_computed_once_and_the_replies_are_those_without_the_cache(
+    server, client, engine_alone
+):
+    """The engine alone has no prefix cache: it computes every prompt whole."""
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    ids = [engine_alone.encode(p) for p in prompts]
+    shared = len(os.path.commonprefix(ids)) // BLOCK_ROWS * BLOCK_ROWS  # whole blocks
+    assert shared == 4 * BLOCK_ROWS
+    counted = ("llmx_prompt_tokens_total", "llmx_prompt_tokens_cached_total")
+    before = [server.metric(name) for name in counted]
+    replies = []
+    for p in prompts:  # the second sent once the first is over (and counted in /metrics)
+        replies.append(client.completions.create(model="m", prompt=p, max_tokens=REPLY_TOKENS, temperature=0))
+        server.wait_idle()
+    ran, cached = (server.metric(name) - b for name, b in zip(counted, before, strict=True))
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, shared]
+    assert cached == shared and ran == len(ids[0]) + len(ids[1]) - shared  # the second ran its suffix
+    texts = [r.choices[0].text for r in replies]
+    assert texts == [engine_alone.generate(p, REPLY_TOKENS, temperature=0) for p in prompts]

@@ -41,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-np", "--parallel", type=int, default=1,
         help="requests generated at once, in batched steps; they share -c (default 1: the engine alone)",
     )  # fmt: skip
+    g.add_argument(
+        "--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
+        help="with -np > 1: a prompt prefix computed for an earlier request (a system prompt) is reused, "
+        "not computed again (default: on)",
+    )  # fmt: skip
     g.add_argument("--max-body", type=float, default=4, help="largest request body in MiB (default 4)")
     g.add_argument(
         "--cors", default=None, metavar="ORIGIN", help="let pages of ORIGIN call the API (default: none)"
@@ -69,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
     if args.parallel == 1:
         worker = Worker(model, args.max_queue, Metrics())
     else:
-        worker = Batcher(model, args.max_queue, Metrics(), args.parallel, model.options.n_ubatch)
+        worker = Batcher(
+            model, args.max_queue, Metrics(), args.parallel, model.options.n_ubatch, args.cache_prompt
+        )
     config = ServerConfig(
         name, args.api_key, int(args.max_body * (1 << 20)), args.timeout, _hosts(args.host), args.cors
     )

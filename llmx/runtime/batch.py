@@ -22,8 +22,9 @@ from llmx.models.common import Step
 from llmx.ops import current_device
 from llmx.ops.cached_attention import cached_attention
 from llmx.ops.rope import Rope
+from llmx.runtime.blocks import BlockTable
 from llmx.runtime.executor import Executor
-from llmx.runtime.paged import BlockTable, PagedKVCache, SequenceKV
+from llmx.runtime.paged import PagedKVCache, SequenceKV
 
 
 @dataclass(frozen=True)
@@ -127,11 +128,12 @@ class _Layout:
 @torch.inference_mode()
 def forward_batch(executor: Executor, cache: PagedKVCache, chunks: Sequence[Chunk]) -> torch.Tensor:
     """Run every chunk in one step; logits [chunks with `logits`, vocab] (float32, on the CPU), in
-    the chunks' order. Each table grows by its chunk's tokens (blocks are taken as needed)."""
+    the chunks' order. Each table grows by its chunk's tokens (blocks are taken as needed), and the
+    blocks they fill are known to the prefix cache once the step is over."""
     if executor.split is not None:
         raise LlmxError("serving with -np > 1 does not support -sm row yet; use -sm layer or -np 1")
     for c in chunks:
-        cache.reserve(c.table, len(c.ids))
+        cache.blocks.reserve(c.table, len(c.ids))
     layout = _Layout(cache, chunks)
     model = executor.model
     ids = torch.tensor([t for c in chunks for t in c.ids], dtype=torch.long, device=executor.embed_device)
@@ -147,5 +149,5 @@ def forward_batch(executor: Executor, cache: PagedKVCache, chunks: Sequence[Chun
                 wanted = layout.last_rows(seg.device)
                 x = model.head(x[wanted]) if len(wanted) else x.new_zeros(0, model.config.n_vocab)
     for c in chunks:
-        c.table.length += len(c.ids)
+        cache.blocks.commit(c.table, c.ids)
     return x.float().cpu()

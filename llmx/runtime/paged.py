@@ -2,14 +2,16 @@
 
 A layer's pool is [n_blocks * block_rows, Hk, row] in the cache's types (`runtime.cache`: floats or
 GGUF blocks); block b is rows b * block_rows .. (b + 1) * block_rows - 1, and a sequence's position p
-lives in row table[p // block_rows] * block_rows + p % block_rows. Blocks are taken from a free list
-as a sequence grows and go back the moment it ends.
+lives in row table[p // block_rows] * block_rows + p % block_rows. Which blocks a sequence holds,
+and which it shares with others through the prefix cache, is `runtime.blocks`' bookkeeping.
 
 As llama-server shares `-c` among `-np` slots, each sequence holds at most `seq_ctx` = -c / -np
 positions (whole blocks), and the pool holds n_seq of those: never more rows than `-c`. The pool is
 laid over the single-sequence cache's buffers (`PagedKVCache.over`), so serving with slots allocates
 nothing beyond the plan; only a sliding-window layer, whose planned cache is a ring shorter than the
 context, gets a pool of its own (every sequence keeps all its positions there, the window is a mask).
+So a block shared through the prefix cache holds the same rows in every layer, sliding ones included:
+no ring wraps over a shared position.
 
 `SequenceKV` is one sequence's view of one layer for one step (an `ops.LayerKV`): it stores the
 step's rows through the cache's writer (`cache.store_rows`) and returns the sequence's rows gathered
@@ -18,29 +20,22 @@ in position order, so the existing attention ops read them as they read a contig
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from llmx.errors import LlmxError
 from llmx.ops.cached_attention import AttentionKernels
 from llmx.quant import QType
+from llmx.runtime.blocks import BlockPool, BlockTable
 from llmx.runtime.cache import KVCache, head_dim, kv_buffer, store_rows
 
 BLOCK_ROWS = 16  # positions a block holds: llama.cpp's KV cells are padded to 256, a multiple of it
 
 
-@dataclass(eq=False)
-class BlockTable:
-    """One sequence's blocks, in position order, and the positions stored so far (`length`)."""
-
-    blocks: list[int] = field(default_factory=list)
-    length: int = 0
-
-
 class PagedKVCache:
     """Per-layer pools of `n_seq * seq_ctx` rows shared by up to `n_seq` sequences of `seq_ctx`
-    positions each; `open`, `reserve` and `free` manage the blocks, `layer` makes a step's views."""
+    positions each; `blocks` hands the blocks out, `layer` makes a step's views."""
 
     def __init__(
         self,
@@ -51,19 +46,21 @@ class PagedKVCache:
         n_seq: int,
         seq_ctx: int,
         block_rows: int = BLOCK_ROWS,
+        caching: bool = True,
     ) -> None:
         if seq_ctx < block_rows or seq_ctx % block_rows:
             raise LlmxError(f"a sequence's context ({seq_ctx}) must be whole blocks of {block_rows} rows")
         self.k, self.v, self.types, self.kernels = k, v, types, kernels
         self.n_seq, self.seq_ctx, self.block_rows = n_seq, seq_ctx, block_rows
-        self.n_blocks = n_seq * seq_ctx // block_rows
-        # the last freed block is the next one taken: it is likelier still in a CPU's caches
-        self._free = list(reversed(range(self.n_blocks)))
+        self.blocks = BlockPool(n_seq * seq_ctx // block_rows, block_rows, seq_ctx, caching)
 
     @classmethod
-    def over(cls, cache: KVCache, n_seq: int, block_rows: int = BLOCK_ROWS) -> PagedKVCache:
+    def over(
+        cls, cache: KVCache, n_seq: int, block_rows: int = BLOCK_ROWS, caching: bool = True
+    ) -> PagedKVCache:
         """Pools laid over `cache`'s buffers for `n_seq` sequences sharing its context (-np slots
-        sharing -c): a sequence holds -c / n_seq positions rounded down to whole blocks."""
+        sharing -c): a sequence holds -c / n_seq positions rounded down to whole blocks. `caching`:
+        with the prefix cache."""
         seq_ctx = cache.n_ctx // n_seq // block_rows * block_rows
         if seq_ctx == 0:
             raise LlmxError(
@@ -80,32 +77,7 @@ class PagedKVCache:
         k = [pool(b, cache.types[0]) for b in cache.k]
         v = [pool(b, cache.types[1]) for b in cache.v]
         types = cache.types if cache.blocks else None
-        return cls(k, v, types, cache.kernels, n_seq, seq_ctx, block_rows)
-
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
-
-    def reserve(self, table: BlockTable, n: int) -> None:
-        """Give `table` the blocks for `n` more positions; an error, nothing taken, past `seq_ctx` or
-        when the pool has too few free blocks."""
-        end = table.length + n
-        if end > self.seq_ctx:
-            raise LlmxError(
-                f"the context is full: {table.length} + {n} tokens exceed a slot's {self.seq_ctx} "
-                "(-c shared by -np slots); raise -c or shorten the prompt"
-            )
-        need = -(-end // self.block_rows) - len(table.blocks)
-        if need > len(self._free):
-            raise LlmxError(f"the KV cache has {len(self._free)} free blocks, {need} are needed")
-        for _ in range(need):
-            table.blocks.append(self._free.pop())
-
-    def free(self, table: BlockTable) -> None:
-        """Give `table`'s blocks back; it is empty after."""
-        self._free.extend(reversed(table.blocks))
-        table.blocks.clear()
-        table.length = 0
+        return cls(k, v, types, cache.kernels, n_seq, seq_ctx, block_rows, caching)
 
     def rows(self, table: BlockTable, end: int, device: torch.device) -> torch.Tensor:
         """The pool rows [end] of `table`'s positions 0..end-1, on `device`."""

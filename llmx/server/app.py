@@ -259,7 +259,7 @@ def _whole(reply: Reply, job: Job, events: list[Piece | Done]) -> dict:
     assert isinstance(done, Done)
     logprobs = None if job.top_logprobs is None else [t for p in pieces for t in p.logprobs or ()]
     text = "".join(p.text for p in pieces)
-    return reply.body(text, done.finish_reason, done.prompt_tokens, done.completion_tokens, logprobs)
+    return reply.body(text, done.finish_reason, done.usage(), logprobs)
 
 
 async def _stream(
@@ -287,7 +287,7 @@ async def _stream(
         assert event is not None
         yield sse(reply.chunk(None, finish_reason=event.finish_reason))
         if ticket.request.include_usage:
-            yield sse(reply.usage_chunk(event.prompt_tokens, event.completion_tokens))
+            yield sse(reply.usage_chunk(event.usage()))
         yield "data: [DONE]\n\n"
     finally:
         ticket.cancel()

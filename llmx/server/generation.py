@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from llmx.api import LoadedModel
-from llmx.server.protocol import Candidate, Request, StopScanner, TokenLogprob
+from llmx.server.protocol import Candidate, Request, StopScanner, TokenLogprob, usage
 from llmx.text.grammar import Constraint
 from llmx.text.sampler import Sampler, SamplingParams
 from llmx.text.tokenizer import StreamDecoder, Tokenizer
@@ -34,6 +35,10 @@ class Done:
     finish_reason: str  # "stop": an end-of-turn token or a stop string; "length": max_tokens or -c
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache: set by whoever ran the model
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
 def _constrained(sample: Sample, constraint: Constraint) -> Sample:

@@ -16,8 +16,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class Metrics:
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
+        # prompt tokens run through the model: those reused from the prefix cache are not
         self.prompt_tokens = Counter("llmx_prompt_tokens", "Prompt tokens processed", registry=registry)
         self.generated_tokens = Counter("llmx_tokens_predicted", "Tokens generated", registry=registry)
+        self.cached_tokens = Counter(
+            "llmx_prompt_tokens_cached", "Prompt tokens reused from the prefix cache", registry=registry
+        )
         self.prompt_seconds = Counter("llmx_prompt_seconds", "Time spent on prompts", registry=registry)
         # a reply's first token comes from its prompt's step: decode steps are one fewer than its tokens
         self.decode_steps = Counter("llmx_decode_steps", "Decode steps run", registry=registry)

@@ -362,18 +362,18 @@ class Reply:
         self,
         text: str,
         finish_reason: str,
-        prompt_tokens: int,
-        completion_tokens: int,
+        usage: dict[str, Any],
         logprobs: list[TokenLogprob] | None = None,
     ) -> dict:
-        """The whole (non-streamed) response; `logprobs` None: not asked for."""
+        """The whole (non-streamed) response with its `usage` (`usage()`); `logprobs` None: not asked
+        for."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(logprobs, 0)
-        return self._head(False) | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+        return self._head(False) | {"choices": [choice], "usage": usage}
 
     def chunk(
         self,
@@ -396,14 +396,16 @@ class Reply:
         choice["logprobs"] = self._logprobs(logprobs, offset)
         return self._head(True) | {"choices": [choice]}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict:
         """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
-        return self._head(True) | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        return self._head(True) | {"choices": [], "usage": usage}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens whose keys and values were reused."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }

@@ -7,6 +7,11 @@ decode tokens, so it never stalls them for its whole length. Waiting requests ta
 boundaries. A request that finishes, is cancelled (its client left, or timed out) or fails gives its
 blocks back before the next step. Sampling is per request, on the host (`server.generation`).
 
+With the prefix cache (on unless `--no-cache-prompt`), a request starts on the blocks of the longest
+prompt prefix already computed (a shared system prompt, an earlier turn of a chat: `runtime.blocks`)
+and prefills only the rest; `llmx_prompt_tokens_cached` and the reply's
+`usage.prompt_tokens_details.cached_tokens` count what it reused.
+
 The slots share `-c` as llama-server's do: each holds -c / N positions (`PagedKVCache.over`), and the
 pool lies over the engine's own cache buffers, so the engine alone must not run while a batch serves.
 """
@@ -15,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llmx.api import LoadedModel
 from llmx.engine import Timings
 from llmx.errors import LlmxError, first_line
 from llmx.runtime.batch import Chunk, forward_batch
-from llmx.runtime.paged import BlockTable, PagedKVCache
+from llmx.runtime.blocks import BlockTable
+from llmx.runtime.paged import PagedKVCache
 from llmx.server.errors import ApiError
 from llmx.server.generation import Done, Generation, Piece
 from llmx.server.metrics import Metrics
@@ -32,13 +38,15 @@ log = logging.getLogger("llmx.server")
 
 @dataclass(eq=False)
 class Slot:
-    """A request in generation: its ticket, its text side, its blocks, how much of its prompt has run,
-    and its engine counters (a step's seconds count for every request in it: the time each waited)."""
+    """A request in generation: its ticket, its text side, its blocks, how much of its prompt has run
+    (or was `cached`), and its engine counters (a step's seconds count for every request in it: the
+    time each waited)."""
 
     ticket: Ticket
     reply: Generation
     table: BlockTable = field(default_factory=BlockTable)
     fed: int = 0
+    cached: int = 0
     timings: Timings = field(default_factory=Timings)
 
     @property
@@ -48,11 +56,14 @@ class Slot:
 
 class Batcher(Worker):
     """A `Worker` that generates for up to `n_seq` tickets at once in batched steps of at most
-    `ubatch` tokens."""
+    `ubatch` tokens; `cache_prompt`: with the prefix cache."""
 
-    def __init__(self, model: LoadedModel, max_queue: int, metrics: Metrics, n_seq: int, ubatch: int) -> None:
+    def __init__(
+        self, model: LoadedModel, max_queue: int, metrics: Metrics, n_seq: int, ubatch: int,
+        cache_prompt: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__(model, max_queue, metrics)
-        self.cache = PagedKVCache.over(model.engine.executor.cache, n_seq)
+        self.cache = PagedKVCache.over(model.engine.executor.cache, n_seq, caching=cache_prompt)
         self.ubatch = ubatch
         self.running: list[Slot] = []  # in the order they came
 
@@ -76,7 +87,10 @@ class Batcher(Worker):
                     self.model.tokenizer, ticket.request, ticket.ids, self.n_ctx - len(ticket.ids) + 1,
                     ticket.constraint,
                 )  # fmt: skip
-                self.running.append(Slot(ticket, reply))
+                slot = Slot(ticket, reply)
+                slot.fed = slot.cached = self.cache.blocks.reuse(slot.table, ticket.ids)
+                self.metrics.cached_tokens.inc(slot.cached)
+                self.running.append(slot)
             self.metrics.running.set(len(self.running))
             self._drop_cancelled()
             if self.running:
@@ -133,15 +147,17 @@ class Batcher(Worker):
 
     def _deliver(self, slot: Slot, events: list[Piece | Done]) -> None:
         for event in events:
-            slot.ticket.put(event)
             if isinstance(event, Done):
+                slot.ticket.put(replace(event, cached_tokens=slot.cached))
                 self._end(slot)
+            else:
+                slot.ticket.put(event)
 
     def _end(self, slot: Slot, error: ApiError | None = None) -> None:
         """Take `slot` out of the batch, its blocks back to the pool, `error` sent if there is one."""
         if error is not None:
             slot.ticket.put(error)
-        self.cache.free(slot.table)
+        self.cache.blocks.free(slot.table)
         self.running.remove(slot)
-        self.metrics.running.set(len(self.running))
-        self.metrics.add(slot.timings, slot.reply.generated)
+        self.metrics.add(slot.timings, slot.reply.generated)  # first: a client that sees the request
+        self.metrics.running.set(len(self.running))  # no longer processing finds its tokens counted
