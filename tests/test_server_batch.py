@@ -81,3 +81,9 @@ def test_slots_share_the_context_and_a_client_that_leaves_frees_its_slot(server,
     assert server.metric("llmx_tokens_predicted_total") - before < 40  # not the slot's ~120
     assert server.metric("llmx_requests_cancelled_total") >= 1
     assert _complete(client, PROMPTS[0])
+
+
+def test_a_requests_choices_run_as_parallel_sequences(client):
+    reply = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in reply.choices] == [0, 1] and reply.choices[0].text == reply.choices[1].text
+    assert reply.usage.completion_tokens == 8
