@@ -85,9 +85,12 @@ class LoadedModel:
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, **kw: Any) -> str:
         return "".join(self.stream(prompt, max_tokens, **kw))
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """The ids of `messages` rendered with the model's chat template, ready for the reply."""
-        return chat_ids(self.tokenizer, messages, add_generation_prompt=True)
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The ids of `messages` rendered with the model's chat template, ready for the reply; `tools`:
+        OpenAI function tools, handed to the template as Hugging Face's `apply_chat_template` does."""
+        return chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
 
 
 def kv_shapes(cls: type[Model], config: ModelConfig, plan: Plan, shard: int) -> list[LayerShape]:

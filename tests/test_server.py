@@ -107,7 +107,7 @@ def test_models_and_health(client):
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, "'max_tokens'"),
         ("/v1/chat/completions", {"messages": MESSAGES, "temperature": -1}, "'temperature'"),
         ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 2}, "top-p"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "n": 3}, "'n' must be 1"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 17}, "'n' must be an integer from 1 to 16"),
         ("/v1/chat/completions", {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
         ("/v1/completions", {"prompt": ""}, "'prompt'"),
         ("/v1/completions", {"prompt": "word " * 600}, "context holds 512"),

@@ -118,3 +118,9 @@ def test_a_shared_system_prompt_is_computed_once_and_the_replies_are_those_witho
     assert cached == shared and ran == len(ids[0]) + len(ids[1]) - shared  # the second ran its suffix
     texts = [r.choices[0].text for r in replies]
     assert texts == [engine_alone.generate(p, REPLY_TOKENS, temperature=0) for p in prompts]
+
+
+def test_a_requests_choices_run_as_parallel_sequences(client):
+    reply = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in reply.choices] == [0, 1] and reply.choices[0].text == reply.choices[1].text
+    assert reply.usage.completion_tokens == 8

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,15 +25,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import llmx
 from llmx.errors import LlmxError, first_line
+from llmx.server.choices import Choices, ChoiceText, stream, whole
 from llmx.server.errors import ApiError, error_body
-from llmx.server.generation import Done, Piece
 from llmx.server.metrics import CONTENT_TYPE, Metrics
 from llmx.server.protocol import Kind, Reply, decode_body, parse_request
 from llmx.server.protocol import Request as Job
 from llmx.server.worker import Ticket, Worker
-from llmx.text.chat import takes_tools
-from llmx.text.grammar import Grammars
+from llmx.text.chat import tool_format as template_tool_format
+from llmx.text.grammar import Constraint, Grammars
 from llmx.text.sampler import SamplingParams
+from llmx.text.tool_calls import forced_call_grammar
 
 TEXT_THREADS = 2  # decode and tokenize bodies: a 4 MiB prompt takes seconds, /health must not wait
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers probe it)
@@ -63,7 +63,7 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
             CORSMiddleware, allow_origins=[config.cors_origin], allow_methods=["*"], allow_headers=["*"]
         )
     text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="llmx-text")
-    tools = takes_tools(model.tokenizer)
+    tool_format = template_tool_format(model.tokenizer)
     grammars = Grammars(model.tokenizer)
     n_ctx = worker.n_ctx
 
@@ -161,7 +161,10 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
         return {"content": await off_loop(model.tokenizer.decode, ids)}
 
     def prompt_ids(job: Job) -> list[int]:
-        ids = model.chat_prompt(list(job.messages)) if job.kind == "chat" else model.encode(job.prompt)
+        if job.kind == "chat":
+            ids = model.chat_prompt(list(job.messages), list(job.tools) or None)
+        else:
+            ids = model.encode(job.prompt)
         if len(ids) >= n_ctx:
             raise LlmxError(
                 f"the prompt has {len(ids)} tokens but the context holds {n_ctx}; "
@@ -169,38 +172,47 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
             )
         return ids
 
+    def constraint(job: Job) -> Constraint | None:
+        """The grammar the reply must follow: response_format's schema, or the calls tool_choice
+        requires, in the format the template teaches."""
+        if job.tool_choice == "required" and tool_format is not None:
+            source = forced_call_grammar(tool_format, list(job.tools), job.tool_name, job.parallel_tool_calls)
+            return grammars.compile_lark(source, "'tools': the calls' grammar")
+        return None if job.schema is None else grammars.compile(job.schema)
+
     async def complete(kind: Kind, request: Request) -> Response:
-        job = parse_request(kind, await body_of(request), tools)
+        job = parse_request(kind, await body_of(request), tool_format)
         SamplingParams(**job.sampling)  # out-of-range values fail here, before the request waits
         loop = asyncio.get_running_loop()
-        constraint = None if job.schema is None else await off_loop(grammars.compile, job.schema)
-        ticket = Ticket(job, await off_loop(prompt_ids, job), loop, constraint)
+        grammar = await off_loop(constraint, job)
+        ids = await off_loop(prompt_ids, job)
+        # every choice has its own grammar state
+        forks: list[Constraint | None] = (
+            [None] * job.n if grammar is None else [grammar] + [grammar.fork() for _ in range(job.n - 1)]
+        )
+        tickets = [Ticket(job.for_choice(i), ids, loop, forks[i]) for i in range(job.n)]
+        choices = Choices(tickets)
         deadline = None if config.timeout is None else loop.time() + config.timeout
-        worker.submit(ticket)
+        worker.submit(*tickets)
         # Until the response starts, nothing else notices a client that leaves: watch for it here.
         gone = asyncio.ensure_future(_disconnected(request))
         streaming = False
         try:
-            first = await _next(ticket, deadline, gone)
+            first = await choices.next(deadline, gone)
             if first is None:
                 return Response(status_code=CLIENT_GONE)
             reply = Reply(config.model_id, kind)
+            texts = [ChoiceText(reply, i, tool_format if job.tools else None) for i in range(job.n)]
             if job.stream:
-                streaming = True  # from here the stream's `finally` cancels the ticket
-                return StreamingResponse(
-                    _stream(ticket, reply, first, deadline), media_type="text/event-stream"
-                )
-            events = [first]
-            while not isinstance(events[-1], Done):
-                event = await _next(ticket, deadline, gone)
-                if event is None:
-                    return Response(status_code=CLIENT_GONE)
-                events.append(event)
-            return JSONResponse(_whole(reply, job, events))
+                streaming = True  # from here the stream's `finally` cancels the tickets
+                events = stream(choices, texts, first, deadline, job.include_usage)
+                return StreamingResponse(events, media_type="text/event-stream")
+            body = await whole(choices, texts, first, deadline, gone, job.top_logprobs)
+            return Response(status_code=CLIENT_GONE) if body is None else JSONResponse(body)
         finally:
             gone.cancel()
             if not streaming:
-                ticket.cancel()  # done, or ended early (an error, a time-out): the worker stops
+                choices.cancel()  # done, or ended early (an error, a time-out): the worker stops
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -232,65 +244,6 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client has closed the connection (the body has been read: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _next(ticket: Ticket, deadline: float | None, gone: asyncio.Future | None) -> Piece | Done | None:
-    """The ticket's next event; None when `gone` (the client left) came first. A time-out or an
-    error from the worker raises ApiError; either way the ticket is cancelled."""
-    get = asyncio.ensure_future(ticket.events.get())
-    waits = {get} if gone is None else {get, gone}
-    timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
-    done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    if get not in done:
-        get.cancel()
-        ticket.cancel()
-        if gone is not None and gone in done:
-            return None
-        raise ApiError(503, "the request took longer than the server's --timeout", "timeout")
-    event = get.result()
-    if isinstance(event, ApiError):
-        raise event
-    return event
-
-
-def _whole(reply: Reply, job: Job, events: list[Piece | Done]) -> dict:
-    pieces = [e for e in events if isinstance(e, Piece)]
-    done = events[-1]
-    assert isinstance(done, Done)
-    logprobs = None if job.top_logprobs is None else [t for p in pieces for t in p.logprobs or ()]
-    text = "".join(p.text for p in pieces)
-    return reply.body(text, done.finish_reason, done.usage(), logprobs)
-
-
-async def _stream(
-    ticket: Ticket, reply: Reply, event: Piece | Done, deadline: float | None
-) -> AsyncIterator[str]:
-    """Server-sent events of a streamed reply, ending with OpenAI's `[DONE]`. A client that leaves
-    mid-stream makes the response close this generator: `finally` cancels the generation."""
-
-    def sse(obj: dict) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
-
-    try:
-        if reply.kind == "chat":
-            yield sse(reply.chunk(None, first=True))
-        offset = 0
-        while isinstance(event, Piece):
-            if event.text or event.logprobs:
-                yield sse(reply.chunk(event.text, logprobs=event.logprobs, offset=offset))
-                offset += len(event.text)
-            try:
-                event = await _next(ticket, deadline, None)
-            except ApiError as e:  # the status line is sent already: the error goes in the stream
-                yield sse(e.body())
-                return
-        assert event is not None
-        yield sse(reply.chunk(None, finish_reason=event.finish_reason))
-        if ticket.request.include_usage:
-            yield sse(reply.usage_chunk(event.usage()))
-        yield "data: [DONE]\n\n"
-    finally:
-        ticket.cancel()
 
 
 class _Gate:

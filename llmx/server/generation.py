@@ -41,6 +41,13 @@ class Done:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
+def request_usage(done: Sequence[Done]) -> dict[str, Any]:
+    """A request's usage over its choices: the prompt once (as the first choice ran it), every
+    choice's completion tokens."""
+    first = done[0]
+    return usage(first.prompt_tokens, sum(d.completion_tokens for d in done), first.cached_tokens)
+
+
 def _constrained(sample: Sample, constraint: Constraint) -> Sample:
     def pick(logits: torch.Tensor, history: Sequence[int]) -> int:
         token = sample(constraint.mask(logits), history)

@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from llmx.errors import LlmxError
+from llmx.text.tool_calls import ToolFormat
 
 Kind = Literal["chat", "completion"]
 MAX_STOPS = 4  # as OpenAI's API
 MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # as OpenAI's API
 MAX_DEPTH = 32  # of nested JSON: OpenAI's requests nest 6 deep; more is an attack or a bug
 DEFAULT_MAX_TOKENS = 256
+MAX_N = 16  # choices per request: each is a whole generation, and each takes a place in the queue
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # as OpenAI's API
+TOOL_CHOICES = ("none", "auto", "required")
+NO_PARAMETERS = {"type": "object", "properties": {}}  # a function tool that states no parameters
 SEEDS = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 # OpenAI's sampling fields -> llmx's SamplingParams names (the rest keep llama.cpp's defaults)
 SAMPLING_FIELDS = {
@@ -41,7 +47,7 @@ INTEGER_FIELDS = ("top_k", "seed")
 @dataclass(frozen=True)
 class Request:
     kind: Kind
-    messages: tuple[dict[str, str], ...] = ()  # chat
+    messages: tuple[dict[str, Any], ...] = ()  # chat
     prompt: str = ""  # completion
     max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -50,6 +56,22 @@ class Request:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     top_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only
     schema: dict[str, Any] | None = None  # response_format: the JSON schema the reply must follow
+    n: int = 1  # choices
+    tools: tuple[dict[str, Any], ...] = ()  # function tools the template is given and calls are read for
+    tool_choice: str = "auto"  # "auto", or "required": the reply is calls (of `tool_name` only, if set)
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True  # whether a required reply may hold several calls
+
+    def for_choice(self, index: int) -> Request:
+        """The request the `index`th choice is generated for: this one, with its own seed derived
+        from the request's (choice 0 keeps it), so that the choices differ and each is reproducible."""
+        seed = self.sampling.get("seed")
+        if seed is None or index == 0:
+            return self
+        seed += index
+        return replace(
+            self, sampling=self.sampling | {"seed": seed - (1 << 64) if seed >= SEEDS[1] else seed}
+        )
 
 
 # --- request bodies ----------------------------------------------------------------------------
@@ -98,24 +120,26 @@ def _check_text(text: str) -> None:
         ) from None
 
 
-def parse_request(kind: Kind, body: Any, takes_tools: bool = False) -> Request:
+def parse_request(kind: Kind, body: Any, tool_format: ToolFormat | None = None) -> Request:
     """A request body (decoded JSON) for /v1/chat/completions or /v1/completions, checked.
-    `takes_tools`: whether the model's chat template renders tools."""
+    `tool_format`: how the model's chat template writes tool calls (None: it takes no tools)."""
     if not isinstance(body, dict):
         raise LlmxError("the request body must be a JSON object")
-    messages: tuple[dict[str, str], ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
     prompt = ""
+    tools: dict[str, Any] = {}
     if kind == "chat":
         messages = _messages(body.get("messages"))
-        _refuse_tools(body.get("tools"), takes_tools)
+        tools = _tools(body, tool_format)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise LlmxError("'prompt' must be a non-empty string")
-    if body.get("n", 1) != 1:
-        raise LlmxError("'n' must be 1: this server returns one choice")
+    n = 1 if body.get("n") is None else body["n"]
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise LlmxError(f"'n' must be an integer from 1 to {MAX_N}, got {_shown(n)}")
     limit = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
     if limit is None:
         limit = DEFAULT_MAX_TOKENS
@@ -135,6 +159,8 @@ def parse_request(kind: Kind, body: Any, takes_tools: bool = False) -> Request:
         _include_usage(body.get("stream_options"), stream),
         _top_logprobs(kind, body),
         _schema(body.get("response_format")),
+        n,
+        **tools,
     )
 
 
@@ -207,13 +233,70 @@ def _top_logprobs(kind: Kind, body: dict) -> int | None:
     return top
 
 
-def _refuse_tools(tools: Any, takes_tools: bool) -> None:
-    """Tools are refused rather than dropped: a client that sends them expects `tool_calls` back."""
+def _tools(body: dict, tool_format: ToolFormat | None) -> dict[str, Any]:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, checked, as Request fields. Tools are refused
+    rather than dropped when the template cannot take them: a client that sends them expects calls.
+    With `tool_choice` "none" the template is not given them: a model told of tools may call one."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
     if not tools:
-        return
-    if not takes_tools:
-        raise LlmxError("'tools': this model's chat template does not take tools; send none")
-    raise LlmxError("'tools': tool calls are not parsed from the reply yet; send none")
+        if choice is not None and choice != "none":
+            raise LlmxError("'tool_choice' needs 'tools'")
+        return {}
+    if tool_format is None:
+        raise LlmxError(
+            "'tools': this model's chat template does not take tools, or writes calls in a format "
+            "llmx does not read (Hermes <tool_call>, Llama 3 JSON); send none"
+        )
+    checked = _tool_list(tools)
+    names = [t["function"]["name"] for t in checked]
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = (
+            function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
+        )
+        if name not in names:
+            raise LlmxError(
+                f"'tool_choice' must name one of the tools ({', '.join(names)}), got {_shown(choice)}"
+            )
+        choice = "required"
+    elif choice is None:
+        choice = "auto"
+    elif choice not in TOOL_CHOICES:
+        raise LlmxError(f"'tool_choice' must be none, auto, required or a function, got {_shown(choice)}")
+    if not isinstance(parallel, bool):
+        raise LlmxError(f"'parallel_tool_calls' must be true or false, got {_shown(parallel)}")
+    if choice == "required" and body.get("response_format") not in (None, {"type": "text"}):
+        raise LlmxError("'response_format' and a required tool call cannot both shape the reply")
+    if choice == "none":
+        return {}
+    return {"tools": checked, "tool_choice": choice, "tool_name": name, "parallel_tool_calls": parallel}
+
+
+def _tool_list(tools: Any) -> tuple[dict[str, Any], ...]:
+    """OpenAI function tools, each with a name and a JSON-schema `parameters` (an object)."""
+    if not isinstance(tools, list):
+        raise LlmxError("'tools' must be a list of {type: function, function: {...}} objects")
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise LlmxError(f"tools[{i}] must be an object with type 'function' and a 'function' object")
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise LlmxError(
+                f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {_shown(name)}"
+            )
+        if any(t["function"]["name"] == name for t in out):
+            raise LlmxError(f"tools[{i}]: a second function named {name!r}")
+        parameters = function.get("parameters", NO_PARAMETERS)
+        if not isinstance(parameters, dict):
+            raise LlmxError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if not isinstance(function.get("description", ""), str):
+            raise LlmxError(f"tools[{i}].function.description must be a string")
+        out.append({"type": "function", "function": function | {"parameters": parameters}})
+    return tuple(out)
 
 
 def _schema(value: Any) -> dict[str, Any] | None:
@@ -234,22 +317,50 @@ def _schema(value: Any) -> dict[str, Any] | None:
     raise LlmxError("'response_format.type' must be text, json_object or json_schema")
 
 
-def _messages(value: Any) -> tuple[dict[str, str], ...]:
+def _messages(value: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, list) or not value:
         raise LlmxError("'messages' must be a non-empty list of {role, content} objects")
+    return tuple(_message(i, m) for i, m in enumerate(value))
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    """A message as templates read it: its role and text, an assistant's `tool_calls` (their arguments
+    as JSON values, which templates print with `tojson`), a tool result's `tool_call_id`."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise LlmxError(f"messages[{i}] must be an object with a string 'role'")
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI's content parts: only text ones are understood here
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise LlmxError(f"messages[{i}].content: only text parts are supported")
+        content = "".join(str(p.get("text", "")) for p in content)
+    calls = m.get("tool_calls") if m["role"] == "assistant" else None
+    if not isinstance(content, str) and not (content is None and calls):
+        raise LlmxError(f"messages[{i}].content must be a string")
+    out: dict[str, Any] = {"role": m["role"], "content": content}
+    if calls:
+        out["tool_calls"] = _message_calls(i, calls)
+    if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _message_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise LlmxError(f"{where} must be a list of calls")
     out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise LlmxError(f"messages[{i}] must be an object with a string 'role'")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI's content parts: only text ones are understood here
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise LlmxError(f"messages[{i}].content: only text parts are supported")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
-            raise LlmxError(f"messages[{i}].content must be a string")
-        out.append({"role": m["role"], "content": content})
-    return tuple(out)
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise LlmxError(f"{where}[{j}] must have a function with a string name and arguments")
+        try:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):  # not JSON, too long a number, too deep
+            raise LlmxError(f"{where}[{j}].function.arguments must be JSON text") from None
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": value}})
+    return out
 
 
 def _stops(value: Any) -> tuple[str, ...]:
@@ -358,38 +469,50 @@ class Reply:
             return None
         return chat_logprobs(tokens) if self.kind == "chat" else completion_logprobs(tokens, offset)
 
-    def body(
+    def choice(
         self,
+        index: int,
         text: str,
         finish_reason: str,
-        usage: dict[str, Any],
         logprobs: list[TokenLogprob] | None = None,
-    ) -> dict:
-        """The whole (non-streamed) response with its `usage` (`usage()`); `logprobs` None: not asked
-        for."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """One choice of a whole response; `logprobs` None: not asked for; `tool_calls`: OpenAI's
+        call objects (a reply with calls and no text has null content)."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
         if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text if text or not tool_calls else None}
+            if tool_calls:
+                choice["message"]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(logprobs, 0)
-        return self._head(False) | {"choices": [choice], "usage": usage}
+        return choice
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict:
+        """The whole (non-streamed) response with its `usage` (`usage()`, all choices')."""
+        return self._head(False) | {"choices": choices, "usage": usage}
 
     def chunk(
         self,
+        index: int,
         text: str | None,
         finish_reason: str | None = None,
         first: bool = False,
         logprobs: list[TokenLogprob] | None = None,
         offset: int = 0,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict:
-        """One streamed piece; `first` opens a chat reply with the assistant's role; `offset`: where
-        `text` starts in the whole reply (for the completions API's text_offset)."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+        """One streamed piece of the `index`th choice; `first` opens a chat reply with the assistant's
+        role; `offset`: where `text` starts in the whole reply (for the completions API's text_offset);
+        `tool_calls`: OpenAI's call deltas."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
         if self.kind == "chat":
-            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

@@ -76,12 +76,13 @@ class Worker:
         with self._changed:
             return sum(not t.cancelled for t in self._waiting)
 
-    def submit(self, ticket: Ticket) -> None:
+    def submit(self, *tickets: Ticket) -> None:
+        """Queue `tickets` (one request's choices), all or none."""
         with self._changed:
             if self._stopping:
                 raise ApiError(503, "the server is shutting down", "shutting_down")
             self._waiting = deque(t for t in self._waiting if not t.cancelled)
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(tickets) > self.max_queue:
                 self.metrics.rejected.inc()
                 raise ApiError(
                     503,
@@ -89,7 +90,7 @@ class Worker:
                     "queue_full",
                     retry_after=RETRY_AFTER_SECONDS,
                 )
-            self._waiting.append(ticket)
+            self._waiting.extend(tickets)
             self._changed.notify()
 
     def stop(self) -> None:

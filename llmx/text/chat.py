@@ -32,6 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llmx.errors import LlmxError
 from llmx.text.tokenizer import Tokenizer
+from llmx.text.tool_calls import ToolFormat, template_format
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -82,6 +83,12 @@ def takes_tools(tokenizer: Tokenizer) -> bool:
     source = tokenizer.chat_template or fallback_template(tokenizer)
     _compile(source)  # a template that does not parse fails here, with its line
     return "tools" in meta.find_undeclared_variables(_environment().parse(source))
+
+
+def tool_format(tokenizer: Tokenizer) -> ToolFormat | None:
+    """The format in which the model's chat template teaches tool calls; None when it takes no tools,
+    or teaches a format `llmx.text.tool_calls` does not read."""
+    return template_format(tokenizer.chat_template or "") if takes_tools(tokenizer) else None
 
 
 def chat_ids(

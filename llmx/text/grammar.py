@@ -2,10 +2,10 @@
 engine, the one llama.cpp and vLLM use).
 
 `Grammars(tokenizer)` builds llguidance's view of the vocabulary once per model (~0.5 s for 49k
-tokens); `compile(schema)` makes a generation's `Constraint`, which masks each step's logits to the
-tokens the schema allows next (an end-of-turn token only once the JSON is complete) and is told which
-one was picked. Logits beyond the tokenizer's vocabulary (padding rows some models have) are never
-allowed.
+tokens); `compile(schema)` (or `compile_lark(grammar)`, for forced tool calls) makes a generation's
+`Constraint`, which masks each step's logits to the tokens the grammar allows next (an end-of-turn
+token only once the text is complete) and is told which one was picked. Logits beyond the tokenizer's
+vocabulary (padding rows some models have) are never allowed.
 """
 
 from __future__ import annotations
@@ -53,9 +53,17 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
         except ValueError as e:
             raise LlmxError(f"'response_format': the JSON schema is not usable: {e}") from None
+        return self._constraint(grammar, "'response_format': the JSON schema")
+
+    def compile_lark(self, source: str, what: str) -> Constraint:
+        """The constraint of text that the Lark grammar `source` (llguidance's dialect, which embeds
+        JSON schemas as `%json {...}`) accepts; `what` names the grammar's origin in errors."""
+        return self._constraint(llguidance.LLMatcher.grammar_from_lark(source), what)
+
+    def _constraint(self, grammar: str, what: str) -> Constraint:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise LlmxError(f"'response_format': the JSON schema is not usable: {matcher.get_error()}")
+            raise LlmxError(f"{what} is not usable: {matcher.get_error()}")
         return Constraint(matcher, self.vocab_size)
 
 
@@ -72,6 +80,10 @@ class Constraint:
         n = min(len(logits), self.vocab_size)
         allowed[:n] = np.unpackbits(words, bitorder="little")[:n]
         return logits.masked_fill(torch.from_numpy(~allowed), float("-inf"))
+
+    def fork(self) -> Constraint:
+        """A copy in the same state, for another generation of the same request (`n` > 1)."""
+        return Constraint(self.matcher.deep_copy(), self.vocab_size)
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
