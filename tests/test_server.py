@@ -116,6 +116,15 @@ def test_placement_is_the_loaded_plan_and_stats_count_a_reply(client, model):
     assert after["prompt_tokens"] > before["prompt_tokens"] and after["processing"] == 0
 
 
+def test_the_chat_page_and_its_files(client):
+    page = client.get("/")
+    assert page.headers["content-type"].startswith("text/html") and 'src="web/main.js"' in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert client.get("/web/main.js").headers["content-type"].startswith("text/javascript")
+    missing = client.get("/web/nothing.js")
+    assert missing.status_code == 404 and "/web/nothing.js" in missing.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "says"),
     [

@@ -30,6 +30,7 @@ from llmx.plan.report import layer_ranges
 from llmx.server.errors import ApiError, error_body
 from llmx.server.generation import Done, Piece
 from llmx.server.metrics import CONTENT_TYPE, Metrics
+from llmx.server.page import add_page, is_page
 from llmx.server.protocol import Kind, Reply, decode_body, parse_request
 from llmx.server.protocol import Request as Job
 from llmx.server.worker import Ticket, Worker
@@ -223,6 +224,7 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await complete("completion", request)
 
+    add_page(app)
     return app
 
 
@@ -348,6 +350,7 @@ class _Gate:
         if (
             key is not None
             and scope["path"] not in OPEN_PATHS
+            and not is_page(scope["path"])
             and not hmac.compare_digest(given, b"Bearer " + key.encode())
         ):
             return ApiError(
