@@ -79,11 +79,12 @@ export function startChat(modelName) {
       messages: conversation,
       stream: true,
       stream_options: { include_usage: true },
-      max_tokens: Number($("max-tokens").value),
     };
     // An empty box leaves the server's default; anything else is sent as typed, for the server to judge.
-    const temperature = $("temperature").value;
-    if (temperature !== "") body.temperature = Number(temperature);
+    for (const [field, id] of [["temperature", "temperature"], ["max_tokens", "max-tokens"]]) {
+      const value = $(id).value;
+      if (value !== "") body[field] = Number(value);
+    }
     return body;
   }
 }
