@@ -36,7 +36,8 @@ function summary(plan, colour) {
   }
   const line = `${plan.model} · ctx ${plan.ctx} · offloaded ${plan.offloaded.layers}/${plan.offloaded.of} layers to GPU`;
   const options = plan.options.length ? el("code", plan.options.join(" ")) : "";
-  $("placement-summary").replaceChildren(line, el("br"), options, ranges);
+  const remarks = [...plan.notes.map((n) => `note: ${n}`), ...plan.warnings.map((w) => `warning: ${w}`)];
+  $("placement-summary").replaceChildren(line, el("br"), options, ranges, ...remarks.map((r) => el("p", r)));
 }
 
 function devices(plan) {
@@ -79,7 +80,8 @@ function layerMap(plan, colour, pick) {
     return cell;
   };
   // the axis: input, every tenth layer, output
-  strip("layer", (row) => el("span", typeof row.layer === "number" && row.layer % 10 ? "" : `${row.layer}`.slice(0, 3), { class: "tick" }));
+  const tick = (layer) => ({ input: "in", output: "out" })[layer] ?? (layer % 10 ? "" : `${layer}`);
+  strip("layer", (row) => el("span", tick(row.layer), { class: "tick" }));
   for (const r of roles) strip(ROLES[r], (row) => cellOf(row, row.devices[r], row.nbytes[r], ROLES[r]));
   strip("KV cache", (row) => cellOf(row, row.kv_device, row.kv_bytes, "KV cache"));
   $("layer-map").replaceChildren(grid);
