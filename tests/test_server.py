@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import llmx  # noqa: E402
+from llmx.plan.report import layer_ranges  # noqa: E402
 from llmx.server.app import ServerConfig, make_app  # noqa: E402
 from llmx.server.errors import ApiError  # noqa: E402
 from llmx.server.metrics import Metrics  # noqa: E402
@@ -95,6 +97,32 @@ def test_completion_stops_before_a_stop_string(client):
 def test_models_and_health(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["smollm2"]
+
+
+def test_placement_is_the_loaded_plan_and_stats_count_a_reply(client, model):
+    placement = client.get("/placement").json()
+    assert placement["tensors"] == model.plan.tensor_device
+    assert placement["layer_ranges"] == [list(r) for r in layer_ranges(model.plan)]
+    assert len(placement["layers"]) == model.config.n_layer + 2  # and the input and output rows
+    before = client.get("/stats").json()
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    tokens = r.json()["usage"]["completion_tokens"]
+    deadline = time.monotonic() + 10  # the worker counts a reply just after sending its last event
+    while (after := client.get("/stats").json())["generated_tokens"] < before["generated_tokens"] + tokens:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.01)
+    assert after["generated_tokens"] - before["generated_tokens"] == tokens
+    assert after["decode_steps"] - before["decode_steps"] == tokens - 1  # the first comes from the prompt
+    assert after["prompt_tokens"] > before["prompt_tokens"] and after["processing"] == 0
+
+
+def test_the_chat_page_and_its_files(client):
+    page = client.get("/")
+    assert page.headers["content-type"].startswith("text/html") and 'src="web/main.js"' in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert client.get("/web/main.js").headers["content-type"].startswith("text/javascript")
+    missing = client.get("/web/nothing.js")
+    assert missing.status_code == 404 and "/web/nothing.js" in missing.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

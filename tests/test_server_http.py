@@ -256,11 +256,13 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, method, 
 
 
 @pytest.mark.parametrize("key", [None, "sk-wrong"])
-def test_the_api_key_is_required_except_for_health(server, key):
+def test_the_api_key_is_required_except_for_health_and_the_chat_page(server, key):
     with server.http(key) as http:
-        r = http.get("/v1/models")
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert http.get("/health").status_code == 200
+        for path in ("/v1/models", "/placement", "/stats"):
+            r = http.get(path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        # the page must load before its user can type the key into it; its data needs the key
+        assert [http.get(p).status_code for p in ("/health", "/", "/web/main.js")] == [200, 200, 200]
 
 
 def test_web_pages_reach_it_only_from_the_cors_origin_with_json_and_by_its_own_name(server):
@@ -276,8 +278,9 @@ def test_web_pages_reach_it_only_from_the_cors_origin_with_json_and_by_its_own_n
         )
         assert r.status_code == 415 and r.json()["error"]["code"] == "not_json"
         # DNS rebinding: another name that resolves to 127.0.0.1
-        r = http.get("/v1/models", headers={"Host": f"rebind.example:{server.port}"})
-        assert r.status_code == 403 and r.json()["error"]["code"] == "bad_host"
+        for path in ("/v1/models", "/"):
+            r = http.get(path, headers={"Host": f"rebind.example:{server.port}"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "bad_host"
         assert http.get("/v1/models", headers={"Host": f"localhost:{server.port}"}).status_code == 200
 
 

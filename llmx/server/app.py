@@ -25,9 +25,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import llmx
 from llmx.errors import LlmxError, first_line
+from llmx.plan.report import layer_ranges
 from llmx.server.choices import Choices, ChoiceText, stream, whole
 from llmx.server.errors import ApiError, error_body
 from llmx.server.metrics import CONTENT_TYPE, Metrics
+from llmx.server.page import add_page, is_page
 from llmx.server.protocol import Kind, Reply, decode_body, parse_request
 from llmx.server.protocol import Request as Job
 from llmx.server.worker import Ticket, Worker
@@ -66,6 +68,8 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
     tool_format = template_tool_format(model.tokenizer)
     grammars = Grammars(model.tokenizer)
     n_ctx = worker.n_ctx
+    # the plan it loaded with (fixed for the server's life), with the report's layer ranges
+    placement = model.plan.to_dict() | {"layer_ranges": layer_ranges(model.plan)}
 
     async def off_loop(fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(text_threads, fn, *args)
@@ -139,6 +143,16 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.text(), media_type=CONTENT_TYPE)
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        """/metrics' throughput counters as JSON (the chat page's live panel)."""
+        return metrics.snapshot()
+
+    @app.get("/placement")
+    async def where() -> dict:
+        """Where the loaded model's tensors, layers and KV cache are: `llmx plan --json`'s data."""
+        return placement
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -222,6 +236,7 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await complete("completion", request)
 
+    add_page(app)
     return app
 
 
@@ -288,6 +303,7 @@ class _Gate:
         if (
             key is not None
             and scope["path"] not in OPEN_PATHS
+            and not is_page(scope["path"])
             and not hmac.compare_digest(given, b"Bearer " + key.encode())
         ):
             return ApiError(

@@ -46,3 +46,16 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+    def snapshot(self) -> dict[str, float]:
+        """The throughput counters and the request gauges as plain numbers (the chat page's view)."""
+        names = {
+            "prompt_tokens": "llmx_prompt_tokens_total",
+            "prompt_seconds": "llmx_prompt_seconds_total",
+            "generated_tokens": "llmx_tokens_predicted_total",
+            "decode_steps": "llmx_decode_steps_total",
+            "decode_seconds": "llmx_decode_seconds_total",
+            "processing": "llmx_requests_processing",
+            "deferred": "llmx_requests_deferred",
+        }
+        return {key: self.registry.get_sample_value(name) or 0.0 for key, name in names.items()}
