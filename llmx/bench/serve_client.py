@@ -191,6 +191,7 @@ async def alone(
     """The text each prompt gets served alone: one request at a time."""
     texts = []
     for k, prompt in enumerate(prompts):
-        texts.append((await client.stream(f"prompt {k} alone", model, prompt, max_tokens, 0.0)).text)
+        streamed = await client.stream(f"prompt {k} alone", model, prompt, max_tokens, time.perf_counter())
+        texts.append(streamed.text)
         tick()
     return texts
