@@ -21,6 +21,7 @@ COMMANDS = {
     "perplexity": "llama-perplexity's perplexity of a text, and KL divergence from a saved base run",
     "synth": "write a synthetic GGUF of a real model's shape",
     "serve": "OpenAI-compatible HTTP server",
+    "bench-serve": "load a running server with concurrent streams: throughput, TTFT, ITL; checks every reply",
 }
 
 

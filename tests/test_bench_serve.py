@@ -1,0 +1,148 @@
+"""`llmx bench-serve`: its statistics and workload by hand, its check failing when a text differs, and
+small runs against a real `llmx serve -np 4` on loopback, passing their check."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import socket
+
+import pytest
+from test_server_http import Server
+
+from llmx import cli
+from llmx.bench import serve_client
+from llmx.bench.serve_check import first_difference, mismatches
+from llmx.bench.serve_report import headline, verdict
+from llmx.bench.serve_stats import Streamed, distribution, summary
+from llmx.bench.serve_workload import WORDS, arrival_times, workload
+
+# --- statistics, by hand ---
+
+
+def test_distribution_is_in_milliseconds_with_linear_percentiles():
+    d = distribution([0.1, 0.2, 0.3, 0.4])
+    # p99: rank 0.99 * 3 = 2.97, between 300 and 400 ms
+    assert d == pytest.approx({"mean": 250.0, "median": 250.0, "p99": 397.0})
+    assert distribution([]) == {"mean": None, "median": None, "p99": None}
+
+
+def test_summary_of_two_streams():
+    a = Streamed(sent=0.0, chunks=(0.5, 0.6, 0.8), done=0.9, prompt_tokens=16, output_tokens=3, text="abc")
+    b = Streamed(sent=0.2, chunks=(1.0, 1.4), done=1.8, prompt_tokens=16, output_tokens=2, text="de")
+    empty = Streamed(sent=0.3, chunks=(), done=0.4, prompt_tokens=16, output_tokens=1, text="")
+    s = summary([a, b, empty], duration_s=2.0)
+    assert s["requests"] == 3 and s["prompt_tokens"] == 48 and s["output_tokens"] == 6
+    assert (s["requests_per_s"], s["output_tokens_per_s"], s["total_tokens_per_s"]) == (1.5, 3.0, 27.0)
+    assert s["ttft_ms"] == pytest.approx({"mean": 750.0, "median": 750.0, "p99": 995.0})
+    # gaps 100, 200, 400 ms
+    assert s["itl_ms"] == pytest.approx({"mean": 700 / 3, "median": 200.0, "p99": 396.0})
+    assert s["e2e_ms"]["median"] == pytest.approx(900.0)
+
+
+# --- the workload ---
+
+
+def test_arrivals_are_a_seeded_poisson_process_or_all_at_once():
+    assert arrival_times(3, math.inf, random.Random(0)) == (0.0, 0.0, 0.0)
+    times = arrival_times(4000, 8.0, random.Random(1))
+    gaps = [b - a for a, b in zip((0.0, *times), times, strict=False)]
+    assert min(gaps) > 0 and sum(gaps) / len(gaps) == pytest.approx(1 / 8, rel=0.05)
+    assert arrival_times(4000, 8.0, random.Random(1)) == times
+
+
+def test_workload_is_reproducible_and_cycles_its_prompts():
+    w = workload(WORDS, 5, 7, 3, 2.0, seed=4)
+    assert w == workload(WORDS, 5, 7, 3, 2.0, seed=4)
+    assert w.prompts != workload(WORDS, 5, 7, 3, 2.0, seed=5).prompts
+    assert w.prompts == workload(WORDS, 5, 7, 3, math.inf, seed=4).prompts  # the rate leaves the prompts
+    assert w.prompt_of == (0, 1, 2, 0, 1, 2, 0) and len(w.arrivals) == 7
+    assert all(p.startswith(" ") and len(p.split()) == 5 and set(p.split()) <= set(WORDS) for p in w.prompts)
+
+
+# --- the check fails when a text differs ---
+
+
+def test_first_difference():
+    assert first_difference("abc", "abc") is None
+    assert first_difference("abc", "abd") == 2
+    assert first_difference("ab", "abc") == 2 and first_difference("", "x") == 0
+
+
+def test_a_response_other_than_the_one_alone_is_a_mismatch():
+    alone = ["The cat sat", "Once upon"]
+    assert mismatches(["The cat sat", "Once upon", "The cat sat"], [0, 1, 0], alone) == []
+    (wrong,) = mismatches(["The cat sat", "Once upon", "The cap sat"], [0, 1, 0], alone)
+    assert (wrong.request, wrong.position) == (2, 6)
+    assert "request 2" in wrong.line() and "'p sat' against 't sat'" in wrong.line()
+
+
+def test_the_verdict_lists_every_mismatch():
+    result = {"summary": {"requests": 3}, "check": {"prompts": 2, "mismatches": [{"line": "request 2: x"}]}}
+    assert verdict(result) == [
+        "check FAILED: 1 of 3 responses differ from their prompt served alone",
+        "request 2: x",
+    ]
+    result["check"]["mismatches"] = []
+    assert verdict(result) == ["check: all 3 responses equal their prompt served alone (2 prompts)"]
+
+
+# --- against a real server ---
+
+N_SLOTS = 4
+RUN = ["-n", "6", "--clients", "3", "--distinct", "3", "--prompt-tokens", "16", "--max-tokens", "8"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    # One thread: on a loaded machine a team of threads that spin-wait collapses (bench/RESULTS.md's
+    # open problems), 10x slower at a load of 8 on 2 cores; one thread keeps these tests' time.
+    s = Server("-np", str(N_SLOTS), "-t", "1")
+    yield s
+    s.stop()
+
+
+def test_a_small_run_measures_every_request_and_passes_its_check(server, capsys):
+    assert cli.main(["bench-serve", "--url", server.url, *RUN, "--rate", "50", "-o", "json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    s = result["summary"]
+    assert s["requests"] == 6 and s["prompt_tokens"] == 6 * 16 and 6 <= s["output_tokens"] <= 6 * 8
+    assert s["output_tokens_per_s"] > 0 and s["ttft_ms"]["median"] > 0 and s["itl_ms"]["p99"] > 0
+    assert s["ttft_ms"]["median"] < s["e2e_ms"]["median"] <= s["e2e_ms"]["p99"]
+    assert result["check"] == {"prompts": 3, "mismatches": []}
+    assert "check: all 6 responses equal" in err
+    assert headline(result).endswith("arriving 50.0 a second (Poisson); 16 prompt tokens, up to 8 out")
+
+
+def test_a_reply_that_differs_from_the_one_alone_fails_the_command(server, capsys, monkeypatch):
+    served_alone = serve_client.alone
+
+    async def one_wrong(*args, **kwargs):
+        texts = await served_alone(*args, **kwargs)
+        return ["?" + texts[0], *texts[1:]]
+
+    monkeypatch.setattr(serve_client, "alone", one_wrong)
+    run = ["-n", "3", "--distinct", "2", "--prompt-tokens", "8", "--max-tokens", "4"]
+    assert cli.main(["bench-serve", "--url", server.url, *run]) == 1
+    out = capsys.readouterr().out
+    assert "time to first token" in out and "check FAILED: 2 of 3 responses differ" in out
+    assert "request 0: differs from character 0" in out and "request 2: differs" in out
+
+
+def test_errors_are_one_line(server, capsys):
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    assert cli.main(["bench-serve", "--url", closed, "-n", "1"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: cannot reach a server at {closed} (")
+    too_long = ["-n", "1", "--prompt-tokens", "600"]
+    assert cli.main(["bench-serve", "--url", f"{server.url}/v1", *too_long]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: request 0: the server answered 400: the prompt has 600 tokens")
+    assert err.count("\n") == 1
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
