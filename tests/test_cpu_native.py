@@ -1,8 +1,9 @@
 """The native CPU kernels on GGUF blocks (`llmx.quant.cpu_native`) against gguf-py's dequantization:
-rows dequantized to the same float32 values, and GEMVs of 1 to 8 rows of x within float32 summation
+rows dequantized to the same float32 values, and GEMVs of 1 to 64 rows of x within float32 summation
 error of a float64 product with x rounded to 16-bit codes per group of 32, as the kernels read it
 (an independent numpy rounding here); the integer dot products (AVX2, with or without VNNI) and the
-portable ones (built without AVX2) alike. Skipped without a C compiler."""
+portable ones (built without AVX2) alike, and a row of a batch equal to the same row alone. Skipped
+without a C compiler."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from llmx.cpu_info import cpu_features
 from llmx.errors import LlmxError
-from llmx.quant import cpu_native, qtype, reference
+from llmx.quant import choice, cpu_native, qtype, reference
 from llmx.quant.weight import QWeight, linear, linear_many, prepare_cpu, prepare_shared
 from tests.test_quant import assert_bits_equal, gguf_py, random_blocks
 
@@ -65,21 +67,48 @@ def test_quantized_x_keeps_each_value_within_half_a_step():
     assert np.all(err <= step / 2 * (1 + 1e-3))
 
 
+# rows of x: one (the one-row kernel), a few, a tile of the several-row kernels (8), two tiles and
+# one row more, and MAX_ROWS
+GEMV_ROWS = (1, 2, 3, 8, 17, cpu_native.MAX_ROWS)
+
+
+def odd_shape(name: str) -> tuple[int, int]:
+    """(N, K) of a test matrix: an odd N, and for 32-weight blocks 43 a row, five groups of eight
+    (Q4_0/Q4_1/Q8_0 go eight at a time) and three more."""
+    return 45, 5 * 256 if qtype(name).block_elems == 256 else 43 * 32
+
+
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_gemv_matches_a_float64_product(name, m, native_kernels):
+def test_gemv_matches_a_float64_product(name, native_kernels):
     qt = qtype(name)
-    # 32-weight blocks: 43 a row, five groups of eight (Q4_0/Q4_1 go eight at a time) and three more
-    n, k = 45, 5 * 256 if qt.block_elems == 256 else 43 * 32
-    raw, ref = random_weight(name, n, k, seed=m)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    x[0, :32] = 0.0  # a group of zeros (dx = 0)
-    y = cpu_native.gemv(x, [(raw, qt)])
-    xq = quantized(x.numpy())
-    want = xq @ ref.astype(np.float64).T
-    scale = np.abs(xq) @ np.abs(ref.astype(np.float64)).T  # the sum's magnitude
-    assert y.shape == (m, n)
-    assert np.all(np.abs(y.numpy() - want) <= 1e-5 * scale + 1e-30)
+    n, k = odd_shape(name)
+    for m in GEMV_ROWS:
+        raw, ref = random_weight(name, n, k, seed=m)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        x[0, :32] = 0.0  # a group of zeros (dx = 0)
+        y = cpu_native.gemv(x, [(raw, qt)])
+        xq = quantized(x.numpy())
+        want = xq @ ref.astype(np.float64).T
+        scale = np.abs(xq) @ np.abs(ref.astype(np.float64)).T  # the sum's magnitude
+        assert y.shape == (m, n)
+        assert np.all(np.abs(y.numpy() - want) <= 1e-5 * scale + 1e-30), m
+
+
+def test_a_row_of_a_batch_equals_the_row_alone(native_kernels):
+    """Several rows of x take their own kernels (unpacked codes shared, 16-bit products), yet each
+    row's product equals the one-row kernel's to the bit: a sequence's logits do not depend on the
+    batch it decodes in. (Not with AVX-512 VNNI, whose one-row kernels sum their lanes in another
+    order: its builds without VNNI are checked.)"""
+    if native_kernels == "native" and "avx512_vnni" in cpu_features().split():
+        pytest.skip("the one-row kernels of AVX-512 VNNI sum in another order")
+    for name in TYPES:
+        qt = qtype(name)
+        n, k = odd_shape(name)
+        raw, _ = random_weight(name, n, k, seed=5)
+        x = torch.randn(17, k, generator=torch.Generator().manual_seed(5))
+        x[3, 32:64] = 0.0
+        alone = torch.cat([cpu_native.gemv(row[None], [(raw, qt)]) for row in x])
+        assert torch.equal(cpu_native.gemv(x, [(raw, qt)]), alone), name
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -94,7 +123,7 @@ def test_linear_takes_the_native_kernels_for_decode_and_prompts(name):
     for m in (1, 5, 40):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         # decode batches (GEMV) read x quantized; prompts dequantize W and multiply x as it is
-        xs = quantized(x.numpy()) if m <= cpu_native.MAX_ROWS else x.double().numpy()
+        xs = quantized(x.numpy()) if m <= choice.NATIVE_MAX_ROWS else x.double().numpy()
         want = torch.from_numpy(xs @ ref.astype(np.float64).T)
         torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
         a, b = linear_many(x, [w, w])
@@ -182,8 +211,6 @@ def test_openmp_workers_are_pinned_and_python_stays_free(monkeypatch):
 def test_the_prefetch_distance_is_measured_once_a_thread_count_and_can_be_forced(monkeypatch, tmp_path):
     """The GEMVs' prefetch distance is the one a RAM-streaming GEMV ran fastest under, measured once per
     machine and thread count (kept in the cache directory), or LLMX_CPU_PREFETCH's."""
-    from llmx.errors import LlmxError
-
     monkeypatch.setenv("LLMX_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LLMX_CPU_PREFETCH", raising=False)
     lib = cpu_native._library()
@@ -277,7 +304,7 @@ MOE_TYPES = [(name, name) for name in TYPES] + [("Q4_K", "Q6_K")]
 def test_moe_swiglu_is_the_weighted_sum_of_the_chosen_experts(
     gate_type, down_type, native_kernels, monkeypatch
 ):
-    """A MoE layer's routed experts in one native call, for 1 to MAX_ROWS tokens that share some
+    """A MoE layer's routed experts in one native call, for 1 to 8 tokens that share some
     experts and leave others unused, against float64 products of the reference's dequantized stacks
     (x and each activation read as the kernels quantize them); and the same bits on 1 thread as on 2
     (each sum's order is fixed, whichever thread computes it) and in calls of fewer tokens (a token's
@@ -297,7 +324,7 @@ def test_moe_swiglu_is_the_weighted_sum_of_the_chosen_experts(
         for (raw, name), width in zip(stacks, (e, e, f), strict=True)
     ]
     g = torch.Generator().manual_seed(0)
-    for m in range(1, cpu_native.MAX_ROWS + 1):
+    for m in range(1, 9):
         x = torch.randn(m, e, generator=g)
         # experts 0-3 only, so experts 4 and 5 stay unused and the rest serve several tokens
         ids = torch.stack([torch.randperm(4, generator=g)[:k_used] for _ in range(m)])

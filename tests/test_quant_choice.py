@@ -30,7 +30,7 @@ def test_a_bucket_holds_one_kernel(device: str, layout: str, name: str) -> None:
 
 def test_the_cpu_table() -> None:
     q4k = qtype("Q4_K")
-    assert [choice.choose(q4k, "cpu", choice.NATIVE, m) for m in (1, 8, 9)] == ["native"] * 2 + [
+    assert [choice.choose(q4k, "cpu", choice.NATIVE, m) for m in (1, 15, 16)] == ["native"] * 2 + [
         "native_chunks"
     ]
     assert choice.choose(q4k, "cpu", choice.PACKED, 1) == "packed"

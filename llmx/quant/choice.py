@@ -47,7 +47,10 @@ DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integ
 DOT8_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the integer-dot GEMV's types
 DEQUANT_MIN_M = 16  # from here "dequant" beats "gemm" (bench/kernels.py)
 MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a GPU
-NATIVE_MAX_ROWS = 8  # rows of x one native GEMV call takes (cpu_native.MAX_ROWS)
+# rows of x the native GEMV takes (it can take cpu_native.MAX_ROWS): from 16, chunks dequantized for
+# torch.mm are faster on the CI machine's Zen 3 (one thread, CPU time: even at 16 rows, 1.5x at 32;
+# the GEMV 1.4x faster at 8), and 15 closes one of BUCKET_TOPS' buckets
+NATIVE_MAX_ROWS = 15
 
 BUCKET_TOPS = (1, 4, 8, 15)  # the largest M of each bucket but the last, which holds the rest
 BUCKET_OF = (0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3)  # bucket of M < 16 (M = 0: the first)

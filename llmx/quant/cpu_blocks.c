@@ -10,8 +10,8 @@
  * each group's integer codes with x's (rounded to 16-bit codes per group of 32, see qx_t) in integer
  * dot-product instructions, as llama.cpp's do with 8-bit x, and applies the group's scales once to
  * the exact integer sum: about a third of the instructions of float32 products, which left one core
- * at ~6 GB/s, short of its share of RAM's bandwidth. Up to 8 rows of x reuse each weight row while
- * it sits in L1. Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
+ * at ~6 GB/s, short of its share of RAM's bandwidth. Up to 64 rows of x reuse each weight row while
+ * it sits in L1, their products formed from codes unpacked once (see rows_fn). Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
  * are written out (VNNI's dpbusd where the CPU has it, else maddubs + madd: the same exact sums; with
  * AVX-512 VNNI two groups or blocks a 512-bit register);
  * elsewhere a portable loop decodes a block and multiplies it with x's rounded values in float32.
@@ -170,6 +170,7 @@ static void decode_q5_k(const uint8_t *b, float *out) { decode_k_nibbles(b, out,
 typedef struct {
     const int8_t *hi, *lo;
     const float *d, *s16, *s32, *f;
+    const int16_t *c; /* the codes whole, for the kernels of several rows (see rows_fn) */
 } qx_t;
 
 #ifdef LLMX_AVX2
@@ -623,20 +624,22 @@ static int block_of(int type, dot_fn *dot, void (**decode)(const uint8_t *, floa
 
 /* --- passes of GEMVs over several matrices -------------------------------------------------------- */
 
-/* m rows of x [m, k] as the dot products read them (qx_t), in one allocation: the code halves, then
- * per group dx, s32, two s16, and (X_FLOATS) f, k floats a row. */
+/* m rows of x [m, k] as the dot products read them (qx_t), in one allocation: the code halves, the
+ * whole codes (int16, see qx_set), then per group dx, s32, two s16, and (X_FLOATS) f, k floats a row. */
 typedef struct {
     int8_t *hi, *lo;
+    int16_t *c;
     float *dx, *s32, *s16, *f;
     int64_t k, groups;
 } qx_rows_t;
 
 static int qx_alloc(qx_rows_t *q, int64_t m, int64_t k) {
     const int64_t groups = k / 32;
-    q->hi = malloc((size_t)(2 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k)));
+    q->hi = malloc((size_t)(4 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k)));
     if (q->hi == NULL) return 0;
     q->lo = q->hi + m * k;
-    q->dx = (float *)(q->lo + m * k);
+    q->c = (int16_t *)(q->lo + m * k);
+    q->dx = (float *)(q->c + m * k);
     q->s32 = q->dx + m * groups;
     q->s16 = q->s32 + m * groups;
     q->f = q->s16 + 2 * m * groups;
@@ -646,14 +649,18 @@ static int qx_alloc(qx_rows_t *q, int64_t m, int64_t k) {
 
 static inline qx_t qx_row(const qx_rows_t *q, int64_t i) {
     const qx_t xi = {q->hi + i * q->k, q->lo + i * q->k, q->dx + i * q->groups, q->s16 + 2 * i * q->groups,
-                     q->s32 + i * q->groups, q->f + X_FLOATS * i * q->k};
+                     q->s32 + i * q->groups, q->f + X_FLOATS * i * q->k, q->c + i * q->k};
     return xi;
 }
 
-/* Group g of the rows (row g / groups, its values from 32 (g % groups)) quantized from 32 floats. */
+/* Group g of the rows (row g / groups, its values from 32 (g % groups)) quantized from 32 floats. The
+ * whole codes c = 255 hi + lo go to c as 16 of the group's even positions, then its 16 odd ones: the
+ * order in which widen_even_odd lays out a weight block's bytes, so that 16-bit multiply-adds of
+ * the two halves sum each run of four positions into one lane, as the byte dot products do. */
 static inline void qx_set(const qx_rows_t *q, int64_t g, const float *values) {
-    quantize_group(values, q->hi + 32 * g, q->lo + 32 * g, q->dx + g, q->s16 + 2 * g, q->s32 + g,
-                   q->f + X_FLOATS * 32 * g);
+    int8_t *hi = q->hi + 32 * g, *lo = q->lo + 32 * g;
+    quantize_group(values, hi, lo, q->dx + g, q->s16 + 2 * g, q->s32 + g, q->f + X_FLOATS * 32 * g);
+    for (int l = 0; l < 32; l++) q->c[32 * g + l / 2 + 16 * (l & 1)] = (int16_t)(255 * hi[l] + lo[l]);
 }
 
 /* Every row of x quantized: inside a parallel region the groups shared out among the team, outside
@@ -663,11 +670,239 @@ static void qx_fill(const qx_rows_t *q, const float *x, int64_t m) {
     for (int64_t g = 0; g < m * q->groups; g++) qx_set(q, g, x + 32 * g);
 }
 
+/* --- one row of W times several rows of x --------------------------------------------------------- */
+
+/* A decode step of several sequences multiplies each row of W with several rows of x. Calling the dot
+ * product once a row of x repeats its unpacking and its byte products a row: on the 2-core CI machine
+ * 8 rows of x cost 6-7x what one costs (in L2), so batched decode hardly beat one sequence. Here a
+ * block's codes are unpacked once, widened to 16 bits, for up to ROW_TILE rows of x, and each x row
+ * multiplies them with its codes whole (qx_t.c) in 16-bit multiply-adds: two a group of 32 where the
+ * code halves took four byte products and four more instructions to join them. Every lane's integer
+ * sum is the one the row's own dot product forms, and the float work after it runs in the same order,
+ * so each row's result equals the one-row kernel's to the bit (with AVX2; the AVX-512 dot products
+ * sum their lanes in another order): a sequence's logits do not depend on its batch. */
+#define ROW_TILE 8 /* x rows a pass over a W row serves: their accumulators stay in L1 */
+#ifndef ROWS_FROM
+#define ROWS_FROM 2
+#endif
+
+/* The product of one row of W (`blocks` blocks) with the x rows xs[0..nx) of qx, into
+ * y[t * y_stride] for x row xs[t]. */
+typedef void (*rows_fn)(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
+                        float *y, int64_t y_stride);
+
+#ifdef LLMX_AVX2
+/* 32 byte codes u (0..255, or -128..127 where is_signed) as two vectors of 16-bit codes: the bytes at
+ * even positions, and those at odd ones (qx_set lays x's codes out the same way). */
+static inline void widen_even_odd(__m256i u, int is_signed, __m256i *even, __m256i *odd) {
+    *even = is_signed ? _mm256_srai_epi16(_mm256_slli_epi16(u, 8), 8) : _mm256_and_si256(u, _mm256_set1_epi16(0xff));
+    *odd = is_signed ? _mm256_srai_epi16(u, 8) : _mm256_srli_epi16(u, 8);
+}
+
+/* Lane j: the sum of the products at positions 4j..4j+3 of a group (the weights widened by
+ * widen_even_odd, x's codes from c): exact, |w| <= 127 (or w * a Q6_K scale, |w| <= 8064) times
+ * |c| <= X_CODES stays far inside int32. */
+static inline __m256i dot_group16(const __m256i w[2], const int16_t *c) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w[0], load32(c)), _mm256_madd_epi16(w[1], load32(c + 16)));
+}
+
+static inline int64_t tile_of(int64_t nx, int64_t t0) { return nx - t0 < ROW_TILE ? nx - t0 : ROW_TILE; }
+
+/* Q4_0, Q4_1 and Q8_0 (bytes: a block's size; at: its codes' offset; kind: 0 Q4_0, 1 Q4_1, 2 Q8_0),
+ * as dot_legacy_nibbles and dot_q8_0 compute each row: eight blocks at a time, then one by one. */
+static inline void rows_legacy(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                               int64_t nx, float *y, int64_t y_stride, int kind) {
+    const int bytes = kind == 0 ? 18 : kind == 1 ? 20 : 34, at = kind == 1 ? 4 : 2;
+    for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
+        const int64_t nt = tile_of(nx, t0);
+        qx_t x[ROW_TILE];
+        __m256 acc[ROW_TILE], offsets[ROW_TILE];
+        for (int64_t t = 0; t < nt; t++) x[t] = qx_row(qx, xs[t0 + t]), acc[t] = offsets[t] = _mm256_setzero_ps();
+        int64_t blk = 0;
+        for (; blk + 8 <= blocks; blk += 8) {
+            const uint8_t *b = row + bytes * blk;
+            if (t0 == 0) prefetch_block(b, 8 * bytes);
+            __m256i w[8][2];
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *q = b + bytes * i + at;
+                widen_even_odd(kind == 2 ? load32(q) : legacy_codes(q), kind == 2, &w[i][0], &w[i][1]);
+            }
+            const __m256 d = eight_halves(b, bytes, 0);
+            const __m256 m = kind == 1 ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+            for (int64_t t = 0; t < nt; t++) {
+                __m256i sums[8];
+                for (int i = 0; i < 8; i++) sums[i] = dot_group16(w[i], x[t].c + 32 * (blk + i));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i(sums)), _mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + blk)),
+                                         acc[t]); /* add_eight_blocks, d converted once */
+                if (kind != 2) offsets[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x[t].s32 + blk), offsets[t]);
+            }
+        }
+        float total[ROW_TILE];
+        for (int64_t t = 0; t < nt; t++) total[t] = kind == 2 ? hsum(acc[t]) : hsum(acc[t]) + hsum(offsets[t]);
+        for (; blk < blocks; blk++) {
+            const uint8_t *b = row + bytes * blk;
+            __m256i w[2];
+            widen_even_odd(kind == 2 ? load32(b + at) : legacy_codes(b + at), kind == 2, &w[0], &w[1]);
+            const float d = half_to_float(b), m = kind == 1 ? half_to_float(b + 2) : -8.0f * d;
+            for (int64_t t = 0; t < nt; t++) {
+                total[t] += (float)hsum_epi32(dot_group16(w, x[t].c + 32 * blk)) * (d * x[t].d[blk]);
+                if (kind != 2) total[t] += m * x[t].s32[blk];
+            }
+        }
+        for (int64_t t = 0; t < nt; t++) y[(t0 + t) * y_stride] = total[t];
+    }
+}
+
+static void rows_q4_0(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
+                      float *y, int64_t y_stride) {
+    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, 0);
+}
+
+static void rows_q4_1(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
+                      float *y, int64_t y_stride) {
+    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, 1);
+}
+
+static void rows_q8_0(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
+                      float *y, int64_t y_stride) {
+    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, 2);
+}
+
+/* Q4_K and Q5_K (five), as dot_k_nibbles computes each row (its AVX2 form). */
+static inline void rows_k_nibbles(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                                  int64_t nx, float *y, int64_t y_stride, int five) {
+    const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const int bytes = five ? 176 : 144, nibbles = five ? 48 : 16;
+    for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
+        const int64_t nt = tile_of(nx, t0);
+        qx_t x[ROW_TILE];
+        __m256 even[ROW_TILE], odd[ROW_TILE], mins[ROW_TILE];
+        for (int64_t t = 0; t < nt; t++)
+            x[t] = qx_row(qx, xs[t0 + t]), even[t] = odd[t] = mins[t] = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const uint8_t *b = row + bytes * blk;
+            if (t0 == 0) prefetch_block(b, bytes);
+            uint8_t sc[8], mn[8];
+            k_scales(b + 4, sc, mn);
+            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(half_to_float(b)), eight_floats(sc));
+            const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)), eight_floats(mn));
+            const __m256i hb = five ? load32(b + 16) : _mm256_setzero_si256();
+            __m256i w[8][2]; /* group g's codes: w[g] */
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = load32(b + nibbles + 32 * c);
+                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (five) { /* the fifth bits, as dot_k_nibbles adds them */
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+                }
+                widen_even_odd(lo, 0, &w[2 * c][0], &w[2 * c][1]);
+                widen_even_odd(hi, 0, &w[2 * c + 1][0], &w[2 * c + 1][1]);
+            }
+            for (int64_t t = 0; t < nt; t++) {
+                float scale[8];
+                _mm256_storeu_ps(scale, _mm256_mul_ps(dsc, _mm256_loadu_ps(x[t].d + 8 * blk)));
+                mins[t] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x[t].s32 + 8 * blk), mins[t]);
+                const int16_t *c16 = x[t].c + 256 * blk;
+                for (int c = 0; c < 4; c++) {
+                    even[t] = add_scaled(dot_group16(w[2 * c], c16 + 64 * c), _mm256_broadcast_ss(scale + 2 * c), even[t]);
+                    odd[t] = add_scaled(dot_group16(w[2 * c + 1], c16 + 64 * c + 32), _mm256_broadcast_ss(scale + 2 * c + 1),
+                                        odd[t]);
+                }
+            }
+        }
+        for (int64_t t = 0; t < nt; t++) y[(t0 + t) * y_stride] = hsum(_mm256_add_ps(even[t], odd[t])) - hsum(mins[t]);
+    }
+}
+
+static void rows_q4_k(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
+                      float *y, int64_t y_stride) {
+    rows_k_nibbles(row, blocks, qx, xs, nx, y, y_stride, 0);
+}
+
+static void rows_q5_k(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
+                      float *y, int64_t y_stride) {
+    rows_k_nibbles(row, blocks, qx, xs, nx, y, y_stride, 1);
+}
+
+/* Q6_K, as dot_q6_k computes each row (its AVX2 form): each 16 weights' int8 scale goes into the
+ * widened codes once (|63 * 128| fits 16 bits), which is the product the row's own kernel forms
+ * with its 16-bit factors. */
+static void rows_q6_k(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
+                      float *y, int64_t y_stride) {
+    const __m256i low = _mm256_set1_epi8(15), bits01 = _mm256_set1_epi8(3), bits23 = _mm256_set1_epi8(12),
+                  bits45 = _mm256_set1_epi8(48);
+    for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
+        const int64_t nt = tile_of(nx, t0);
+        qx_t x[ROW_TILE];
+        __m256 acc[ROW_TILE], offsets[ROW_TILE];
+        for (int64_t t = 0; t < nt; t++) x[t] = qx_row(qx, xs[t0 + t]), acc[t] = offsets[t] = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const uint8_t *b = row + 210 * blk;
+            if (t0 == 0) prefetch_block(b, 210);
+            const __m256 d = _mm256_set1_ps(half_to_float(b + 208));
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const __m128i sc8 = _mm_loadu_si128((const __m128i *)sc);
+            const __m256 sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)),
+                         sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
+            __m256i w[8][2]; /* quarter 4h + j's codes times their scales: w[4h + j] */
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h;
+                const __m256i a = load32(ql), c = load32(ql + 32), hb = load32(b + 128 + 32 * h);
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(a, low), _mm256_slli_epi16(_mm256_and_si256(hb, bits01), 4)),
+                    _mm256_or_si256(_mm256_and_si256(c, low), _mm256_slli_epi16(_mm256_and_si256(hb, bits23), 2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, bits45)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low),
+                                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45)),
+                };
+                for (int j = 0; j < 4; j++) {
+                    /* positions 0..15 (the low 128 bits of each widened half) take scale 2j, 16..31 2j + 1 */
+                    const __m256i factors = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]), _mm_set1_epi16(sc[8 * h + 2 * j]));
+                    widen_even_odd(q[j], 0, &w[4 * h + j][0], &w[4 * h + j][1]);
+                    w[4 * h + j][0] = _mm256_mullo_epi16(w[4 * h + j][0], factors);
+                    w[4 * h + j][1] = _mm256_mullo_epi16(w[4 * h + j][1], factors);
+                }
+            }
+            for (int64_t t = 0; t < nt; t++) {
+                float scale[8];
+                _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + 8 * blk)));
+                const float *s16 = x[t].s16 + 16 * blk;
+                offsets[t] = _mm256_fmadd_ps(d, _mm256_fmadd_ps(sc_lo, _mm256_loadu_ps(s16), _mm256_mul_ps(sc_hi, _mm256_loadu_ps(s16 + 8))),
+                                             offsets[t]);
+                for (int i = 0; i < 8; i++)
+                    acc[t] = add_scaled(dot_group16(w[i], x[t].c + 256 * blk + 32 * i), _mm256_broadcast_ss(scale + i), acc[t]);
+            }
+        }
+        for (int64_t t = 0; t < nt; t++) y[(t0 + t) * y_stride] = hsum(acc[t]) - 32.0f * hsum(offsets[t]);
+    }
+}
+#endif
+
+/* The type's kernel of several x rows; NULL where there is none (without AVX2: the rows take turns
+ * in the dot product). */
+static rows_fn rows_of(int type) {
+#ifdef LLMX_AVX2
+    switch (type) {
+    case T_Q4_K: return rows_q4_k;
+    case T_Q6_K: return rows_q6_k;
+    case T_Q8_0: return rows_q8_0;
+    case T_Q4_0: return rows_q4_0;
+    case T_Q4_1: return rows_q4_1;
+    case T_Q5_K: return rows_q5_k;
+    default: return NULL;
+    }
+#else
+    (void)type;
+    return NULL;
+#endif
+}
+
 /* One matrix of a pass: n rows of `blocks` blocks, row_bytes apart, each multiplied with the quantized
  * x rows xs[0..nx); the product of row r with x row xs[i] goes to y[i * y_stride + r]. `start` is its
  * first row in the pass (set by pass_rows). */
 typedef struct {
     dot_fn dot;
+    rows_fn rows;
     const uint8_t *w;
     int64_t row_bytes, blocks, n, start;
     const int64_t *xs;
@@ -681,6 +916,7 @@ static int matrix_of(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
     void (*decode)(const uint8_t *, float *);
     int qk, bytes;
     if (!block_of(type, &a->dot, &decode, &qk, &bytes) || k % qk != 0) return 0;
+    a->rows = rows_of(type);
     a->w = w, a->row_bytes = row_bytes, a->blocks = k / qk, a->n = n;
     return 1;
 }
@@ -712,6 +948,10 @@ static void gemv_pass(const matrix_t *mats, int64_t count, int64_t total, const 
         const matrix_t *a = mats + j;
         const int64_t i = r - a->start;
         const uint8_t *row = a->w + i * a->row_bytes;
+        if (a->rows != NULL && a->nx >= ROWS_FROM) {
+            a->rows(row, a->blocks, qx, a->xs, a->nx, a->y + i, a->y_stride);
+            continue;
+        }
         for (int64_t t = 0; t < a->nx; t++) {
             const qx_t xt = qx_row(qx, a->xs[t]);
             a->y[t * a->y_stride + i] = a->dot(row, a->blocks, &xt);
@@ -719,20 +959,22 @@ static void gemv_pass(const matrix_t *mats, int64_t count, int64_t total, const 
     }
 }
 
-static const int64_t ALL_ROWS[8] = {0, 1, 2, 3, 4, 5, 6, 7}; /* every x row of a GEMV call */
+#define MAX_ROWS 64 /* rows of x a GEMV call takes (cpu_native.MAX_ROWS) */
 
 /* Several matrices that multiply the same x (q/k/v, gate/up), of any of the types, in one parallel
  * region: y [m, N] holds weight j's outputs in columns off_j .. off_j + n[j] - 1 (in order, N their
- * sum). Each W_j is n[j] rows of k weights, row_bytes[j] apart; m <= 8 rows of x [m, k].
+ * sum). Each W_j is n[j] rows of k weights, row_bytes[j] apart; m <= MAX_ROWS rows of x [m, k].
  * Returns 0, or -1 for an unknown type, a bad count or m, or no memory. */
 int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const int64_t *ns,
                    const int64_t *row_bytes, int64_t k, const float *x, int64_t m, float *y, int threads) {
     matrix_t mats[MAX_WEIGHTS];
-    if (count < 1 || count > MAX_WEIGHTS || m < 1 || m > 8) return -1;
+    int64_t all_rows[MAX_ROWS]; /* every x row */
+    if (count < 1 || count > MAX_WEIGHTS || m < 1 || m > MAX_ROWS) return -1;
+    for (int64_t t = 0; t < m; t++) all_rows[t] = t;
     for (int j = 0; j < count; j++)
         if (!matrix_of(types[j], ws[j], row_bytes[j], ns[j], k, &mats[j])) return -1;
     const int64_t total = pass_rows(mats, count);
-    for (int j = 0; j < count; j++) mats[j].xs = ALL_ROWS, mats[j].nx = m, mats[j].y = y + mats[j].start,
+    for (int j = 0; j < count; j++) mats[j].xs = all_rows, mats[j].nx = m, mats[j].y = y + mats[j].start,
                                     mats[j].y_stride = total;
     qx_rows_t qx;
     if (!qx_alloc(&qx, m, k)) return -1;
@@ -867,9 +1109,10 @@ int llmx_moe_swiglu(int gate_type, const uint8_t *gate, int64_t gate_row_bytes, 
 int llmx_swiglu(int count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *row_bytes,
                 int64_t k, const float *x, int64_t m, int down_count, const int *down_type,
                 const uint8_t *const *down, const int64_t *nd, const int64_t *down_row_bytes, float *y, int threads) {
-    static const int64_t expert0[8] = {0};
-    static const float one[8] = {1, 1, 1, 1, 1, 1, 1, 1};
-    if (count != 2 || ns[0] != ns[1] || down_count != 1 || m < 1 || m > 8) return -1;
+    int64_t expert0[MAX_ROWS];
+    float one[MAX_ROWS];
+    if (count != 2 || ns[0] != ns[1] || down_count != 1 || m < 1 || m > MAX_ROWS) return -1;
+    for (int64_t t = 0; t < m; t++) expert0[t] = 0, one[t] = 1.0f;
     const experts_t g = {types[0], ws[0], row_bytes[0]}, u = {types[1], ws[1], row_bytes[1]},
                     d = {down_type[0], down[0], down_row_bytes[0]};
     return experts_swiglu(&g, &u, &d, 1, k, ns[0], nd[0], x, m, 1, expert0, one, y, threads);

@@ -41,7 +41,7 @@ from llmx.settings import c_compiler, cache_dir, cpu_gemv, cpu_prefetch, pin_thr
 
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
 TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q5_K": 5}  # the C file's type numbers
-MAX_ROWS = 8  # rows of x a `gemv` call takes
+MAX_ROWS = 64  # rows of x a `gemv` call takes (cpu_blocks.c's MAX_ROWS)
 MAX_WEIGHTS = 4  # matrices one `gemv` call takes (cpu_blocks.c's MAX_WEIGHTS)
 # tokens a native MoE call takes: its scratch is tokens * k * (2 * F + E) floats, 29 MB at 256 for
 # Qwen3-30B-A3B, and each call reads its chosen experts once (nearly all of them past ~64 tokens)

@@ -7,7 +7,7 @@ the native CPU call, and the group of weights it shares x with. A call only inde
 
 - CUDA: the Triton kernels (`llmx.quant.triton.matmul`); "emulated" where Triton is missing;
 - CPU, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrices: kept as GGUF's blocks and multiplied by the native kernels
-  (`cpu_native.py`): one pass over the weights for up to 8 rows of x (and one call for the matrices
+  (`cpu_native.py`): one pass over the weights for up to 15 rows of x (and one call for the matrices
   that share x), else chunks of rows dequantized into float32 for `torch.mm`; where no C compiler is
   at hand, the packed path below;
 - CPU, other quantized matrices (repacked at load by `prepare_cpu`, see `cpu_pack.py`): up to GEMV_MAX_M
@@ -324,7 +324,7 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
     if x.shape[-1] != k:
         raise LlmxError(f"{ws[0].name or 'weight'} {ws[0].shape} cannot multiply x of shape {tuple(x.shape)}")
     rows = x.numel() // max(k, 1)
-    if group.native is not None and rows <= N.MAX_ROWS:
+    if group.native is not None and rows <= C.NATIVE_MAX_ROWS:
         outs = group.native(x if x.dim() == 2 else x.reshape(-1, k)).split_with_sizes(
             group.native.sizes, dim=1
         )
@@ -336,10 +336,10 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
 
 
 def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor | None:
-    """down(silu(gate(x)) * up(x)) in one native call for a decode step's x [M, K] (M <= MAX_ROWS)
+    """down(silu(gate(x)) * up(x)) in one native call for a decode step's x [M, K] (M <= NATIVE_MAX_ROWS)
     when gate and up were prepared as one native call (`prepare_shared`) and down takes the native
     kernels too (`cpu_native.Gemv.swiglu`); None otherwise."""
-    if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > N.MAX_ROWS or not x.is_cpu:
+    if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > C.NATIVE_MAX_ROWS or not x.is_cpu:
         return None
     group, down_call = gate.shared, down.native
     if group is None or group.native is None or down_call is None or not group.serves((gate, up)):
