@@ -1,5 +1,6 @@
-"""Comparisons against transformers' outputs shared by the model tests: top-k logits of a committed
-reference, greedy continuations up to the stop token, and batched prefill against token-by-token decode."""
+"""Comparisons shared by the model tests: top-k logits of a committed reference, transformers' outputs,
+greedy continuations up to the stop token, batched prefill against token-by-token decode, and greedy
+choices compared only where they are decisive."""
 
 from __future__ import annotations
 
@@ -13,6 +14,27 @@ from llmx.api import LoadedModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+
+DECISIVE_MARGIN = 1e-2
+
+
+def decisive(logits: torch.Tensor, margin: float) -> torch.Tensor:
+    """Which rows of `logits` [..., vocab] have their top two more than `margin` times the row's
+    largest |logit| apart: where a computation that differs by rounding must still pick the same
+    token (random tiny models have near-ties, which rounding may break either way)."""
+    top2 = logits.double().topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1] > margin * logits.double().abs().amax(-1)
+
+
+def greedy_agrees_until_a_near_tie(got: Sequence[int], want: Sequence[int], want_logits: torch.Tensor):
+    """Greedy tokens `got` equal `want` (chosen by `want_logits` [len(want), vocab]) at every step up to
+    the first near-tie of `want_logits` (DECISIVE_MARGIN), after which either choice is right and the
+    continuations may part."""
+    steps = decisive(want_logits[: len(want)], DECISIVE_MARGIN)
+    n = len(want) if bool(steps.all()) else int((~steps).nonzero()[0, 0])
+    assert n >= len(want) // 4, f"only {n} of {len(want)} greedy steps are decisive"
+    assert list(got[:n]) == list(want[:n])
 
 
 def greedy(logits: torch.Tensor, history: Sequence[int]) -> int:

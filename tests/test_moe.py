@@ -33,7 +33,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
-from references import greedy, transformers_outputs
+from references import DECISIVE_MARGIN, decisive, greedy, transformers_outputs
 from tiny_models import TINY_MOE_SHAPES, random_prompt, write_tiny
 from transformers import (
     MixtralConfig,
@@ -440,10 +440,9 @@ def test_a_cpu_step_counts_the_bytes_of_the_experts_a_token_uses(tiny):
 # test_gpu.py's LOGITS_TOL explains), so its logits differ from the CPU's by ~1e-3; where a token's
 # k-th and (k+1)-th experts are nearly tied, that is enough to route it elsewhere, which moves its row
 # of logits by ~1. So the checks are per row: most rows within ROW_TOL, and a greedy step compared only
-# where its top two logits are DECISIVE apart (random tiny models have near-ties a few steps in).
+# where its top two logits are decisively apart (random tiny models have near-ties a few steps in).
 ROW_TOL = 1e-2
 MOST_ROWS = 0.9
-DECISIVE = 0.05
 GPU_PLACEMENTS = {
     "all-gpu": dict(n_gpu_layers="all"),
     "no-fmoe": dict(n_gpu_layers="all", no_fused_moe=True),
@@ -488,10 +487,9 @@ def keeps_the_cpus_logits(tiny: Tiny, model: LoadedModel) -> None:
         got = forced_logits(model, prompt, tokens)
         assert most_rows_close(got, want), f"{len(prompt)}-token prompt"
         steps = want[len(prompt) - 1 :]
-        top2 = steps.topk(2, dim=-1).values
-        decisive = top2[:, 0] - top2[:, 1] > DECISIVE
-        assert decisive.sum() >= len(tokens) // 2
-        assert torch.equal(got[len(prompt) - 1 :].argmax(-1)[decisive], steps.argmax(-1)[decisive])
+        sure = decisive(steps, DECISIVE_MARGIN)
+        assert sure.sum() >= len(tokens) // 2
+        assert torch.equal(got[len(prompt) - 1 :].argmax(-1)[sure], steps.argmax(-1)[sure])
 
 
 CPU_EXPERTS = {
