@@ -179,9 +179,8 @@ def test_a_sequence_on_cached_blocks_gets_its_own_logits_before_and_after_evicti
     on A's two blocks while A decodes. C and D then hold 5 blocks at once, and only 4 are empty, so
     the least recently released cached block (the system prompt's second) is evicted: B's prompt
     served again reuses only the first."""
-    model = llmx.load(
-        write_tiny(arch, type_name, tmp_path), ctx_size=256, cache_type_k=cache_type, cache_type_v=cache_type
-    )
+    path = write_tiny(arch, type_name, tmp_path)
+    model = llmx.load(path, ctx_size=256, n_gpu_layers=0, cache_type_k=cache_type, cache_type_v=cache_type)
     planned = PagedKVCache.over(model.engine.executor.cache, n_seq=2)
     rows = planned.block_rows
     paged = PagedKVCache(planned.k, planned.v, planned.types, planned.kernels, n_seq=2, seq_ctx=3 * rows)
