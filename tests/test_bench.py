@@ -192,19 +192,20 @@ def test_tests_follow_llama_bench_order_and_names():
     assert tests[3].n_ctx == 4096 + 128
 
 
-def test_time_test_warms_up_then_fills_the_depth_untimed_for_every_repetition():
+def test_time_test_fills_the_depth_untimed_once_and_rewinds_to_it_for_each_repetition():
     engine = CountingEngine()
     samples = time_test(engine, BenchTest(0, 3, n_depth=10), reps=2, n_vocab=100)
     assert len(samples) == 2  # the warm-up is not a sample
-    one_rep = [("reset",), ("prefill", 0, 10), ("decode", 10), ("decode", 11), ("decode", 12)]
-    assert engine.calls == one_rep * 3
+    steps = [("decode", 10), ("decode", 11), ("decode", 12)]
+    assert engine.calls == [("reset",), ("prefill", 0, 10)] + steps * 3
 
 
 def test_prompt_tests_warm_up_twice_so_that_timed_runs_replay_the_prompt_graph():
     engine = CountingEngine()
     samples = time_test(engine, BenchTest(16, 0), reps=3, n_vocab=100)
     assert len(samples) == 3
-    assert engine.calls == [("reset",), ("prefill", 0, 16)] * 5  # 2 warm-ups (eager, capture) + 3 timed
+    # 2 warm-ups (eager, capture) + 3 timed, each from position 0
+    assert engine.calls == [("reset",)] + [("prefill", 0, 16)] * 5
 
 
 def test_speed_reports_llama_bench_statistics():

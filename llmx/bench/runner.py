@@ -4,10 +4,14 @@ A test runs `reps` times after warm-up runs that are not counted (`warmup_runs`:
 for kernel compilation, decode graph capture and cold caches; a prompt test has a second one, since
 a prompt shape's first run is eager and its second captures the shape's CUDA graph, see
 `llmx.runtime.executor`, so the timed runs replay it as every later prompt of that shape does).
-Each repetition starts from an empty context, fills `n_depth` random tokens untimed, then times
-either one prompt of `n_prompt` random tokens or `n_gen` single-token decode steps fed random
-tokens, as llama-bench does: the speed of a step does not depend on which token it is, and sampling
-is not part of the measurement.
+Each repetition starts from a context of `n_depth` random tokens, then times either one prompt of
+`n_prompt` random tokens or `n_gen` single-token decode steps fed random tokens, as llama-bench
+does: the speed of a step does not depend on which token it is, and sampling is not part of the
+measurement. The depth is filled untimed once per test, and later repetitions rewind to it, where
+llama-bench fills it again for each: at 32K tokens of depth the fills would be most of the run. A
+rewound context's rows past the depth are written again before they are read; a sliding-window
+layer's ring holds some of the last run's tokens in place of the depth's last ones, which changes
+the values a step reads but not its work.
 
 Beside the seconds, each repetition keeps the engine's counters for its timed part (`Timings`:
 host time and CPU-segment time of decode steps, bytes op offload streamed for the prompt), and
@@ -85,11 +89,17 @@ class Sample:
     timings: Timings
 
 
-def time_once(engine: TimedEngine, test: BenchTest, rng: np.random.Generator, n_vocab: int) -> Sample:
-    """One repetition of `test`, from an empty context filled to its depth (untimed, uncounted)."""
-    engine.reset()
-    if test.n_depth:
-        engine.prefill(random_tokens(rng, test.n_depth, n_vocab))
+def time_once(
+    engine: TimedEngine, test: BenchTest, rng: np.random.Generator, n_vocab: int, fill: bool = True
+) -> Sample:
+    """One repetition of `test`, from a context filled to its depth (untimed, uncounted) when `fill`,
+    else from the filled context of the run before, rewound to the depth."""
+    if fill:
+        engine.reset()
+        if test.n_depth:
+            engine.prefill(random_tokens(rng, test.n_depth, n_vocab))
+    else:
+        engine.n_past = test.n_depth
     prompt = random_tokens(rng, test.n_prompt, n_vocab)
     tokens = random_tokens(rng, test.n_gen, n_vocab)
     engine.synchronize()
@@ -122,7 +132,7 @@ def time_test(
     samples = []
     warmups = warmup_runs(test)
     for i in range(reps + warmups):
-        sample = time_once(engine, test, rng, n_vocab)
+        sample = time_once(engine, test, rng, n_vocab, fill=i == 0)
         if i >= warmups:
             samples.append(sample)
         if tick:
