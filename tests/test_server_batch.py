@@ -25,6 +25,7 @@ PROMPTS = [
     "List three colours:",
 ]
 MAX_TOKENS = 16
+STORM_TOKENS = 4  # each of the 64 concurrent streams'
 SYSTEM = (
     "You are the assistant of a small bakery in Lyon. Answer questions about bread, pastries, opening "
     "hours and orders in one friendly sentence. Never invent prices, and say so when you do not know. "
@@ -66,6 +67,12 @@ def _chat_stream(client, prompt: str) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
+def _completion_stream(client, prompt: str) -> str:
+    request = {"prompt": prompt, "max_tokens": STORM_TOKENS, "temperature": 0, "stream": True}
+    chunks = client.completions.create(model="m", **request)
+    return "".join(c.choices[0].text for c in chunks)
+
+
 def test_concurrent_greedy_requests_each_get_the_text_they_get_alone(server, client, engine_alone):
     want = [engine_alone.generate(p, MAX_TOKENS, temperature=0) for p in PROMPTS]
     assert [_complete(client, p) for p in PROMPTS] == want  # one at a time: a batch of one
@@ -75,6 +82,19 @@ def test_concurrent_greedy_requests_each_get_the_text_they_get_alone(server, cli
         assert [f.result() for f in completions] == want
         together = [f.result() for f in chats]
     assert together == [_chat_stream(client, p) for p in PROMPTS]
+    assert server.metric("llmx_requests_processing") == 0
+
+
+def test_sixty_four_concurrent_streams_all_complete_with_the_text_each_gets_alone(server, client):
+    """Far more streams than slots (64 over 4, the default --max-queue): all are served, each its text
+    alone (the same request sent when nothing else runs)."""
+    prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]  # 8 distinct
+    alone = {p: _completion_stream(client, p) for p in prompts}
+    sent = [prompts[i % len(prompts)] for i in range(64)]
+    with ThreadPoolExecutor(64) as pool:
+        got = list(pool.map(lambda p: _completion_stream(client, p), sent))
+    assert got == [alone[p] for p in sent]
+    server.wait_idle()
     assert server.metric("llmx_requests_processing") == 0
 
 
