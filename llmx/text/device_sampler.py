@@ -72,6 +72,7 @@ class DeviceSampler:
     """Sampling state of `n_rows` requests over a vocabulary of `n_vocab` on `device`; `start` gives a
     row to a request, a call samples the next ids of some rows."""
 
+    @torch.inference_mode()
     def __init__(self, n_rows: int, n_vocab: int, device: torch.device) -> None:
         self.n_vocab, self.device = n_vocab, device
         self.params: list[SamplingParams] = [SamplingParams(temperature=0.0)] * n_rows
@@ -84,6 +85,7 @@ class DeviceSampler:
         self.ring = torch.zeros(n_rows, 1, dtype=torch.long, device=device)  # the window's ids
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
 
+    @torch.inference_mode()
     def start(self, row: int, params: SamplingParams, history: Sequence[int]) -> None:
         """Give `row` to a request sampled with `params` whose context so far is `history` (its prompt:
         the penalties see it, as llama.cpp's do)."""
@@ -112,6 +114,7 @@ class DeviceSampler:
             if window > 0:  # the tail fills the ring from its start: the ids pushed so far are len(tail)
                 self.ring[row, : len(tail)] = ids
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """The next ids [B] (int64, on the device) of `rows` [B] given their `logits` [B, vocab]; each
         row's penalty window and random stream move on by one."""
