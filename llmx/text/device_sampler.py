@@ -83,6 +83,7 @@ class DeviceSampler:
         self.ints = torch.zeros(n_rows, 6, dtype=torch.long, device=device)
         self.counts = torch.zeros(n_rows, n_vocab, device=device)  # each id's count in the window
         self.ring = torch.zeros(n_rows, 1, dtype=torch.long, device=device)  # the window's ids
+        self.last = torch.zeros(n_rows, dtype=torch.long, device=device)  # each row's last id: the next input
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     @torch.inference_mode()
@@ -141,8 +142,8 @@ class DeviceSampler:
         return self._rows[1]
 
     def _push(self, index: torch.Tensor, chosen: torch.Tensor) -> None:
-        """Count `chosen` [B] in the rows' penalty windows (the id leaving a full window uncounted) and
-        move their random streams on."""
+        """Count `chosen` [B] in the rows' penalty windows (the id leaving a full window uncounted), move
+        their random streams on, and keep them as the rows' `last` ids."""
         window, pushed = self.ints[index, 1], self.ints[index, 2]
         ring_len = window.clamp(min=1)  # rows without a ring write its first slot, never read
         slot = (pushed % ring_len)[:, None]
@@ -152,6 +153,7 @@ class DeviceSampler:
         self.counts.index_put_((index, chosen), (window != 0).float(), accumulate=True)
         self.ring[index] = self.ring[index].scatter(1, slot, chosen[:, None])
         self.ints[index, 2:4] += 1
+        self.last[index] = chosen
 
 
 def _penalizes(p: SamplingParams) -> bool:
