@@ -4,11 +4,13 @@ samples on the device and reads each token one step late, ending exactly where a
 from __future__ import annotations
 
 import pytest
+import torch
 from references import GREEDY
 from tiny_models import greedy_steps, random_prompt, write_tiny
 
 import llmx
 from llmx.engine import WARM_UP_PROMPTS
+from llmx.text.device_sampler import DeviceSampler
 from llmx.text.sampler import SamplingParams
 
 
@@ -75,3 +77,29 @@ def test_a_caller_that_stops_reading_leaves_the_context_at_the_last_token_it_too
     assert tiny.engine.n_past == len(prompt) + 3
     tiny.engine.reset()
     assert list(tiny.engine.generate(prompt, 4, SamplingParams(temperature=1.0, seed=11))) == taken
+
+
+@pytest.mark.gpu
+def test_gpu_decode_steps_are_issued_without_waiting_for_the_host(tmp_path):
+    """With the embedding table on the GPU (`-ot token_embd=CUDA0`), a decode step fed the id sampled
+    on the device and the next sample run with host syncs made errors; and the generated greedy ids
+    are the step-by-step host argmax's."""
+    path = write_tiny("llama", "Q8_0", tmp_path)
+    model = llmx.load(path, ctx_size=64, n_gpu_layers="all", override_tensor=[r"token_embd\.weight=CUDA0"])
+    engine, prompt = model.engine, random_prompt(6, seed=3)
+    want = reference(model, prompt, 8)
+    engine.reset()
+    assert list(engine.generate(prompt, 8, GREEDY)) == want
+    engine.reset()
+    logits = engine.prefill(prompt, on_device=True)
+    sampler = DeviceSampler(1, logits.shape[-1], logits.device)
+    sampler.start(0, SamplingParams(temperature=0.8, seed=1), prompt)
+    token = sampler(logits[None], [0])
+    token = sampler(engine.decode(token, on_device=True)[None], [0])  # the decode graph is captured
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            token = sampler(engine.decode(token, on_device=True)[None], [0])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
