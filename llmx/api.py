@@ -38,7 +38,7 @@ from llmx.runtime.executor import Executor
 from llmx.runtime.tensor_parallel import Rendezvous, TensorParallel, deal, exchange_reducers
 from llmx.runtime.weights import LoadReport, load_weights
 from llmx.text.chat import chat_ids
-from llmx.text.sampler import Sampler, SamplingParams
+from llmx.text.sampler import SamplingParams
 from llmx.text.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -68,8 +68,7 @@ class LoadedModel:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not keep_context:
             self.engine.reset()
-        sampler = Sampler(SamplingParams(**sampling))
-        yield from self.engine.generate(ids, max_tokens, sampler, self.tokenizer.stop_ids)
+        yield from self.engine.generate(ids, max_tokens, SamplingParams(**sampling), self.tokenizer.stop_ids)
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, **kw: Any) -> Iterator[str]:
         """Text pieces as they are generated; never half a UTF-8 character."""

@@ -17,6 +17,9 @@ import torch
 from llmx.errors import LlmxError
 from llmx.quant.choice import BUCKET_TOPS
 from llmx.runtime.executor import Executor
+from llmx.runtime.host_copy import HostCopy
+from llmx.text.device_sampler import DeviceSampler
+from llmx.text.sampler import SamplingParams
 
 # Prompt lengths that between them run every kernel a GPU compiles for prompts: the float GEMV of 2
 # rows and of 3-4 (its loop over rows is compiled for a power of two), then the first M of each
@@ -112,15 +115,19 @@ class Engine:
             torch.cuda.synchronize(dev)
 
     @torch.inference_mode()
-    def forward(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
-        """Run one micro-batch at position n_past; returns logits [T or 1, vocab] (float32, on the CPU)."""
+    def forward(
+        self, ids: Sequence[int] | torch.Tensor, all_logits: bool = False, on_device: bool = False
+    ) -> torch.Tensor:
+        """Run one micro-batch at position n_past; returns logits [T or 1, vocab] (float32, on the CPU,
+        or left on the head's device if `on_device`). `ids` may be a tensor of ids sampled on a device."""
         if self.n_past + len(ids) > self.n_ctx:
             raise LlmxError(
                 f"the context is full: {self.n_past} + {len(ids)} tokens exceed -c {self.n_ctx}; "
                 "raise -c or shorten the prompt"
             )
         try:
-            logits = self.executor.forward(list(ids), self.n_past, all_logits)
+            ids = ids if isinstance(ids, torch.Tensor) else list(ids)
+            logits = self.executor.forward(ids, self.n_past, all_logits, on_device)
         except torch.OutOfMemoryError as e:  # the context stays as it was: n_past does not move
             gpu = re.search(r"GPU (\d+)", str(e))
             need = re.search(r"Tried to allocate ([\d.]+ [KMGT]iB)", str(e))
@@ -139,22 +146,25 @@ class Engine:
         self.n_past += len(ids)
         return logits
 
-    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
-        """Process a prompt in `ubatch`-sized chunks; logits of the last token [vocab] (or all [T, vocab])."""
+    def prefill(self, ids: Sequence[int], all_logits: bool = False, on_device: bool = False) -> torch.Tensor:
+        """Process a prompt in `ubatch`-sized chunks; logits of the last token [vocab] (or all [T, vocab]),
+        on the CPU or, if `on_device`, left where the model made them (then the step may still run)."""
         if not ids:
             raise LlmxError("the prompt is empty")
         streamed = self.executor.bytes_streamed
         t0 = time.perf_counter()
-        outs = [self.forward(ids[s : s + self.ubatch], all_logits) for s in range(0, len(ids), self.ubatch)]
+        ub = self.ubatch
+        outs = [self.forward(ids[s : s + ub], all_logits, on_device) for s in range(0, len(ids), ub)]
         self.timings.prompt_tokens += len(ids)
         self.timings.prompt_seconds += time.perf_counter() - t0
         self.timings.prompt_bytes_streamed += self.executor.bytes_streamed - streamed
         return torch.cat(outs) if all_logits else outs[-1][-1]
 
-    def decode(self, token: int) -> torch.Tensor:
-        """One generation step: logits [vocab] for the token after `token`."""
+    def decode(self, token: int | torch.Tensor, on_device: bool = False) -> torch.Tensor:
+        """One generation step: logits [vocab] for the token after `token` (an id, or an id [1] on a
+        device); as `forward`'s, on the CPU or left on the device."""
         t0 = time.perf_counter()
-        logits = self.forward([token])[-1]
+        logits = self.forward([token] if isinstance(token, int) else token, on_device=on_device)[-1]
         t = self.timings
         t.gen_tokens += 1
         t.gen_seconds += time.perf_counter() - t0
@@ -168,27 +178,60 @@ class Engine:
         self,
         prompt: Sequence[int],
         max_tokens: int,
-        sample: Callable[[torch.Tensor, Sequence[int]], int],
+        sampling: SamplingParams,
         stop_ids: Collection[int] = frozenset(),
     ) -> Iterator[int]:
-        """Yield up to `max_tokens` new ids after `prompt` (appended to the current context).
-
-        `sample(logits, history)` picks the next id; generation ends at a stop id (not yielded) or
-        when the context is full.
-        """
+        """Yield up to `max_tokens` new ids after `prompt` (appended to the current context), sampled
+        with `sampling` (`continue_from`); generation ends at a stop id (not yielded) or when the
+        context is full."""
         if self.n_past + len(prompt) >= self.n_ctx:
             raise LlmxError(
                 f"the prompt has {len(prompt)} tokens but the context holds {self.n_ctx} "
                 f"({self.n_past} already used); raise -c or shorten the prompt"
             )
-        history = list(prompt)
-        logits = self.prefill(prompt)
-        for _ in range(max_tokens):
-            token = sample(logits, history)
-            if token in stop_ids:
-                return
-            history.append(token)
-            yield token
-            if self.n_past >= self.n_ctx:
-                return
-            logits = self.decode(token)
+        logits = self.prefill(prompt, on_device=True)
+        yield from self.continue_from(logits, prompt, max_tokens, sampling, stop_ids)
+
+    def continue_from(
+        self,
+        logits: torch.Tensor,
+        history: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Collection[int] = frozenset(),
+    ) -> Iterator[int]:
+        """The decode loop after a context `history` whose last logits [vocab] are `logits` (on the
+        model's device): as `generate`'s. Each token is sampled on that device (`text.device_sampler`)
+        and fed to the next step there; the host reads it one step late, while that next step runs.
+        So a token that ends the reply (a stop id, or the caller closing this iterator after it) has
+        had one more step issued after it: that step's position is taken back (`n_past`), so the
+        context holds exactly what was yielded but the last id, as if each step had waited."""
+        if max_tokens <= 0:
+            return
+        sampler = DeviceSampler(1, logits.shape[-1], logits.device)
+        sampler.start(0, sampling, history)
+        token = sampler(logits[None], [0])
+        ahead, issued = HostCopy(token), False
+        try:
+            for n in range(1, max_tokens + 1):
+                copy = ahead
+                issued = n < max_tokens and self.n_past < self.n_ctx
+                if issued:
+                    token = sampler(self.decode(token, on_device=True)[None], [0])
+                    ahead = HostCopy(token)
+                t0 = time.perf_counter()
+                (value,) = copy.values()
+                waited = time.perf_counter() - t0  # the device's time the host did not cover
+                if n == 1:
+                    self.timings.prompt_seconds += waited
+                else:
+                    self.timings.gen_seconds += waited
+                if value in stop_ids:
+                    return
+                yield value
+                if not issued:
+                    return
+        finally:
+            if issued:  # a step after the last token, run for nothing
+                self.n_past -= 1
+                self.timings.gen_tokens -= 1

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from llmx.api import LoadedModel
+from llmx.text.sampler import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -37,8 +38,7 @@ def greedy_agrees_until_a_near_tie(got: Sequence[int], want: Sequence[int], want
     assert list(got[:n]) == list(want[:n])
 
 
-def greedy(logits: torch.Tensor, history: Sequence[int]) -> int:
-    return int(logits.argmax())
+GREEDY = SamplingParams(temperature=0.0)  # `Engine.generate`'s argmax, sampled on the model's device
 
 
 def transformers_outputs(

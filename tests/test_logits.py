@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from references import greedy, prefill_and_decode, top_logits_vs_reference, until_stop
+from references import GREEDY, prefill_and_decode, top_logits_vs_reference, until_stop
 
 import llmx
 
@@ -52,7 +52,7 @@ def test_logits_match_transformers(model, ref, i):
 def test_greedy_continuation_matches_transformers(model, ref, i):
     stop = model.tokenizer.stop_ids
     model.engine.reset()
-    out = list(model.engine.generate(ref[f"ids_{i}"].tolist(), 32, greedy, stop_ids=stop))
+    out = list(model.engine.generate(ref[f"ids_{i}"].tolist(), 32, GREEDY, stop_ids=stop))
     assert out == until_stop(ref[f"greedy_{i}"].tolist(), stop)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from references import greedy, prefill_and_decode, top_logits_vs_reference, transformers_outputs, until_stop
+from references import GREEDY, prefill_and_decode, top_logits_vs_reference, transformers_outputs, until_stop
 from tiny_models import SLIDING_WINDOW, TINY_SHAPES, TYPES, random_prompt, write_tiny
 from transformers import AutoModelForCausalLM
 
@@ -89,7 +89,7 @@ def test_gemma3_greedy_continuation_matches_transformers(gemma, gemma_ref, i):
     # transformers stops after EOS, llmx at it (a stop id is not yielded): compare up to the stop.
     expected = until_stop(gemma_ref[f"greedy_{i}"].tolist(), stop)
     gemma.engine.reset()
-    assert list(gemma.engine.generate(gemma_ref[f"ids_{i}"].tolist(), 32, greedy, stop_ids=stop)) == expected
+    assert list(gemma.engine.generate(gemma_ref[f"ids_{i}"].tolist(), 32, GREEDY, stop_ids=stop)) == expected
 
 
 def test_gemma3_prefill_equals_token_by_token_decode(gemma, gemma_ref):
@@ -214,7 +214,7 @@ def test_tiny_logits_match_transformers(tiny):
 def test_tiny_greedy_continuation_matches_transformers(tiny):
     for ids, expected in zip(tiny.prompts, tiny.ref.greedy, strict=True):
         tiny.model.engine.reset()
-        assert list(tiny.model.engine.generate(ids, N_GREEDY, greedy)) == expected
+        assert list(tiny.model.engine.generate(ids, N_GREEDY, GREEDY)) == expected
 
 
 def test_tiny_logits_are_not_degenerate(tiny):

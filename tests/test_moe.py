@@ -33,7 +33,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
-from references import DECISIVE_MARGIN, decisive, greedy, transformers_outputs
+from references import DECISIVE_MARGIN, GREEDY, decisive, transformers_outputs
 from tiny_models import TINY_MOE_SHAPES, random_prompt, write_tiny
 from transformers import (
     MixtralConfig,
@@ -361,7 +361,7 @@ def test_logits_match_transformers(tiny):
 def test_greedy_continuation_matches_transformers(tiny):
     for ids, expected in zip(tiny.prompts, tiny.greedy, strict=True):
         tiny.model.engine.reset()
-        assert list(tiny.model.engine.generate(ids, N_GREEDY, greedy)) == expected
+        assert list(tiny.model.engine.generate(ids, N_GREEDY, GREEDY)) == expected
 
 
 def test_logits_are_not_degenerate(tiny):
@@ -392,7 +392,7 @@ def test_expert_placement_is_the_plan_and_keeps_the_tokens(tiny, placement):
             assert (value.raw if isinstance(value, QWeight) else value).device.type == device
     for ids, expected in zip(tiny.prompts, tiny.greedy, strict=True):
         model.engine.reset()
-        assert list(model.engine.generate(ids, N_GREEDY, greedy)) == expected
+        assert list(model.engine.generate(ids, N_GREEDY, GREEDY)) == expected
 
 
 @pytest.mark.parametrize("tiny", ONE_TYPE, indirect=True, ids="-".join)

@@ -30,10 +30,12 @@ from llmx.runtime.paged import PagedKVCache, SequenceKV
 @dataclass(frozen=True)
 class Chunk:
     """One sequence's tokens in a step, placed after the positions its table holds; `logits`: whether
-    the step returns the logits of its last token (a prompt's last chunk, a decode token)."""
+    the step returns the logits of its last token (a prompt's last chunk, a decode token). `ids` may
+    be a tensor on a device (a token sampled there, not yet known to the host): the step does not
+    commit it to the table, the caller does (`BlockPool.commit`) once it has read it."""
 
     table: BlockTable
-    ids: Sequence[int]
+    ids: Sequence[int] | torch.Tensor
     logits: bool = True
 
 
@@ -126,17 +128,20 @@ class _Layout:
 
 
 @torch.inference_mode()
-def forward_batch(executor: Executor, cache: PagedKVCache, chunks: Sequence[Chunk]) -> torch.Tensor:
-    """Run every chunk in one step; logits [chunks with `logits`, vocab] (float32, on the CPU), in
-    the chunks' order. Each table grows by its chunk's tokens (blocks are taken as needed), and the
-    blocks they fill are known to the prefix cache once the step is over."""
+def forward_batch(
+    executor: Executor, cache: PagedKVCache, chunks: Sequence[Chunk], on_device: bool = False
+) -> torch.Tensor:
+    """Run every chunk in one step; logits [chunks with `logits`, vocab] (float32, on the CPU or, if
+    `on_device`, left on the head's device), in the chunks' order. Each table of a chunk of host ids
+    grows by them (blocks are taken as needed), and the blocks they fill are known to the prefix
+    cache once the step is over."""
     if executor.split is not None:
         raise LlmxError("serving with -np > 1 does not support -sm row yet; use -sm layer or -np 1")
     for c in chunks:
         cache.blocks.reserve(c.table, len(c.ids))
     layout = _Layout(cache, chunks)
     model = executor.model
-    ids = torch.tensor([t for c in chunks for t in c.ids], dtype=torch.long, device=executor.embed_device)
+    ids = torch.cat([_ids(c.ids, executor.embed_device) for c in chunks])
     with current_device(executor.embed_device):
         x = model.embed(ids)
     for seg in executor.segments:
@@ -149,5 +154,13 @@ def forward_batch(executor: Executor, cache: PagedKVCache, chunks: Sequence[Chun
                 wanted = layout.last_rows(seg.device)
                 x = model.head(x[wanted]) if len(wanted) else x.new_zeros(0, model.config.n_vocab)
     for c in chunks:
-        cache.blocks.commit(c.table, c.ids)
-    return x.float().cpu()
+        if not isinstance(c.ids, torch.Tensor):
+            cache.blocks.commit(c.table, c.ids)
+    return x.float() if on_device else x.float().cpu()
+
+
+def _ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A chunk's ids on `device` (ids sampled on a GPU reach a CPU embedding table once they exist)."""
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device)
+    return torch.tensor(ids, dtype=torch.long, device=device)

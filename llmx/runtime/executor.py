@@ -138,12 +138,21 @@ class Executor:
             return x
         return self.model.head(x if all_logits else x[-1:])
 
-    def forward(self, ids: list[int], n_past: int, all_logits: bool) -> torch.Tensor:
-        """Logits [T or 1, vocab] (float32, CPU) for `ids` placed at positions n_past, n_past+1, ..."""
+    def forward(
+        self, ids: list[int] | torch.Tensor, n_past: int, all_logits: bool, on_device: bool = False
+    ) -> torch.Tensor:
+        """Logits [T or 1, vocab] (float32; on the CPU, or left on the head's device if `on_device`)
+        for `ids` placed at positions n_past, n_past+1, ... `ids` may be a tensor on a device (ids
+        sampled there): an embedding table on the CPU then waits for them, one on that GPU does not.
+        Logits left on the device may be a decode graph's output buffer: valid until the next step."""
         t = len(ids)
         counters = self.last = StepCounters()
+        if isinstance(ids, torch.Tensor):
+            ids = ids.to(self.embed_device)
+        else:
+            ids = torch.tensor(ids, dtype=torch.long, device=self.embed_device)
         with current_device(self.embed_device):
-            x = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.embed_device))
+            x = self.model.embed(ids)
         positions = torch.arange(n_past, n_past + t)
         for k, seg in enumerate(self.segments):
             arriving = time.perf_counter()
@@ -180,7 +189,7 @@ class Executor:
                     weights, kv = self._cpu_reads[k]
                     counters.cpu_bytes += weights + round(kv_read_bytes(kv, n_past + t))
         counters.issued_at = time.perf_counter()
-        return x.float().cpu()
+        return x.float() if on_device else x.float().cpu()
 
     def move(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         """x on `device`: from the CPU to a GPU through the pinned staging buffer; from a GPU to the CPU

@@ -84,9 +84,10 @@ class _Recorder:
 
 
 class Generation:
-    """One request's text side, fed the logits of each of its steps: the sampler (constrained and
-    recorded as asked), UTF-8 pieces, stop strings and finish reasons. Whoever runs the model (the
-    engine alone, or a batch of slots) calls `step` with each step's logits until `done`.
+    """One request's text side, fed each of its tokens: UTF-8 pieces, stop strings and finish reasons,
+    and for a reply with a grammar or logprobs the host sampler (constrained and recorded as asked).
+    Whoever runs the model (the engine alone, or a batch of slots) calls `step` with each step's
+    logits (a reply with a `pick`) or `push` with each id sampled on the device, until `done`.
 
     `room` is how many tokens the context lets it generate: every one but the last must be stored.
     """
@@ -94,13 +95,18 @@ class Generation:
     def __init__(
         self, tokenizer: Tokenizer, request: Request, ids: list[int], room: int, constraint: Constraint | None
     ) -> None:
-        sample: Sample = Sampler(SamplingParams(**request.sampling))
-        if constraint is not None:
-            sample = _constrained(sample, constraint)
-        self.recorder = (
-            None if request.top_logprobs is None else _Recorder(sample, tokenizer, request.top_logprobs)
-        )
-        self.pick = sample if self.recorder is None else self.recorder
+        self.params = SamplingParams(**request.sampling)
+        self.recorder: _Recorder | None = None
+        # a grammar's mask and logprobs need every step's logits on the host; other replies are sampled
+        # on the device (`text.device_sampler`) by whoever runs the model, their ids handed to `push`
+        self.pick: Sample | None = None
+        if constraint is not None or request.top_logprobs is not None:
+            sample: Sample = Sampler(self.params)
+            if constraint is not None:
+                sample = _constrained(sample, constraint)
+            if request.top_logprobs is not None:
+                sample = self.recorder = _Recorder(sample, tokenizer, request.top_logprobs)
+            self.pick = sample
         self.decoder, self.scanner = StreamDecoder(tokenizer), StopScanner(request.stop)
         self.stop_ids, self.history, self.n_prompt = tokenizer.stop_ids, list(ids), len(ids)
         self.limit = min(request.max_tokens, room)
@@ -111,9 +117,13 @@ class Generation:
         return len(self.history) - self.n_prompt
 
     def step(self, logits: torch.Tensor) -> list[Piece | Done]:
-        """Pick the next token from `logits` [vocab]: the events it makes (the last a `Done` once the
-        reply is over; then `done`, and the token is not to be run)."""
-        token = self.pick(logits, self.history)
+        """Pick the next token from `logits` [vocab] on the host (a reply with a `pick`): `push`'s events."""
+        assert self.pick is not None, "a reply sampled on the device is given its ids (`push`)"
+        return self.push(self.pick(logits, self.history))
+
+    def push(self, token: int) -> list[Piece | Done]:
+        """The events the next token makes (the last a `Done` once the reply is over; then `done`, and
+        the token is not to be run)."""
         if token in self.stop_ids:
             return self._end("stop")
         self.history.append(token)
@@ -148,10 +158,22 @@ def generate(
     engine = model.engine
     engine.reset()
     reply = Generation(model.tokenizer, request, ids, engine.n_ctx - len(ids) + 1, constraint)
-    for start in range(0, len(ids), engine.ubatch):
+    starts = range(0, len(ids), engine.ubatch)
+    for start in starts:
         if cancelled():
             return
-        logits = engine.prefill(ids[start : start + engine.ubatch])
+        on_device = reply.pick is None and start == starts[-1]  # the chunk whose logits are sampled there
+        logits = engine.prefill(ids[start : start + engine.ubatch], on_device=on_device)
+    if reply.pick is None:
+        tokens = engine.continue_from(logits, ids, reply.limit, reply.params)
+        try:  # closing `tokens` takes back the step issued after the last token read
+            for token in tokens:
+                yield from reply.push(token)
+                if reply.done:
+                    return
+        finally:
+            tokens.close()
+        return
     while True:
         yield from reply.step(logits)
         if reply.done:

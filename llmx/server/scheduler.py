@@ -5,7 +5,14 @@ whose prompt is done and, within `-ub` tokens in all, the next chunks of prompts
 prefilled, oldest request first: a long prompt is cut into chunks that share steps with the others'
 decode tokens, so it never stalls them for its whole length. Waiting requests take free slots at step
 boundaries. A request that finishes, is cancelled (its client left, or timed out) or fails gives its
-blocks back before the next step. Sampling is per request, on the host (`server.generation`).
+blocks back before the next step.
+
+Sampling is per request, on the device for the whole batch (`text.device_sampler`, a row per slot):
+each slot's id feeds the next step there, and the host reads a step's ids after issuing the next one
+(`_settle`). So a slot's decode token is committed to its table one step late, and a reply found over
+then (a stop id or string) has had one step more run for it, whose token is dropped with its blocks;
+a slot whose last sampled id is its `max_tokens`-th runs no step more. A reply with a grammar or
+logprobs is sampled on the host from its logits (`server.generation`), in the same steps.
 
 With the prefix cache (on unless `--no-cache-prompt`), a request starts on the blocks of the longest
 prompt prefix already computed (a shared system prompt, an earlier turn of a chat: `runtime.blocks`)
@@ -22,36 +29,52 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from llmx.api import LoadedModel
 from llmx.engine import Timings
 from llmx.errors import LlmxError, first_line
 from llmx.runtime.batch import Chunk, forward_batch
 from llmx.runtime.blocks import BlockTable
+from llmx.runtime.host_copy import HostCopy
 from llmx.runtime.paged import PagedKVCache
 from llmx.server.errors import ApiError
 from llmx.server.generation import Done, Generation, Piece
 from llmx.server.metrics import Metrics
 from llmx.server.worker import Ticket, Worker
+from llmx.text.device_sampler import DeviceSampler
 
 log = logging.getLogger("llmx.server")
 
 
 @dataclass(eq=False)
 class Slot:
-    """A request in generation: its ticket, its text side, its blocks, how much of its prompt has run
-    (or was `cached`), and its engine counters (a step's seconds count for every request in it: the
-    time each waited)."""
+    """A request in generation: its ticket, its text side, its row of the device sampler, its blocks,
+    how much of its prompt has run (or was `cached`), the ids sampled for it on the device (read or on
+    their way), and its engine counters (a step's seconds count for every request in it: the time each
+    waited)."""
 
     ticket: Ticket
     reply: Generation
+    row: int
     table: BlockTable = field(default_factory=BlockTable)
     fed: int = 0
     cached: int = 0
+    sampled: int = 0
     timings: Timings = field(default_factory=Timings)
 
     @property
     def prefilling(self) -> bool:
         return self.fed < len(self.ticket.ids)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether its next step is a decode token: its prompt has run and, sampled on the device, its
+        last id is not its reply's last possible one."""
+        return not self.prefilling and (self.reply.pick is not None or self.sampled < self.reply.limit)
+
+
+InFlight = tuple[list[Slot], HostCopy]  # a step's slots sampled on the device, and their ids' copy
 
 
 class Batcher(Worker):
@@ -66,6 +89,10 @@ class Batcher(Worker):
         self.cache = PagedKVCache.over(model.engine.executor.cache, n_seq, caching=cache_prompt)
         self.ubatch = ubatch
         self.running: list[Slot] = []  # in the order they came
+        executor = model.engine.executor
+        self.sampler = DeviceSampler(n_seq, executor.model.config.n_vocab, executor.head_device)
+        self._rows = list(range(n_seq))  # the sampler's rows no slot holds
+        self._in_flight: InFlight | None = None  # the ids of the last step, not read yet
 
     @property
     def n_ctx(self) -> int:
@@ -87,7 +114,9 @@ class Batcher(Worker):
                     self.model.tokenizer, ticket.request, ticket.ids, self.n_ctx - len(ticket.ids) + 1,
                     ticket.constraint,
                 )  # fmt: skip
-                slot = Slot(ticket, reply)
+                slot = Slot(ticket, reply, self._rows.pop())
+                if reply.pick is None:
+                    self.sampler.start(slot.row, reply.params, ticket.ids)
                 slot.fed = slot.cached = self.cache.blocks.reuse(slot.table, ticket.ids)
                 self.metrics.cached_tokens.inc(slot.cached)
                 self.running.append(slot)
@@ -106,7 +135,7 @@ class Batcher(Worker):
 
     def _chunks(self) -> list[tuple[Slot, Chunk]]:
         """This step's work: every decoding slot's token, then prompt chunks within the -ub budget."""
-        work = [(s, Chunk(s.table, s.reply.history[-1:])) for s in self.running if not s.prefilling]
+        work = [(s, Chunk(s.table, self._last(s))) for s in self.running if s.decoding]
         budget = self.ubatch - len(work)
         for slot in (s for s in self.running if s.prefilling):
             if budget <= 0:
@@ -116,11 +145,39 @@ class Batcher(Worker):
             work.append((slot, Chunk(slot.table, ids, logits=slot.fed + len(ids) == len(slot.ticket.ids))))
         return work
 
+    def _last(self, slot: Slot) -> list[int] | torch.Tensor:
+        """The id a decoding slot runs next: picked on the host, or left on the device by the sampler."""
+        if slot.reply.pick is not None:
+            return slot.reply.history[-1:]
+        return self.sampler.last[slot.row : slot.row + 1]
+
     def _step(self) -> None:
-        work = self._chunks()
+        """Issue the next step, then read the one before (its slots' tokens delivered and committed)."""
         t0 = time.perf_counter()
+        work, previous, self._in_flight = self._chunks(), self._in_flight, None
+        prompts = [slot.prefilling for slot, _ in work]
+        if work:
+            self._run(work)
+        if previous is not None:
+            self._settle(previous)
+        seconds = time.perf_counter() - t0  # an issue and a read: a step's time when steps follow on
+        for (slot, chunk), prompt in zip(work, prompts, strict=True):
+            t = slot.timings
+            if prompt:
+                t.prompt_tokens, t.prompt_seconds = (
+                    t.prompt_tokens + len(chunk.ids),
+                    t.prompt_seconds + seconds,
+                )
+            else:
+                t.gen_tokens, t.gen_seconds = t.gen_tokens + 1, t.gen_seconds + seconds
+
+    def _run(self, work: list[tuple[Slot, Chunk]]) -> None:
+        """Run `work`'s step: the slots sampled on the device get their next ids there (in flight to
+        the host), the others theirs from their logits on the host."""
         try:
-            logits = forward_batch(self.model.engine.executor, self.cache, [c for _, c in work])
+            logits = forward_batch(
+                self.model.engine.executor, self.cache, [c for _, c in work], on_device=True
+            )
         except LlmxError as e:
             for slot, _ in work:
                 self._end(slot, ApiError(400, first_line(e)))
@@ -130,20 +187,35 @@ class Batcher(Worker):
             for slot, _ in work:
                 self._end(slot, ApiError(500, f"internal error: {first_line(e)}"))
             return
-        seconds = time.perf_counter() - t0
-        rows = iter(logits)
         for slot, chunk in work:
-            t = slot.timings
             if slot.prefilling:
                 slot.fed += len(chunk.ids)
-                t.prompt_tokens, t.prompt_seconds = (
-                    t.prompt_tokens + len(chunk.ids),
-                    t.prompt_seconds + seconds,
-                )
-            else:
-                t.gen_tokens, t.gen_seconds = t.gen_tokens + 1, t.gen_seconds + seconds
-            if chunk.logits:
-                self._deliver(slot, slot.reply.step(next(rows)))
+        wanted = [slot for slot, chunk in work if chunk.logits]  # logits' rows, in order
+        on_device = [k for k, s in enumerate(wanted) if s.reply.pick is None]
+        if on_device:
+            slots = [wanted[k] for k in on_device]
+            index = torch.tensor(on_device).to(logits.device, non_blocking=True)
+            rows = logits if len(slots) == len(wanted) else logits[index]
+            ids = self.sampler(rows, [s.row for s in slots])
+            for slot in slots:
+                slot.sampled += 1
+            self._in_flight = slots, HostCopy(ids)
+        on_host = [k for k, s in enumerate(wanted) if s.reply.pick is not None]
+        if on_host:
+            for k, row in zip(on_host, logits[on_host].cpu(), strict=True):
+                self._deliver(wanted[k], wanted[k].reply.step(row))
+
+    def _settle(self, in_flight: InFlight) -> None:
+        """Hand the ids of an earlier step to their replies; a slot whose reply goes on ran its id in
+        the step just issued, which its table now records (one that ended meanwhile is skipped)."""
+        slots, copy = in_flight
+        for slot, token in zip(slots, copy.values(), strict=True):
+            if slot not in self.running:  # cancelled, or failed, while its id was on its way
+                continue
+            events = slot.reply.push(token)
+            if not slot.reply.done:
+                self.cache.blocks.commit(slot.table, [token])
+            self._deliver(slot, events)
 
     def _deliver(self, slot: Slot, events: list[Piece | Done]) -> None:
         for event in events:
@@ -159,5 +231,6 @@ class Batcher(Worker):
             slot.ticket.put(error)
         self.cache.blocks.free(slot.table)
         self.running.remove(slot)
+        self._rows.append(slot.row)
         self.metrics.add(slot.timings, slot.reply.generated)  # first: a client that sees the request
         self.metrics.running.set(len(self.running))  # no longer processing finds its tokens counted

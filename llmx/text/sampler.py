@@ -13,6 +13,9 @@
 
 Each filter keeps a prefix of the candidates sorted by logit, so after top-k the rest works on k
 values, not the whole vocabulary.
+
+Generation samples on the model's device with the same chain (`text.device_sampler`); this host
+sampler serves what needs each step's logits on the host: grammar masks and logprobs.
 """
 
 from __future__ import annotations
