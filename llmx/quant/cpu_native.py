@@ -6,7 +6,8 @@ form), and a decode step reads each byte once: `gemv` multiplies up to MAX_ROWS 
 the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one call; it
 reads x rounded to 16-bit codes per group of 32 (see cpu_blocks.c). Prompts
 dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`. `decode_attention` is one
-token's attention over a KV cache (see `llmx.kernels.cpu_attention`).
+token's attention over a KV cache, `paged_rope_store_attend` a batch's decode tokens over the paged
+one (see `llmx.kernels.cpu_attention`).
 
 The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second, linked to
 torch's own OpenMP runtime) into the cache directory, keyed by its source, the compiler, the CPU's
