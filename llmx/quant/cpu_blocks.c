@@ -722,19 +722,32 @@ static inline void rows_legacy(const uint8_t *row, int64_t blocks, const qx_rows
         for (; blk + 8 <= blocks; blk += 8) {
             const uint8_t *b = row + bytes * blk;
             if (t0 == 0) prefetch_block(b, 8 * bytes);
-            __m256i w[8][2];
-            for (int i = 0; i < 8; i++) {
-                const uint8_t *q = b + bytes * i + at;
-                widen_even_odd(kind == 2 ? load32(q) : legacy_codes(q), kind == 2, &w[i][0], &w[i][1]);
-            }
             const __m256 d = eight_halves(b, bytes, 0);
             const __m256 m = kind == 1 ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-            for (int64_t t = 0; t < nt; t++) {
-                __m256i sums[8];
-                for (int i = 0; i < 8; i++) sums[i] = dot_group16(w[i], x[t].c + 32 * (blk + i));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i(sums)), _mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + blk)),
-                                         acc[t]); /* add_eight_blocks, d converted once */
-                if (kind != 2) offsets[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x[t].s32 + blk), offsets[t]);
+            /* Four blocks' widened codes at a time: eight blocks' took all sixteen AVX2 registers, so the
+             * compiler reloaded them from the stack for every x row (twice the loads a product needs).
+             * Each row's sums of blocks 0-3 wait in `first` while blocks 4-7 are multiplied; the eight
+             * sums then join as hsum8i joins them, and the float work is add_eight_blocks'. */
+            __m128i first[ROW_TILE];
+            for (int half = 0; half < 2; half++) {
+                __m256i w[4][2];
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t *q = b + bytes * (4 * half + i) + at;
+                    widen_even_odd(kind == 2 ? load32(q) : legacy_codes(q), kind == 2, &w[i][0], &w[i][1]);
+                }
+                for (int64_t t = 0; t < nt; t++) {
+                    const int16_t *c = x[t].c + 32 * (blk + 4 * half);
+                    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(dot_group16(w[0], c), dot_group16(w[1], c + 32)),
+                                                        _mm256_hadd_epi32(dot_group16(w[2], c + 64), dot_group16(w[3], c + 96)));
+                    const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                    if (half == 0) {
+                        first[t] = four;
+                        continue;
+                    }
+                    const __m256 sums = _mm256_cvtepi32_ps(_mm256_set_m128i(four, first[t]));
+                    acc[t] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + blk)), acc[t]);
+                    if (kind != 2) offsets[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x[t].s32 + blk), offsets[t]);
+                }
             }
         }
         float total[ROW_TILE];
