@@ -722,19 +722,32 @@ static inline void rows_legacy(const uint8_t *row, int64_t blocks, const qx_rows
         for (; blk + 8 <= blocks; blk += 8) {
             const uint8_t *b = row + bytes * blk;
             if (t0 == 0) prefetch_block(b, 8 * bytes);
-            __m256i w[8][2];
-            for (int i = 0; i < 8; i++) {
-                const uint8_t *q = b + bytes * i + at;
-                widen_even_odd(kind == 2 ? load32(q) : legacy_codes(q), kind == 2, &w[i][0], &w[i][1]);
-            }
             const __m256 d = eight_halves(b, bytes, 0);
             const __m256 m = kind == 1 ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-            for (int64_t t = 0; t < nt; t++) {
-                __m256i sums[8];
-                for (int i = 0; i < 8; i++) sums[i] = dot_group16(w[i], x[t].c + 32 * (blk + i));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i(sums)), _mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + blk)),
-                                         acc[t]); /* add_eight_blocks, d converted once */
-                if (kind != 2) offsets[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x[t].s32 + blk), offsets[t]);
+            /* Four blocks' widened codes at a time: eight blocks' took all sixteen AVX2 registers, so the
+             * compiler reloaded them from the stack for every x row (twice the loads a product needs).
+             * Each row's sums of blocks 0-3 wait in `first` while blocks 4-7 are multiplied; the eight
+             * sums then join as hsum8i joins them, and the float work is add_eight_blocks'. */
+            __m128i first[ROW_TILE];
+            for (int half = 0; half < 2; half++) {
+                __m256i w[4][2];
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t *q = b + bytes * (4 * half + i) + at;
+                    widen_even_odd(kind == 2 ? load32(q) : legacy_codes(q), kind == 2, &w[i][0], &w[i][1]);
+                }
+                for (int64_t t = 0; t < nt; t++) {
+                    const int16_t *c = x[t].c + 32 * (blk + 4 * half);
+                    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(dot_group16(w[0], c), dot_group16(w[1], c + 32)),
+                                                        _mm256_hadd_epi32(dot_group16(w[2], c + 64), dot_group16(w[3], c + 96)));
+                    const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                    if (half == 0) {
+                        first[t] = four;
+                        continue;
+                    }
+                    const __m256 sums = _mm256_cvtepi32_ps(_mm256_set_m128i(four, first[t]));
+                    acc[t] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + blk)), acc[t]);
+                    if (kind != 2) offsets[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x[t].s32 + blk), offsets[t]);
+                }
             }
         }
         float total[ROW_TILE];
@@ -1315,17 +1328,24 @@ static inline float exp_shifted(float *s, int64_t n, float top) {
 #define KEY_TILE 8 /* cache rows converted at once: their dot products share each load of q, and their
                       weighted values each load and store of the output */
 
-/* Rows j..j+t-1 (t <= KEY_TILE) of one KV head's keys or values, row_bytes apart, as floats in rows
- * (the rest of the tile zeroed); every line of the next tile's rows is asked for meanwhile (the rows
- * are strided, which the hardware prefetcher does not follow; past the end is harmless: a prefetch
- * cannot fault). */
-static inline void tile_rows(const char *base, int64_t row_bytes, int type, int64_t d, int64_t j, int64_t t,
-                             float rows[][MAX_HEAD_DIM]) {
+/* Where a sequence's key j lies in the pool: row j % block_rows of block table[j / block_rows] (a
+ * paged cache: blocks of block_rows rows handed out to sequences), or row j where table is NULL (one
+ * sequence's contiguous cache). */
+static inline int64_t pool_row(const int32_t *table, int64_t block_rows, int64_t j) {
+    return table == NULL ? j : (int64_t)table[j / block_rows] * block_rows + j % block_rows;
+}
+
+/* A sequence's keys j..j+t-1 (t <= KEY_TILE) of one KV head, its rows row_bytes apart in the pool
+ * (pool_row), as floats in rows (the rest of the tile zeroed); every line of the next tile's rows up
+ * to key `end` is asked for meanwhile (the rows are strided, and in a paged cache scattered, which
+ * the hardware prefetcher does not follow). */
+static inline void tile_rows(const char *base, int64_t row_bytes, int type, int64_t d, const int32_t *table,
+                             int64_t block_rows, int64_t j, int64_t t, int64_t end, float rows[][MAX_HEAD_DIM]) {
     const int64_t bytes = kv_head_bytes(type, d);
-    for (int64_t r = 0; r < KEY_TILE; r++)
-        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + (j + KEY_TILE + r) * row_bytes + o);
+    for (int64_t r = j + KEY_TILE; r < j + 2 * KEY_TILE && r < end; r++)
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + pool_row(table, block_rows, r) * row_bytes + o);
     for (int64_t r = 0; r < KEY_TILE; r++) {
-        if (r < t) kv_row(base + (j + r) * row_bytes, type, d, rows[r]);
+        if (r < t) kv_row(base + pool_row(table, block_rows, j + r) * row_bytes, type, d, rows[r]);
         else memset(rows[r], 0, sizeof(float) * (size_t)d);
     }
 }
@@ -1372,70 +1392,121 @@ static inline void tile_values(float *og, int64_t og_stride, int64_t group, int6
     }
 }
 
-/* q [H, D] float32 (scaled), k and v [n, Hk, D] of type_k and type_v, every key visible -> out [H, D] float32.
- * The keys are cut into chunks, so that there are a few (KV head, chunk) items a thread; each item
- * reads its keys and values once, converting each row once for the H / Hk query heads of its group,
- * and leaves per query head its scores' maximum, the sum of their exponentials and the unnormalized
- * weighted sum of its values; the chunks of a head are then combined (as flash-decoding does).
- * `scratch` holds H * n floats. Returns 0, or -1 for D not a multiple of 8 (of 32 for a block type, or
- * above MAX_HEAD_DIM), H not a multiple of Hk, or no memory. */
-int llmx_decode_attention(const float *q, const void *k, const void *v, int type_k, int type_v, int64_t n,
-                          int64_t n_head, int64_t n_kv, int64_t d, float *scratch, float *out, int threads) {
-    if (d % 8 != 0 || d > MAX_HEAD_DIM || n_head % n_kv != 0 || n < 1) return -1;
-    if ((type_k > KV_BF16 || type_v > KV_BF16) && d % 32 != 0) return -1;
+/* One sequence of an attention call. */
+typedef struct {
+    const float *q;       /* [H, D] its query, rotated and scaled */
+    const int32_t *table; /* its block table (pool_row); NULL: a contiguous cache */
+    int64_t first, n;     /* it sees keys first..n-1 (a sliding window starts past 0) */
+    float *out;           /* [H, D] */
+} seq_attn_t;
+
+/* Whether the attention kernels take these shapes: D a multiple of 8 (of 32 for a block type) up to
+ * MAX_HEAD_DIM, H a multiple of Hk. */
+static int takes_shapes(int type_k, int type_v, int64_t n_head, int64_t n_kv, int64_t d) {
+    if (d % 8 != 0 || d > MAX_HEAD_DIM || n_kv < 1 || n_head % n_kv != 0) return 0;
+    return !((type_k > KV_BF16 || type_v > KV_BF16) && d % 32 != 0);
+}
+
+/* Each sequence's query over its visible keys in the pool k, v [rows, Hk, D] of type_k and type_v
+ * (shapes as takes_shapes checks; every sequence sees at least one key). A sequence's keys are cut
+ * into chunks of one length for the whole call, so that there are a few (chunk, KV head) items a
+ * thread whether the call holds one long sequence or many short ones; each item reads its keys and
+ * values once, converting each row once for the H / Hk query heads of its group, and leaves per query
+ * head its scores' maximum, the sum of their exponentials and the unnormalized weighted sum of its
+ * values; a sequence's chunks are then combined (as flash-decoding does). A chunk's sums do not
+ * depend on the other sequences of the call only when its length does not: results agree with a call
+ * of one sequence to float rounding. Returns 0, or -1 for no memory. */
+static int attend(const seq_attn_t *seqs, int64_t n_seq, const void *k, const void *v, int type_k, int type_v,
+                  int64_t block_rows, int64_t n_head, int64_t n_kv, int64_t d, int threads) {
     const int64_t group = n_head / n_kv, k_head = kv_head_bytes(type_k, d), v_head = kv_head_bytes(type_v, d);
-    int64_t chunks = (4 * threads + n_kv - 1) / n_kv;  /* about four items a thread ... */
-    if (chunks > (n + 63) / 64) chunks = (n + 63) / 64; /* ... of 64 keys or more */
-    if (chunks < 1) chunks = 1;
-    const int64_t len = (n + chunks - 1) / chunks;
-    float *part = malloc(sizeof(float) * (size_t)(n_head * chunks * (d + 2)));  /* o, then max and sum */
-    if (part == NULL) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-    for (int64_t h = 0; h < n_kv; h++) {
+    int64_t keys = 0;
+    for (int64_t b = 0; b < n_seq; b++) keys += seqs[b].n - seqs[b].first;
+    int64_t len = (keys * n_kv + 4 * threads - 1) / (4 * threads); /* about four items a thread ... */
+    if (len < 64) len = 64;                                         /* ... of 64 keys or more */
+    int64_t n_chunks = 0;
+    for (int64_t b = 0; b < n_seq; b++) n_chunks += (seqs[b].n - seqs[b].first + len - 1) / len;
+    /* per sequence: its first chunk and its first key among all the call's (where its partial outputs
+     * and its scores start); per chunk: its sequence and its place in it */
+    int64_t *index = malloc(sizeof(int64_t) * (size_t)(2 * n_seq + 2 * n_chunks));
+    float *scores = malloc(sizeof(float) * (size_t)(n_head * keys));
+    float *part = malloc(sizeof(float) * (size_t)(n_head * n_chunks * (d + 2))); /* o, then max and sum */
+    if (index == NULL || scores == NULL || part == NULL) {
+        free(index);
+        free(scores);
+        free(part);
+        return -1;
+    }
+    int64_t *chunk0 = index, *key0 = index + n_seq, *chunk_seq = index + 2 * n_seq, *chunk_at = chunk_seq + n_chunks;
+    for (int64_t b = 0, c0 = 0, j0 = 0; b < n_seq; b++) {
+        const int64_t m = seqs[b].n - seqs[b].first, chunks = (m + len - 1) / len;
+        chunk0[b] = c0;
+        key0[b] = j0;
         for (int64_t c = 0; c < chunks; c++) {
-            const int64_t j0 = c * len, j1 = j0 + len < n ? j0 + len : n;
+            chunk_seq[c0 + c] = b;
+            chunk_at[c0 + c] = c;
+        }
+        c0 += chunks;
+        j0 += m;
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic) collapse(2)
+    for (int64_t ci = 0; ci < n_chunks; ci++) {
+        for (int64_t h = 0; h < n_kv; h++) {
+            const seq_attn_t *sq = seqs + chunk_seq[ci];
+            const int64_t b = chunk_seq[ci], c = chunk_at[ci], m = sq->n - sq->first, chunks = (m + len - 1) / len;
+            const int64_t j0 = sq->first + c * len, j1 = j0 + len < sq->n ? j0 + len : sq->n;
             const char *kh = (const char *)k + h * k_head, *vh = (const char *)v + h * v_head;
-            const float *qh = q + h * group * d;
-            float *s = scratch + h * group * n, rows[KEY_TILE][MAX_HEAD_DIM];
+            const float *qh = sq->q + h * group * d;
+            /* the group's scores: query head g's of key j at s[g * m + j - first] */
+            float *s = scores + key0[b] * n_head + h * group * m, rows[KEY_TILE][MAX_HEAD_DIM];
             for (int64_t j = j0; j < j1; j += KEY_TILE) {
                 const int64_t t = j1 - j < KEY_TILE ? j1 - j : KEY_TILE;
-                tile_rows(kh, n_kv * k_head, type_k, d, j, t, rows);
-                tile_scores(qh, group, d, rows, t, s + j, n);
+                tile_rows(kh, n_kv * k_head, type_k, d, sq->table, block_rows, j, t, j1, rows);
+                tile_scores(qh, group, d, rows, t, s + (j - sq->first), m);
             }
-            float *og = part + (h * group * chunks + c) * (d + 2);
-            const int64_t og_stride = chunks * (d + 2);  /* from one query head's partial output to the next's */
+            float *og = part + (chunk0[b] * n_head + h * group * chunks + c) * (d + 2);
+            const int64_t og_stride = chunks * (d + 2); /* from one query head's partial output to the next's */
             for (int64_t g = 0; g < group; g++) {
                 float *pg = og + g * og_stride;
-                if (j1 <= j0) {  /* an empty last chunk: weight 0 in the combination */
-                    pg[d] = -INFINITY;
-                    pg[d + 1] = 0.0f;
-                    continue;
-                }
-                pg[d] = max_of(s + g * n + j0, j1 - j0);
-                pg[d + 1] = exp_shifted(s + g * n + j0, j1 - j0, pg[d]);
+                pg[d] = max_of(s + g * m + (j0 - sq->first), j1 - j0);
+                pg[d + 1] = exp_shifted(s + g * m + (j0 - sq->first), j1 - j0, pg[d]);
                 for (int64_t i = 0; i < d; i++) pg[i] = 0.0f;
             }
             for (int64_t j = j0; j < j1; j += KEY_TILE) {
                 const int64_t t = j1 - j < KEY_TILE ? j1 - j : KEY_TILE;
-                tile_rows(vh, n_kv * v_head, type_v, d, j, t, rows);
-                tile_values(og, og_stride, group, d, rows, t, s + j, n);
+                tile_rows(vh, n_kv * v_head, type_v, d, sq->table, block_rows, j, t, j1, rows);
+                tile_values(og, og_stride, group, d, rows, t, s + (j - sq->first), m);
             }
         }
     }
-    for (int64_t hq = 0; hq < n_head; hq++) {  /* combine each query head's chunks */
-        const float *ph = part + hq * chunks * (d + 2);
-        float top = -INFINITY, sum = 0.0f, *o = out + hq * d;
-        for (int64_t c = 0; c < chunks; c++) top = ph[c * (d + 2) + d] > top ? ph[c * (d + 2) + d] : top;
-        for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-        for (int64_t c = 0; c < chunks; c++) {
-            const float *pc = ph + c * (d + 2), w = pc[d] == -INFINITY ? 0.0f : expf(pc[d] - top);
-            sum += w * pc[d + 1];
-            for (int64_t i = 0; i < d; i++) o[i] += w * pc[i];
+    for (int64_t b = 0; b < n_seq; b++) { /* combine each query head's chunks */
+        const int64_t chunks = (seqs[b].n - seqs[b].first + len - 1) / len;
+        for (int64_t hq = 0; hq < n_head; hq++) {
+            const float *ph = part + (chunk0[b] * n_head + hq * chunks) * (d + 2);
+            float top = -INFINITY, sum = 0.0f, *o = seqs[b].out + hq * d;
+            for (int64_t c = 0; c < chunks; c++) top = ph[c * (d + 2) + d] > top ? ph[c * (d + 2) + d] : top;
+            for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *pc = ph + c * (d + 2), w = expf(pc[d] - top);
+                sum += w * pc[d + 1];
+                for (int64_t i = 0; i < d; i++) o[i] += w * pc[i];
+            }
+            for (int64_t i = 0; i < d; i++) o[i] /= sum;
         }
-        for (int64_t i = 0; i < d; i++) o[i] /= sum;
     }
+    free(index);
+    free(scores);
     free(part);
     return 0;
+}
+
+/* One token's attention: q [H, D] float32 (scaled) over k and v [n, Hk, D] of type_k and type_v, every
+ * key visible -> out [H, D] float32 (see attend). Returns 0, or -1 for shapes takes_shapes refuses,
+ * n < 1, or no memory. */
+int llmx_decode_attention(const float *q, const void *k, const void *v, int type_k, int type_v, int64_t n,
+                          int64_t n_head, int64_t n_kv, int64_t d, float *out, int threads) {
+    if (!takes_shapes(type_k, type_v, n_head, n_kv, d) || n < 1) return -1;
+    const seq_attn_t one = {q, NULL, 0, n, out};
+    return attend(&one, 1, k, v, type_k, type_v, 1, n_head, n_kv, d, threads);
 }
 
 /* A float as a cache element of `type` at `out`, rounded to nearest even as torch's .to() does. */
@@ -1586,34 +1657,89 @@ static inline void rope_in_place(float *x, const float *cos, const float *sin, i
     }
 }
 
-/* One token's attention step on the CPU, whole: q [H, D] and k [Hk, D] (float32, this step's) rotated
- * by RoPE, q scaled, k and v [Hk, D] stored as cache row `slot` of kc and vc (type_k, type_v), then
- * llmx_decode_attention over the cache's first n rows (every key visible). q and k stay as they are:
- * the rotated q goes to scratch's last H * D floats (scratch holds H * (n + D)), each rotated key head
- * to the stack on its way into the cache. The step costs one call instead of some twenty torch ops.
- * Returns as llmx_decode_attention. */
-int llmx_rope_store_attend(const float *q, const float *k, const float *v, const float *cos, const float *sin,
-                           int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v, int64_t slot, int64_t n,
-                           int64_t n_head, int64_t n_kv, int64_t d, float scale, float *scratch, float *out,
-                           int threads) {
-    if (n_dims > d || n_dims % 2 != 0 || slot < 0 || slot >= n || d > MAX_HEAD_DIM) return -1;
-    if ((type_k > KV_BF16 || type_v > KV_BF16) && d % 32 != 0) return -1;
-    float *qs = scratch + n_head * n, kh[MAX_HEAD_DIM];
+/* A token's query q [H, D] rotated by RoPE and scaled into qs [H, D]. */
+static void rope_query(const float *q, const float *cos, const float *sin, int64_t n_dims, int neox, float scale,
+                       int64_t n_head, int64_t d, float *qs) {
     for (int64_t h = 0; h < n_head; h++) {
         float *qh = qs + h * d;
         memcpy(qh, q + h * d, sizeof(float) * (size_t)d);
         rope_in_place(qh, cos, sin, n_dims, neox);
         for (int64_t i = 0; i < d; i++) qh[i] *= scale;
     }
+}
+
+/* A token's key k [Hk, D] rotated by RoPE and its value v [Hk, D] stored (quantized, for a block type)
+ * as the cache rows krow and vrow; each rotated key head goes through the stack on its way there. */
+static void rope_store(const float *k, const float *v, const float *cos, const float *sin, int64_t n_dims, int neox,
+                       char *krow, char *vrow, int type_k, int type_v, int64_t n_kv, int64_t d) {
     const int64_t k_head = kv_head_bytes(type_k, d), v_head = kv_head_bytes(type_v, d);
-    char *krow = (char *)kc + slot * n_kv * k_head, *vrow = (char *)vc + slot * n_kv * v_head;
+    float kh[MAX_HEAD_DIM];
     for (int64_t h = 0; h < n_kv; h++) {
         memcpy(kh, k + h * d, sizeof(float) * (size_t)d);
         rope_in_place(kh, cos, sin, n_dims, neox);
         store_head(kh, type_k, d, krow + h * k_head);
         store_head(v + h * d, type_v, d, vrow + h * v_head);
     }
-    return llmx_decode_attention(qs, kc, vc, type_k, type_v, n, n_head, n_kv, d, scratch, out, threads);
+}
+
+/* One token's attention step on the CPU, whole: q [H, D] and k [Hk, D] (float32, this step's) rotated
+ * by RoPE, q scaled, k and v [Hk, D] stored as cache row `slot` of kc and vc (type_k, type_v), then
+ * llmx_decode_attention over the cache's first n rows (every key visible). q and k stay as they are.
+ * The step costs one call instead of some twenty torch ops. Returns as llmx_decode_attention. */
+int llmx_rope_store_attend(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                           int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v, int64_t slot, int64_t n,
+                           int64_t n_head, int64_t n_kv, int64_t d, float scale, float *out, int threads) {
+    if (!takes_shapes(type_k, type_v, n_head, n_kv, d) || n_dims > d || n_dims % 2 != 0 || slot < 0 || slot >= n)
+        return -1;
+    float *qs = malloc(sizeof(float) * (size_t)(n_head * d));
+    if (qs == NULL) return -1;
+    rope_query(q, cos, sin, n_dims, neox, scale, n_head, d, qs);
+    char *krow = (char *)kc + slot * n_kv * kv_head_bytes(type_k, d), *vrow = (char *)vc + slot * n_kv * kv_head_bytes(type_v, d);
+    rope_store(k, v, cos, sin, n_dims, neox, krow, vrow, type_k, type_v, n_kv, d);
+    const int err = llmx_decode_attention(qs, kc, vc, type_k, type_v, n, n_head, n_kv, d, out, threads);
+    free(qs);
+    return err;
+}
+
+/* The decode step of n_seq sequences over a paged cache, in one call (a batch's layer): sequence b's
+ * token at positions[b], its q [H, D] and k [Hk, D] (rows b of q [B, H, D], k and v [B, Hk, D], float32)
+ * rotated by RoPE at its angles (row b of cos, sin [B, n_dims / 2]), q scaled, k and v stored in its
+ * position's row of the pools kc and vc (type_k, type_v; its blocks are row b of tables [B, table_stride],
+ * block_rows rows each, as pool_row reads them), then its attention over its positions 0..positions[b]
+ * (with a sliding `window` > 0 only the last `window` of them) -> row b of out [B, H, D]. Every token is
+ * stored before any attends, so the (chunk, KV head) items of all sequences share one parallel loop
+ * (see attend) where a call per sequence left a thread idle at each. Sequences may share blocks (a
+ * prefix cache) but never the block a position of this step lies in. Returns 0, or -1 for shapes
+ * takes_shapes refuses, a position outside its table, or no memory. */
+int llmx_paged_rope_store_attend(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                                 int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v,
+                                 const int32_t *tables, int64_t table_stride, int64_t block_rows,
+                                 const int64_t *positions, int64_t window, int64_t n_seq, int64_t n_head, int64_t n_kv,
+                                 int64_t d, float scale, float *out, int threads) {
+    if (!takes_shapes(type_k, type_v, n_head, n_kv, d) || n_dims > d || n_dims % 2 != 0 || n_seq < 1) return -1;
+    for (int64_t b = 0; b < n_seq; b++)
+        if (positions[b] < 0 || positions[b] >= table_stride * block_rows) return -1;
+    float *qs = malloc(sizeof(float) * (size_t)(n_seq * n_head * d));
+    seq_attn_t *seqs = malloc(sizeof(seq_attn_t) * (size_t)n_seq);
+    if (qs == NULL || seqs == NULL) {
+        free(qs);
+        free(seqs);
+        return -1;
+    }
+    const int64_t half = n_dims / 2, k_row = n_kv * kv_head_bytes(type_k, d), v_row = n_kv * kv_head_bytes(type_v, d);
+    for (int64_t b = 0; b < n_seq; b++) {
+        const int32_t *table = tables + b * table_stride;
+        const int64_t pos = positions[b], slot = pool_row(table, block_rows, pos);
+        rope_query(q + b * n_head * d, cos + b * half, sin + b * half, n_dims, neox, scale, n_head, d, qs + b * n_head * d);
+        rope_store(k + b * n_kv * d, v + b * n_kv * d, cos + b * half, sin + b * half, n_dims, neox,
+                   (char *)kc + slot * k_row, (char *)vc + slot * v_row, type_k, type_v, n_kv, d);
+        const int64_t first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+        seqs[b] = (seq_attn_t){qs + b * n_head * d, table, first, pos + 1, out + b * n_head * d};
+    }
+    const int err = attend(seqs, n_seq, kc, vc, type_k, type_v, block_rows, n_head, n_kv, d, threads);
+    free(qs);
+    free(seqs);
+    return err;
 }
 
 /* --- the sampler's top-k ------------------------------------------------------------------------ */

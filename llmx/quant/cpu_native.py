@@ -6,7 +6,8 @@ form), and a decode step reads each byte once: `gemv` multiplies up to MAX_ROWS 
 the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one call; it
 reads x rounded to 16-bit codes per group of 32 (see cpu_blocks.c). Prompts
 dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`. `decode_attention` is one
-token's attention over a KV cache (see `llmx.kernels.cpu_attention`).
+token's attention over a KV cache, `paged_rope_store_attend` a batch's decode tokens over the paged
+one (see `llmx.kernels.cpu_attention`).
 
 The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second, linked to
 torch's own OpenMP runtime) into the cache directory, keyed by its source, the compiler, the CPU's
@@ -77,10 +78,14 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_swiglu.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.llmx_moe_swiglu.argtypes = [i32, ptr, i64] * 3 + [i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, ptr, i64, i64, i64, i64, ptr, i32]
-    lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, ptr, i32]
     lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i64, i64]
-    lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, ctypes.c_float, ptr, ptr, i32]
+    lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, ctypes.c_float, ptr, i32]
     lib.llmx_rope_store_attend.restype = i32
+    lib.llmx_paged_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32]
+    lib.llmx_paged_rope_store_attend.argtypes += [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+    lib.llmx_paged_rope_store_attend.argtypes += [ptr, i32]
+    lib.llmx_paged_rope_store_attend.restype = i32
     lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.llmx_rms_norm.restype = None
     lib.llmx_top_k.argtypes = [ptr, i64, i64, ptr, ptr]
@@ -353,10 +358,9 @@ def decode_attention(
     assert lib is not None and k.is_contiguous() and v.is_contiguous()
     qs = (q.reshape(n_head, d) * scale).contiguous()
     out = torch.empty(1, n_head * d, dtype=torch.float32)
-    scratch = torch.empty(n_head * n, dtype=torch.float32)
     err = lib.llmx_decode_attention(
         qs.data_ptr(), k.data_ptr(), v.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]], n, n_head, n_kv,
-        d, scratch.data_ptr(), out.data_ptr(), _threads(lib),
+        d, out.data_ptr(), _threads(lib),
     )  # fmt: skip
     assert err == 0, (n_head, n_kv, d)
     return out
@@ -387,13 +391,54 @@ def rope_store_attend(
     qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(1, n_head * d, dtype=torch.float32)
-    scratch = torch.empty(n_head * (n + d), dtype=torch.float32)  # scores, then the rotated q
     err = lib.llmx_rope_store_attend(
         qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
         int(neox), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]], slot, n,
-        n_head, n_kv, d, scale, scratch.data_ptr(), out.data_ptr(), _threads(lib),
+        n_head, n_kv, d, scale, out.data_ptr(), _threads(lib),
     )  # fmt: skip
     assert err == 0, (n_head, n_kv, d, slot, n)
+    return out
+
+
+def paged_rope_store_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    neox: bool,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    types: tuple[str, str],
+    tables: torch.Tensor,
+    block_rows: int,
+    positions: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """The decode step of B sequences over a paged cache in one call: sequence b's q [H, D] and k
+    [Hk, D] (rows b of q [B, H, D], k and v [B, Hk, D], float32) rotated by RoPE (rows b of cos, sin
+    [B, n_dims / 2] float32), its k and v stored (quantized, for a block type) at its position
+    positions[b] (int64 [B]) in the pools [rows, Hk, row] (contiguous, of the KV_TYPES `types`), whose
+    blocks of `block_rows` rows it holds in order in tables[b] (int32 [B, max blocks]), then its
+    attention over its positions up to its own (the last `window` of them, for a sliding window) ->
+    [B, H * D] float32."""
+    lib = _library()
+    n_seq, n_head, d = q.shape
+    n_kv = k.shape[1]
+    assert lib is not None and k_pool.is_contiguous() and v_pool.is_contiguous()
+    assert tables.dtype == torch.int32 and positions.dtype == torch.int64 and tables.shape[0] == n_seq
+    qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
+    cos, sin = cos.contiguous(), sin.contiguous()
+    tables, positions = tables.contiguous(), positions.contiguous()
+    out = torch.empty(n_seq, n_head * d, dtype=torch.float32)
+    err = lib.llmx_paged_rope_store_attend(
+        qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
+        int(neox), k_pool.data_ptr(), v_pool.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]],
+        tables.data_ptr(), tables.shape[1], block_rows, positions.data_ptr(), window or 0, n_seq, n_head,
+        n_kv, d, scale, out.data_ptr(), _threads(lib),
+    )  # fmt: skip
+    assert err == 0, (n_head, n_kv, d, tables.shape, positions.tolist())
     return out
 
 

@@ -2,9 +2,10 @@
 
 The rows of every sequence in the step form one activation [T, E], so the embedding, the norms, every
 matmul (`ops.linear` on the QWeights, which reads each weight once for all T rows) and the FFN run
-once for the whole batch: that is where batching pays. Only attention is per sequence: each reads its
-own blocks of the paged cache (`runtime.paged`) with the existing attention ops. RoPE rotates each row
-by its own position.
+once for the whole batch: that is where batching pays. Attention reads each sequence's own blocks of
+the paged cache (`runtime.paged`): the decode tokens of all sequences in one native call a layer on
+the CPU (`DecodeTokens`), a prompt's chunk (and a decode token elsewhere) with the existing attention
+ops over its rows gathered. RoPE rotates each row by its own position.
 
 This is the eager path on every device (no CUDA graphs, no fused decode kernel, no op offload or
 expert staging yet); the single-sequence path (`Engine`, `Executor.forward`) is not changed by it.
@@ -51,27 +52,45 @@ class BatchStep(Step):
 @dataclass(frozen=True)
 class BatchKV:
     """A layer's cache for the batch, as the model's `ops.rope_attention` sees it: it takes every step
-    in `rope_store_attend`, attending each sequence's rows `bounds` over its own cache `views` (so it
-    needs none of the `ops.LayerKV` members that the eager path after that call uses)."""
+    in `rope_store_attend` (so it needs none of the `ops.LayerKV` members that the eager path after
+    that call uses), its attention on `device`."""
 
-    views: list[SequenceKV]
-    steps: list[Step]  # per sequence: its positions, and its masks (made once, shared by the layers)
-    bounds: list[tuple[int, int]]  # per sequence: its rows of the activation
+    layout: _Layout
+    layer: int
+    device: torch.device
 
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
         sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
         softcap: float | None,
     ) -> torch.Tensor:  # fmt: skip
-        """q [T, H, D], k and v [T, Hk, D] of the whole batch -> [T, H * D]: RoPE over every row at
-        once, then each sequence's rows stored and attended; `mask` (the batch's: None) is replaced by
-        each sequence's."""
+        """q [T, H, D], k and v [T, Hk, D] of the whole batch -> [T, H * D]. The decode tokens (chunks
+        of one) go in one call where the paged cache's native kernel takes them (`DecodeTokens`); the
+        other rows get RoPE at once, then each sequence's are stored and attended over its own
+        gathered rows; `mask` (the batch's: None) is replaced by each sequence's."""
+        layout, decoded = self.layout, None
+        if layout.singles:
+            rows = layout.single_rows
+            q1, k1, v1, cos1, sin1 = (t if rows is None else t[rows] for t in (q, k, v, cos, sin))
+            tokens = layout.cache.decode(self.layer, *layout.single_tables())
+            decoded = tokens.rope_store_attend(q1, k1, v1, rope, cos1, sin1, window, scale, softcap)
+            if decoded is not None and rows is None:
+                return decoded  # every row a decode token: the usual step
+        eager = [j for j in range(len(layout.chunks)) if decoded is None or j not in layout.singles]
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        outs = [
-            cached_attention(q[a:b], k[a:b], v[a:b], kv, step.mask(window), window, scale, softcap)
-            for (a, b), kv, step in zip(self.bounds, self.views, self.steps, strict=True)
-        ]
-        return torch.cat(outs)
+        steps = layout.steps(self.device)
+        outs = {}
+        for j in eager:
+            (a, b), kv, m = layout.bounds[j], layout.view(self.layer, j, self.device), steps[j].mask(window)
+            outs[j] = cached_attention(q[a:b], k[a:b], v[a:b], kv, m, window, scale, softcap)
+        if decoded is None:
+            return torch.cat([outs[j] for j in eager])
+        out = torch.empty(q.shape[0], decoded.shape[1], dtype=decoded.dtype, device=decoded.device)
+        out[layout.single_rows] = decoded
+        for j in eager:
+            a, b = layout.bounds[j]
+            out[a:b] = outs[j]
+        return out
 
 
 @dataclass
@@ -81,15 +100,22 @@ class _Layout:
     cache: PagedKVCache
     chunks: Sequence[Chunk]
     bounds: list[tuple[int, int]] = field(init=False)
+    singles: frozenset[int] = field(init=False)  # the chunks of one token (decode steps)
+    # their rows of the activation (on the CPU); None when they are all of it
+    single_rows: torch.Tensor | None = field(init=False)
     _steps: dict[torch.device, list[Step]] = field(default_factory=dict, init=False)
     # per pool device, per chunk: the pool rows it writes and those it reads
     _rows: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = field(
         default_factory=dict, init=False
     )
+    _single_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         ends = torch.tensor([len(c.ids) for c in self.chunks]).cumsum(0).tolist()
         self.bounds = [(end - len(c.ids), end) for c, end in zip(self.chunks, ends, strict=True)]
+        self.singles = frozenset(j for j, c in enumerate(self.chunks) if len(c.ids) == 1)
+        every = len(self.singles) == len(self.chunks)
+        self.single_rows = None if every else torch.tensor([self.bounds[j][0] for j in sorted(self.singles)])
 
     def steps(self, device: torch.device) -> list[Step]:
         if device not in self._steps:
@@ -106,15 +132,23 @@ class _Layout:
 
     def kv(self, i: int, device: torch.device) -> BatchKV:
         """Layer i's cache for the batch, its attention on `device`."""
+        return BatchKV(self, i, device)
+
+    def view(self, i: int, j: int, device: torch.device) -> SequenceKV:
+        """Layer i's view for chunk j, its attention on `device`."""
         pool = self.cache.k[i].device
         if pool not in self._rows:
             self._rows[pool] = [self._pool_rows(c, pool) for c in self.chunks]
-        steps = self.steps(device)
-        views = [
-            self.cache.layer(i, step.positions, slots, rows)
-            for step, (slots, rows) in zip(steps, self._rows[pool], strict=True)
-        ]
-        return BatchKV(views, steps, self.bounds)
+        slots, rows = self._rows[pool][j]
+        return self.cache.layer(i, self.steps(device)[j].positions, slots, rows)
+
+    def single_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block tables of the decode tokens' sequences and the tokens' positions, on the CPU."""
+        if self._single_tables is None:
+            chunks = [self.chunks[j] for j in sorted(self.singles)]
+            positions = torch.tensor([c.table.length for c in chunks], dtype=torch.long)
+            self._single_tables = self.cache.tables([c.table for c in chunks]), positions
+        return self._single_tables
 
     def _pool_rows(self, c: Chunk, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool rows this step writes for chunk `c`, and those its attention reads."""

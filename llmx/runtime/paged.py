@@ -16,16 +16,22 @@ no ring wraps over a shared position.
 `SequenceKV` is one sequence's view of one layer for one step (an `ops.LayerKV`): it stores the
 step's rows through the cache's writer (`cache.store_rows`) and returns the sequence's rows gathered
 in position order, so the existing attention ops read them as they read a contiguous cache.
+`DecodeTokens` is the decode tokens of several sequences in one layer for one step: on the CPU one
+native call stores them all and attends each over its blocks where they lie (no gather).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from llmx.errors import LlmxError
+from llmx.kernels import cpu_attention
 from llmx.ops.cached_attention import AttentionKernels
+from llmx.ops.rope import Rope
 from llmx.quant import QType
 from llmx.runtime.blocks import BlockPool, BlockTable
 from llmx.runtime.cache import KVCache, head_dim, kv_buffer, store_rows
@@ -91,6 +97,18 @@ class PagedKVCache:
         n_read = rows.shape[0]
         return SequenceKV(self.k[i], self.v[i], positions, n_read, slots, rows, self.kernels, self.types)
 
+    def tables(self, tables: Sequence[BlockTable]) -> torch.Tensor:
+        """The tables' blocks as int32 [len(tables), most blocks], on the CPU (a short table padded with
+        block 0, never read: a sequence reads only its own positions)."""
+        width = max(len(t.blocks) for t in tables)
+        return torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t in tables], dtype=torch.int32)
+
+    def decode(self, i: int, tables: torch.Tensor, positions: torch.Tensor) -> DecodeTokens:
+        """Layer i's view for one token of each of several sequences: sequence b's at positions[b]
+        (int64 [B]) in its blocks tables[b] (`tables`), both on the CPU."""
+        k, v = self.k[i], self.v[i]
+        return DecodeTokens(k, v, self.types, self.kernels, self.block_rows, tables, positions)
+
 
 @dataclass(frozen=True)
 class SequenceKV:
@@ -117,5 +135,45 @@ class SequenceKV:
         return None
 
     def rope_store_attend(self, *args: object, **kwargs: object) -> None:
-        """No fused kernel reads a paged cache yet: `ops.rope_attention`'s eager path runs."""
+        """No fused kernel takes one sequence's rows of a paged cache: `ops.rope_attention`'s eager
+        path runs (a step's decode tokens take `DecodeTokens`)."""
         return None
+
+
+@dataclass(frozen=True)
+class DecodeTokens:
+    """One layer's pools k, v [rows, Hk, row] (`types` as `SequenceKV`'s) and one token of each of B
+    sequences: sequence b's at positions[b] (int64 [B]), its blocks of `block_rows` rows in
+    tables[b] (int32 [B, most blocks]), on the CPU."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    types: tuple[QType, QType] | None
+    kernels: AttentionKernels
+    block_rows: int
+    tables: torch.Tensor
+    positions: torch.Tensor
+
+    def rope_store_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
+        sin: torch.Tensor, window: int | None, scale: float | None, softcap: float | None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """`ops.rope_attention` of the B tokens in one native call: q [B, H, D], k and v [B, Hk, D]
+        float32, cos and sin [B, n_dims / 2] their angles -> [B, H * D], each k rotated and stored
+        with its v at its position, each token attending its positions up to its own (the last
+        `window`, for a sliding window). None, nothing written, where the native kernel does not take
+        the step: a GPU, a softcap, unequal head widths, a type or shape it lacks, or `kernels.decode`
+        "off" (as for one sequence's decode, `runtime.cache.LayerWriter`)."""
+        cpu = not q.is_cuda and q.dtype == torch.float32 and self.k.device.type == "cpu"
+        if not cpu or self.kernels.decode == "off" or softcap is not None:
+            return None
+        types = self.types
+        widths = (self.k.shape[-1], self.v.shape[-1]) if types is None else (
+            head_dim(self.k, types[0]), head_dim(self.v, types[1]))  # fmt: skip
+        if not q.shape[-1] == v.shape[-1] == widths[0] == widths[1]:
+            return None
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        return cpu_attention.paged_rope_decode_attention(
+            q, k, v, rope.neox, cos, sin, self.k, self.v, types, self.tables, self.block_rows, self.positions,
+            window, scale,
+        )  # fmt: skip

@@ -1,0 +1,83 @@
+"""The time of one batched decode step (`forward_batch`) against the single-sequence engine's, in-process.
+
+Each sequence prefills a random prompt of ~--depth tokens, then decode steps of all of them run together
+(each feeding back a fixed token: the work of a step does not depend on which), --steps timed after
+--warm. On one thread (`-t 1`, the default) the figure is the process's CPU time a step, which other
+work on a shared machine hardly moves; the wall time is printed beside it. Prints one line a round:
+
+    PYTHONPATH=. python bench/batch_step.py [-m MODEL] [--seqs 1,4,8] [--depth 35] [--rounds 3]
+
+To compare two trees, run it with PYTHONPATH set to each in turn (the script uses only `forward_batch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import llmx
+from llmx.api import LoadedModel
+from llmx.runtime.batch import Chunk, forward_batch
+from llmx.runtime.blocks import BlockTable
+from llmx.runtime.paged import PagedKVCache
+
+
+def engine_step(model: LoadedModel, depth: int, warm: int, steps: int) -> tuple[float, float]:
+    """(CPU ms, wall ms) a decode step of the engine alone at `depth` positions."""
+    engine = model.engine
+    engine.reset()
+    engine.prefill(list(range(100, 100 + depth)))
+    for _ in range(warm):
+        engine.decode(42)
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        engine.decode(42)
+    return (time.process_time() - c0) / steps * 1e3, (time.perf_counter() - t0) / steps * 1e3
+
+
+def batch_step(
+    model: LoadedModel, paged: PagedKVCache, seqs: int, depth: int, warm: int, steps: int
+) -> tuple[float, float]:
+    """(CPU ms, wall ms) a decode step of `seqs` sequences at ~`depth` positions (ragged by a few)."""
+    executor = model.engine.executor
+    tables = [BlockTable() for _ in range(seqs)]
+    prompts = [list(range(100 + s, 100 + s + depth - s % 5)) for s in range(seqs)]
+    forward_batch(executor, paged, [Chunk(t, p) for t, p in zip(tables, prompts, strict=True)])
+    for _ in range(warm):
+        forward_batch(executor, paged, [Chunk(t, [42]) for t in tables])
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        forward_batch(executor, paged, [Chunk(t, [42]) for t in tables])
+    cpu, wall = (time.process_time() - c0) / steps * 1e3, (time.perf_counter() - t0) / steps * 1e3
+    for t in tables:
+        paged.blocks.free(t)
+    return cpu, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--seqs", default="1,4,8")
+    ap.add_argument("--depth", type=int, default=35)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warm", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    model = llmx.load(args.model, threads=args.threads, n_gpu_layers=0, ctx_size=4096)
+    counts = [int(s) for s in args.seqs.split(",")]
+    paged = PagedKVCache.over(model.engine.executor.cache, max(counts), caching=False)
+    for r in range(args.rounds):
+        cpu, wall = engine_step(model, args.depth, args.warm, args.steps)
+        line = [f"round {r}: engine {cpu:.1f} ms CPU ({wall:.1f} wall)"]
+        for n in counts:
+            cpu_n, wall_n = batch_step(model, paged, n, args.depth, args.warm, args.steps)
+            line.append(f"{n} seqs {cpu_n:.1f} ({wall_n:.1f}) = {n * cpu / cpu_n:.2f}x")
+        print("; ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
