@@ -24,7 +24,7 @@ from llmx.ops import current_device
 from llmx.ops.cached_attention import cached_attention
 from llmx.ops.rope import Rope
 from llmx.runtime.blocks import BlockTable
-from llmx.runtime.executor import Executor
+from llmx.runtime.executor import Executor, ids_on
 from llmx.runtime.paged import PagedKVCache, SequenceKV
 
 
@@ -175,7 +175,7 @@ def forward_batch(
         cache.blocks.reserve(c.table, len(c.ids))
     layout = _Layout(cache, chunks)
     model = executor.model
-    ids = torch.cat([_ids(c.ids, executor.embed_device) for c in chunks])
+    ids = torch.cat([ids_on(c.ids, executor.embed_device) for c in chunks])
     with current_device(executor.embed_device):
         x = model.embed(ids)
     for seg in executor.segments:
@@ -191,10 +191,3 @@ def forward_batch(
         if not isinstance(c.ids, torch.Tensor):
             cache.blocks.commit(c.table, c.ids)
     return x.float() if on_device else x.float().cpu()
-
-
-def _ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A chunk's ids on `device` (ids sampled on a GPU reach a CPU embedding table once they exist)."""
-    if isinstance(ids, torch.Tensor):
-        return ids.to(device)
-    return torch.tensor(ids, dtype=torch.long, device=device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -147,12 +148,8 @@ class Executor:
         Logits left on the device may be a decode graph's output buffer: valid until the next step."""
         t = len(ids)
         counters = self.last = StepCounters()
-        if isinstance(ids, torch.Tensor):
-            ids = ids.to(self.embed_device)
-        else:
-            ids = torch.tensor(ids, dtype=torch.long, device=self.embed_device)
         with current_device(self.embed_device):
-            x = self.model.embed(ids)
+            x = self.model.embed(ids_on(ids, self.embed_device))
         positions = torch.arange(n_past, n_past + t)
         for k, seg in enumerate(self.segments):
             arriving = time.perf_counter()
@@ -209,3 +206,10 @@ class Executor:
         if not seg.with_head:
             return x
         return self.model.head(x if all_logits else x[-1:])
+
+
+def ids_on(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids on `device` (ids sampled on a GPU reach a CPU embedding table once they exist)."""
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device)
+    return torch.tensor(ids, dtype=torch.long, device=device)

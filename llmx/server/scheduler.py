@@ -194,8 +194,8 @@ class Batcher(Worker):
         on_device = [k for k, s in enumerate(wanted) if s.reply.pick is None]
         if on_device:
             slots = [wanted[k] for k in on_device]
-            index = torch.tensor(on_device).to(logits.device, non_blocking=True)
-            rows = logits if len(slots) == len(wanted) else logits[index]
+            every = len(slots) == len(wanted)
+            rows = logits if every else logits[torch.tensor(on_device).to(logits.device, non_blocking=True)]
             ids = self.sampler(rows, [s.row for s in slots])
             for slot in slots:
                 slot.sampled += 1
