@@ -94,12 +94,18 @@ def test_gemv_matches_a_float64_product(name, native_kernels):
         assert np.all(np.abs(y.numpy() - want) <= 1e-5 * scale + 1e-30), m
 
 
+def sums_rows_in_another_order(native_kernels: str) -> bool:
+    """Whether the one-row kernels of this build sum their lanes in another order than the kernels of
+    several rows (this machine's own build with AVX-512 VNNI): then a row's bits depend on its batch."""
+    return native_kernels == "native" and "avx512_vnni" in cpu_features().split()
+
+
 def test_a_row_of_a_batch_equals_the_row_alone(native_kernels):
     """Several rows of x take their own kernels (unpacked codes shared, 16-bit products), yet each
     row's product equals the one-row kernel's to the bit: a sequence's logits do not depend on the
     batch it decodes in. (Not with AVX-512 VNNI, whose one-row kernels sum their lanes in another
     order: its builds without VNNI are checked.)"""
-    if native_kernels == "native" and "avx512_vnni" in cpu_features().split():
+    if sums_rows_in_another_order(native_kernels):
         pytest.skip("the one-row kernels of AVX-512 VNNI sum in another order")
     for name in TYPES:
         qt = qtype(name)
@@ -308,7 +314,7 @@ def test_moe_swiglu_is_the_weighted_sum_of_the_chosen_experts(
     experts and leave others unused, against float64 products of the reference's dequantized stacks
     (x and each activation read as the kernels quantize them); and the same bits on 1 thread as on 2
     (each sum's order is fixed, whichever thread computes it) and in calls of fewer tokens (a token's
-    result depends on its x alone)."""
+    result depends on its x alone; to rounding where `sums_rows_in_another_order`)."""
     n_expert, k_used, e, f = 6, 3, 512, 256
     stacks = [
         (
@@ -356,7 +362,10 @@ def test_moe_swiglu_is_the_weighted_sum_of_the_chosen_experts(
     chunked = cpu_native.moe_swiglu(
         x, [(raw, qtype(name)) for raw, name in stacks], (n_expert, f, e), ids, weights
     )
-    assert torch.equal(chunked, y)
+    if sums_rows_in_another_order(native_kernels):  # fewer tokens an expert: more one-row products
+        torch.testing.assert_close(chunked, y, rtol=1e-5, atol=1e-5 * float(y.abs().max()))
+    else:
+        assert torch.equal(chunked, y)
 
 
 @pytest.mark.parametrize("k", [1, 40, 256, 1000])

@@ -1,7 +1,7 @@
 /* GEMV and row dequantization straight on GGUF's blocks, one token's attention over a KV cache, and
  * the sampler's top-k, for the CPU (built by cpu_native.py).
  *
- * Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (most GGUFs' matrices); f32, f16, bf16 caches, and
+ * Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (most GGUFs' matrices); f32, f16, bf16 caches, and
  * caches of GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), quantized as stored, read in tiles.
  *
  * Decode on the CPU is a race to read every weight byte once: a Q4_K matrix kept as GGUF stores it
@@ -36,7 +36,7 @@
 #include <immintrin.h>
 #endif
 
-enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_Q4_0 = 3, T_Q4_1 = 4, T_Q5_K = 5 };
+enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_Q4_0 = 3, T_Q4_1 = 4, T_Q5_K = 5, T_Q5_0 = 6, T_Q5_1 = 7 };
 
 /* How far ahead of its rows a GEMV thread asks for weights (prefetch_block). The best distance is the
  * machine's: 2 KiB on the H200 host's Xeon (4 and 8 KiB 6-8% slower), 4-8 KiB on this project's Zen 4
@@ -147,6 +147,24 @@ static void decode_q4_1(const uint8_t *b, float *out) {
         out[l + 16] = d * (float)(b[4 + l] >> 4) + m;
     }
 }
+
+/* Q5_0: d (f16), qh (32 fifth bits, little-endian), 16 bytes of low nibbles as Q4_0's: q - 16.
+ * Q5_1: d, m (f16), qh, nibbles: d * q + m. */
+static void decode_q5(const uint8_t *b, float *out, int with_m) {
+    const float d = half_to_float(b), m = with_m ? half_to_float(b + 2) : 0.0f;
+    const uint8_t *qh = b + (with_m ? 4 : 2), *qs = qh + 4;
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    for (int l = 0; l < 16; l++) {
+        const int q0 = (qs[l] & 15) | (int)((h >> l) & 1) << 4, q1 = (qs[l] >> 4) | (int)((h >> (l + 16)) & 1) << 4;
+        out[l] = with_m ? d * (float)q0 + m : d * (float)(q0 - 16);
+        out[l + 16] = with_m ? d * (float)q1 + m : d * (float)(q1 - 16);
+    }
+}
+
+static void decode_q5_0(const uint8_t *b, float *out) { decode_q5(b, out, 0); }
+
+static void decode_q5_1(const uint8_t *b, float *out) { decode_q5(b, out, 1); }
 
 /* Q5_K: Q4_K's d, dmin and scales, then 32 bytes qh, then Q4_K's 128 bytes of nibbles; the fifth
  * bit of group 2c's weight l is bit 2c of qh[l], of group 2c + 1's bit 2c + 1. */
@@ -428,10 +446,38 @@ static inline __m256 add_eight_blocks(const __m256i sums[8], const uint8_t *b, i
     return d;
 }
 
-/* Q4_0 and Q4_1 (with_m: the f16 m after d; else the -8 every code carries), eight blocks at a time
- * (add_eight_blocks); the minimums come off as m * s32, eight at a time too. */
-static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int with_m) {
-    const int bytes = with_m ? 20 : 18, at = with_m ? 4 : 2;
+/* The 32-weight types with an f16 d first, as their kernels tell them apart: Q4_1 and Q5_1 carry an
+ * f16 m after d (w = d * q + m), Q4_0 and Q5_0 an offset every code carries (-8, -16), Q8_0 signed
+ * codes; Q5_0's and Q5_1's fifth bits lie in a 32-bit qh before the nibbles. */
+enum { L_Q4_0, L_Q4_1, L_Q8_0, L_Q5_0, L_Q5_1 };
+static inline int legacy_bytes(int kind) { return (const int[]){18, 20, 34, 22, 24}[kind]; }
+static inline int legacy_codes_at(int kind) { return (const int[]){2, 4, 2, 6, 8}[kind]; }
+static inline int legacy_has_m(int kind) { return kind == L_Q4_1 || kind == L_Q5_1; }
+static inline float legacy_offset(int kind) { return kind == L_Q5_0 ? -16.0f : -8.0f; } /* Q4_0, Q5_0 */
+
+/* 32 bits as 32 bytes, byte l 16 where bit l is set, else 0: Q5_0's and Q5_1's fifth bits, in the order
+ * legacy_codes lays out the nibbles (weights 0-15 in the low lane, 16-31 in the high one). */
+static inline __m256i fifth_bits(const uint8_t *qh) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i mask = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(16));
+}
+
+/* A 4- or 5-bit block's 32 unsigned codes (0..15, 0..31), weight l in byte l. */
+static inline __m256i nibble_codes(const uint8_t *b, int kind) {
+    const __m256i codes = legacy_codes(b + legacy_codes_at(kind));
+    return kind == L_Q5_0 || kind == L_Q5_1 ? _mm256_or_si256(codes, fifth_bits(b + legacy_codes_at(kind) - 4)) : codes;
+}
+
+/* Q4_0, Q4_1, Q5_0 and Q5_1, eight blocks at a time (add_eight_blocks); the minimums (m, or the offset
+ * times d) come off as m * s32, eight at a time too. */
+static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int kind) {
+    const int bytes = legacy_bytes(kind), with_m = legacy_has_m(kind);
+    const float offset = legacy_offset(kind);
     __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
     int64_t blk = 0;
     for (; blk + 8 <= blocks; blk += 8) {
@@ -440,33 +486,41 @@ static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const
         __m256i sums[8];
 #ifdef LLMX_AVX512
         for (int i = 0; i < 8; i += 2) { /* two blocks a register: their x codes lie side by side */
-            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(legacy_codes(b + bytes * i + at)),
-                                                 legacy_codes(b + bytes * (i + 1) + at), 1);
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(nibble_codes(b + bytes * i, kind)),
+                                                 nibble_codes(b + bytes * (i + 1), kind), 1);
             split_lanes(sum_x64(u, x, 32 * (blk + i)), sums + i);
         }
 #else
-        for (int i = 0; i < 8; i++) sums[i] = sum_x(legacy_codes(b + bytes * i + at), x, 32 * (blk + i));
+        for (int i = 0; i < 8; i++) sums[i] = sum_x(nibble_codes(b + bytes * i, kind), x, 32 * (blk + i));
 #endif
         const __m256 d = add_eight_blocks(sums, b, bytes, x->d + blk, &acc);
-        const __m256 m = with_m ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 m = with_m ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(offset));
         offsets = _mm256_fmadd_ps(m, _mm256_loadu_ps(x->s32 + blk), offsets);
     }
     float total = hsum(acc) + hsum(offsets);
     for (; blk < blocks; blk++) {
         const uint8_t *b = row + bytes * blk;
         const float d = half_to_float(b);
-        total += (float)hsum_epi32(sum_x(legacy_codes(b + at), x, 32 * blk)) * (d * x->d[blk]);
-        total += (with_m ? half_to_float(b + 2) : -8.0f * d) * x->s32[blk];
+        total += (float)hsum_epi32(sum_x(nibble_codes(b, kind), x, 32 * blk)) * (d * x->d[blk]);
+        total += (with_m ? half_to_float(b + 2) : offset * d) * x->s32[blk];
     }
     return total;
 }
 
 static float dot_q4_0(const uint8_t *row, int64_t blocks, const qx_t *x) {
-    return dot_legacy_nibbles(row, blocks, x, 0);
+    return dot_legacy_nibbles(row, blocks, x, L_Q4_0);
 }
 
 static float dot_q4_1(const uint8_t *row, int64_t blocks, const qx_t *x) {
-    return dot_legacy_nibbles(row, blocks, x, 1);
+    return dot_legacy_nibbles(row, blocks, x, L_Q4_1);
+}
+
+static float dot_q5_0(const uint8_t *row, int64_t blocks, const qx_t *x) {
+    return dot_legacy_nibbles(row, blocks, x, L_Q5_0);
+}
+
+static float dot_q5_1(const uint8_t *row, int64_t blocks, const qx_t *x) {
+    return dot_legacy_nibbles(row, blocks, x, L_Q5_1);
 }
 
 /* Q6_K: codes 0..63 (the -32 comes off at the end, d * scale_i * s16_i for each 16), each quarter's
@@ -601,6 +655,8 @@ DOT_BY_DECODING(q6_k, 256, 210)
 DOT_BY_DECODING(q8_0, 32, 34)
 DOT_BY_DECODING(q4_0, 32, 18)
 DOT_BY_DECODING(q4_1, 32, 20)
+DOT_BY_DECODING(q5_0, 32, 22)
+DOT_BY_DECODING(q5_1, 32, 24)
 DOT_BY_DECODING(q5_k, 256, 176)
 #endif
 
@@ -613,6 +669,8 @@ static int block_of(int type, dot_fn *dot, void (**decode)(const uint8_t *, floa
     case T_Q4_0: *dot = dot_q4_0; *decode = decode_q4_0; *qk = 32; *bytes = 18; return 1;
     case T_Q4_1: *dot = dot_q4_1; *decode = decode_q4_1; *qk = 32; *bytes = 20; return 1;
     case T_Q5_K: *dot = dot_q5_k; *decode = decode_q5_k; *qk = 256; *bytes = 176; return 1;
+    case T_Q5_0: *dot = dot_q5_0; *decode = decode_q5_0; *qk = 32; *bytes = 22; return 1;
+    case T_Q5_1: *dot = dot_q5_1; *decode = decode_q5_1; *qk = 32; *bytes = 24; return 1;
     default: return 0;
     }
 }
@@ -708,11 +766,12 @@ static inline __m256i dot_group16(const __m256i w[2], const int16_t *c) {
 
 static inline int64_t tile_of(int64_t nx, int64_t t0) { return nx - t0 < ROW_TILE ? nx - t0 : ROW_TILE; }
 
-/* Q4_0, Q4_1 and Q8_0 (bytes: a block's size; at: its codes' offset; kind: 0 Q4_0, 1 Q4_1, 2 Q8_0),
- * as dot_legacy_nibbles and dot_q8_0 compute each row: eight blocks at a time, then one by one. */
+/* The 32-weight types (kind: L_Q4_0 ...), as dot_legacy_nibbles and dot_q8_0 compute each row: eight
+ * blocks at a time, then one by one. */
 static inline void rows_legacy(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
                                int64_t nx, float *y, int64_t y_stride, int kind) {
-    const int bytes = kind == 0 ? 18 : kind == 1 ? 20 : 34, at = kind == 1 ? 4 : 2;
+    const int bytes = legacy_bytes(kind), at = legacy_codes_at(kind), with_m = legacy_has_m(kind);
+    const int is_q8 = kind == L_Q8_0;
     for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
         const int64_t nt = tile_of(nx, t0);
         qx_t x[ROW_TILE];
@@ -723,7 +782,7 @@ static inline void rows_legacy(const uint8_t *row, int64_t blocks, const qx_rows
             const uint8_t *b = row + bytes * blk;
             if (t0 == 0) prefetch_block(b, 8 * bytes);
             const __m256 d = eight_halves(b, bytes, 0);
-            const __m256 m = kind == 1 ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+            const __m256 m = with_m ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(legacy_offset(kind)));
             /* Four blocks' widened codes at a time: eight blocks' took all sixteen AVX2 registers, so the
              * compiler reloaded them from the stack for every x row (twice the loads a product needs).
              * Each row's sums of blocks 0-3 wait in `first` while blocks 4-7 are multiplied; the eight
@@ -732,8 +791,8 @@ static inline void rows_legacy(const uint8_t *row, int64_t blocks, const qx_rows
             for (int half = 0; half < 2; half++) {
                 __m256i w[4][2];
                 for (int i = 0; i < 4; i++) {
-                    const uint8_t *q = b + bytes * (4 * half + i) + at;
-                    widen_even_odd(kind == 2 ? load32(q) : legacy_codes(q), kind == 2, &w[i][0], &w[i][1]);
+                    const uint8_t *q = b + bytes * (4 * half + i);
+                    widen_even_odd(is_q8 ? load32(q + at) : nibble_codes(q, kind), is_q8, &w[i][0], &w[i][1]);
                 }
                 for (int64_t t = 0; t < nt; t++) {
                     const int16_t *c = x[t].c + 32 * (blk + 4 * half);
@@ -746,20 +805,20 @@ static inline void rows_legacy(const uint8_t *row, int64_t blocks, const qx_rows
                     }
                     const __m256 sums = _mm256_cvtepi32_ps(_mm256_set_m128i(four, first[t]));
                     acc[t] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + blk)), acc[t]);
-                    if (kind != 2) offsets[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x[t].s32 + blk), offsets[t]);
+                    if (!is_q8) offsets[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x[t].s32 + blk), offsets[t]);
                 }
             }
         }
         float total[ROW_TILE];
-        for (int64_t t = 0; t < nt; t++) total[t] = kind == 2 ? hsum(acc[t]) : hsum(acc[t]) + hsum(offsets[t]);
+        for (int64_t t = 0; t < nt; t++) total[t] = is_q8 ? hsum(acc[t]) : hsum(acc[t]) + hsum(offsets[t]);
         for (; blk < blocks; blk++) {
             const uint8_t *b = row + bytes * blk;
             __m256i w[2];
-            widen_even_odd(kind == 2 ? load32(b + at) : legacy_codes(b + at), kind == 2, &w[0], &w[1]);
-            const float d = half_to_float(b), m = kind == 1 ? half_to_float(b + 2) : -8.0f * d;
+            widen_even_odd(is_q8 ? load32(b + at) : nibble_codes(b, kind), is_q8, &w[0], &w[1]);
+            const float d = half_to_float(b), m = with_m ? half_to_float(b + 2) : legacy_offset(kind) * d;
             for (int64_t t = 0; t < nt; t++) {
                 total[t] += (float)hsum_epi32(dot_group16(w, x[t].c + 32 * blk)) * (d * x[t].d[blk]);
-                if (kind != 2) total[t] += m * x[t].s32[blk];
+                if (!is_q8) total[t] += m * x[t].s32[blk];
             }
         }
         for (int64_t t = 0; t < nt; t++) y[(t0 + t) * y_stride] = total[t];
@@ -768,17 +827,27 @@ static inline void rows_legacy(const uint8_t *row, int64_t blocks, const qx_rows
 
 static void rows_q4_0(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
                       float *y, int64_t y_stride) {
-    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, 0);
+    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, L_Q4_0);
 }
 
 static void rows_q4_1(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
                       float *y, int64_t y_stride) {
-    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, 1);
+    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, L_Q4_1);
 }
 
 static void rows_q8_0(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
                       float *y, int64_t y_stride) {
-    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, 2);
+    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, L_Q8_0);
+}
+
+static void rows_q5_0(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
+                      float *y, int64_t y_stride) {
+    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, L_Q5_0);
+}
+
+static void rows_q5_1(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, int64_t nx,
+                      float *y, int64_t y_stride) {
+    rows_legacy(row, blocks, qx, xs, nx, y, y_stride, L_Q5_1);
 }
 
 /* Q4_K and Q5_K (five), as dot_k_nibbles computes each row (its AVX2 form). */
@@ -902,6 +971,8 @@ static rows_fn rows_of(int type) {
     case T_Q4_0: return rows_q4_0;
     case T_Q4_1: return rows_q4_1;
     case T_Q5_K: return rows_q5_k;
+    case T_Q5_0: return rows_q5_0;
+    case T_Q5_1: return rows_q5_1;
     default: return NULL;
     }
 #else
@@ -1184,20 +1255,6 @@ static inline int64_t kv_head_bytes(int type, int64_t d) {
 }
 
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-/* Q5_0: d (f16), qh (32 fifth bits, little-endian), 16 bytes of low nibbles as Q4_0's: q - 16.
- * Q5_1: d, m (f16), qh, nibbles: d * q + m. */
-static void decode_q5(const uint8_t *b, float *out, int with_m) {
-    const float d = half_to_float(b), m = with_m ? half_to_float(b + 2) : 0.0f;
-    const uint8_t *qh = b + (with_m ? 4 : 2), *qs = qh + 4;
-    uint32_t h;
-    memcpy(&h, qh, 4);
-    for (int l = 0; l < 16; l++) {
-        const int q0 = (qs[l] & 15) | (int)((h >> l) & 1) << 4, q1 = (qs[l] >> 4) | (int)((h >> (l + 16)) & 1) << 4;
-        out[l] = with_m ? d * (float)q0 + m : d * (float)(q0 - 16);
-        out[l + 16] = with_m ? d * (float)q1 + m : d * (float)(q1 - 16);
-    }
-}
 
 /* IQ4_NL: d (f16) and Q4_0's nibbles, each an index into IQ4_LEVELS. */
 static void decode_iq4_nl(const uint8_t *b, float *out) {

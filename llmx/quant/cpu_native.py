@@ -1,13 +1,13 @@
 """Native CPU kernels on GGUF's own blocks (`cpu_blocks.c`), for the types most GGUFs are made of.
 
-Matrices of the types in TYPES (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) stay on the CPU as the file stores
-them (no repacking: Q4_K is 0.5625 bytes a weight here against 0.75 in `cpu_pack`'s float32-scaled
-form), and a decode step reads each byte once: `gemv` multiplies up to MAX_ROWS rows of x per pass over
-the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one call; it
-reads x rounded to 16-bit codes per group of 32 (see cpu_blocks.c). Prompts
-dequantize chunks of rows with `dequantize_rows` for a dense `torch.mm`. `decode_attention` is one
-token's attention over a KV cache, `paged_rope_store_attend` a batch's decode tokens over the paged
-one (see `llmx.kernels.cpu_attention`).
+Matrices of the types in TYPES (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay on the CPU as the
+file stores them (no repacking: Q4_K is 0.5625 bytes a weight here against 0.75 in `cpu_pack`'s
+float32-scaled form), and a decode step reads each byte once: `gemv` multiplies up to MAX_ROWS rows of x
+per pass over the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one
+call; it reads x rounded to 16-bit codes per group of 32 (see cpu_blocks.c). Prompts dequantize chunks
+of rows with `dequantize_rows` for a dense `torch.mm`. `decode_attention` is one token's attention over
+a KV cache, `paged_rope_store_attend` a batch's decode tokens over the paged one (see
+`llmx.kernels.cpu_attention`).
 
 The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second, linked to
 torch's own OpenMP runtime) into the cache directory, keyed by its source, the compiler, the CPU's
@@ -41,7 +41,16 @@ from llmx.quant import QType, qtype
 from llmx.settings import c_compiler, cache_dir, cpu_gemv, cpu_prefetch, pin_threads
 
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
-TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q5_K": 5}  # the C file's type numbers
+TYPES = {
+    "Q4_K": 0,
+    "Q6_K": 1,
+    "Q8_0": 2,
+    "Q4_0": 3,
+    "Q4_1": 4,
+    "Q5_K": 5,
+    "Q5_0": 6,
+    "Q5_1": 7,
+}  # the C file's type numbers
 MAX_ROWS = 64  # rows of x a `gemv` call takes (cpu_blocks.c's MAX_ROWS)
 MAX_WEIGHTS = 4  # matrices one `gemv` call takes (cpu_blocks.c's MAX_WEIGHTS)
 # tokens a native MoE call takes: its scratch is tokens * k * (2 * F + E) floats, 29 MB at 256 for
