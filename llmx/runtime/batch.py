@@ -3,12 +3,13 @@
 The rows of every sequence in the step form one activation [T, E], so the embedding, the norms, every
 matmul (`ops.linear` on the QWeights, which reads each weight once for all T rows) and the FFN run
 once for the whole batch: that is where batching pays. Attention reads each sequence's own blocks of
-the paged cache (`runtime.paged`): the decode tokens of all sequences in one native call a layer on
-the CPU (`DecodeTokens`), a prompt's chunk (and a decode token elsewhere) with the existing attention
-ops over its rows gathered. RoPE rotates each row by its own position.
+the paged cache (`runtime.paged`): the decode tokens of all sequences in one call a layer
+(`DecodeTokens`: the native kernel on the CPU, Triton's paged decode kernel on a GPU), a prompt's
+chunk (and the decode tokens where neither kernel takes them) with the existing attention ops over
+its rows gathered. RoPE rotates each row by its own position.
 
-This is the eager path on every device (no CUDA graphs, no fused decode kernel, no op offload or
-expert staging yet); the single-sequence path (`Engine`, `Executor.forward`) is not changed by it.
+Everything else is the eager path on every device (no CUDA graphs, no op offload or expert staging
+yet); the single-sequence path (`Engine`, `Executor.forward`) is not changed by it.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class BatchKV:
         if layout.singles:
             rows = layout.single_rows
             q1, k1, v1, cos1, sin1 = (t if rows is None else t[rows] for t in (q, k, v, cos, sin))
-            tokens = layout.cache.decode(self.layer, *layout.single_tables())
+            tokens = layout.cache.decode(self.layer, *layout.single_tables(layout.cache.k[self.layer].device))
             decoded = tokens.rope_store_attend(q1, k1, v1, rope, cos1, sin1, window, scale, softcap)
             if decoded is not None and rows is None:
                 return decoded  # every row a decode token: the usual step
@@ -108,7 +109,10 @@ class _Layout:
     _rows: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = field(
         default_factory=dict, init=False
     )
-    _single_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
+    # per pool device: the decode tokens' block tables and positions
+    _single_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False
+    )
 
     def __post_init__(self) -> None:
         ends = torch.tensor([len(c.ids) for c in self.chunks]).cumsum(0).tolist()
@@ -142,13 +146,15 @@ class _Layout:
         slots, rows = self._rows[pool][j]
         return self.cache.layer(i, self.steps(device)[j].positions, slots, rows)
 
-    def single_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block tables of the decode tokens' sequences and the tokens' positions, on the CPU."""
-        if self._single_tables is None:
+    def single_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block tables of the decode tokens' sequences and the tokens' positions, on `device`
+        (copied there once a step: every layer of a device reads the same)."""
+        if device not in self._single_tables:
             chunks = [self.chunks[j] for j in sorted(self.singles)]
             positions = torch.tensor([c.table.length for c in chunks], dtype=torch.long)
-            self._single_tables = self.cache.tables([c.table for c in chunks]), positions
-        return self._single_tables
+            tables = self.cache.tables([c.table for c in chunks])
+            self._single_tables[device] = tables.to(device), positions.to(device)
+        return self._single_tables[device]
 
     def _pool_rows(self, c: Chunk, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool rows this step writes for chunk `c`, and those its attention reads."""
