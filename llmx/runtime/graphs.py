@@ -116,6 +116,7 @@ class GraphCache:
     _prompt_shapes_seen: set[PromptKey] = field(default_factory=set)
     _pools: dict[torch.device, tuple[int, int]] = field(default_factory=dict)
     _batch_pools: dict[torch.device, tuple[int, int]] = field(default_factory=dict)
+    _batch_outs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # by (segment, bucket)
     _streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict)
 
     def replay_decode(
@@ -222,7 +223,7 @@ class GraphCache:
             if len(self.batch) >= BATCH_GRAPHS:  # dicts keep order: the first is the oldest
                 del self.batch[next(iter(self.batch))]
             try:
-                g = self._capture_batch(seg, x, positions, tables, run)
+                g = self._capture_batch(k, seg, x, positions, tables, run)
             except Exception as e:  # any failure (memory, an op that cannot be captured): eager steps
                 self._stop_batch_graphs(k, e)
                 return None
@@ -238,17 +239,34 @@ class GraphCache:
         return g.x_out
 
     def _capture_batch(
-        self, seg: Segment, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, run: RunBatch
+        self,
+        k: int,
+        seg: Segment,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        run: RunBatch,
     ) -> Graph:
         """Capture segment `seg`'s batched decode step into its device's pool of batched graphs (they
-        never run at the same time, and each one's output is consumed before the segment's next step)."""
-        d = seg.device
+        never run at the same time, and each one's output is consumed before the segment's next step).
+        The step ends by copying its output into one buffer of its segment and batch bucket, which
+        every width's graph shares: so the pool reuses the memory of each graph's output (the logits
+        of 64 rows of a 128K vocabulary are 32 MB) rather than keeping one a graph."""
+        d, bucket = seg.device, x.shape[0]
         x_in = x.clone()
         p_in = positions.to(d, non_blocking=True).clone()
         t_in = tables.to(d, non_blocking=True).clone()
         pool = self._batch_pools.setdefault(d, torch.cuda.graph_pool_handle())
+
+        def body() -> torch.Tensor:
+            y = run(x_in, p_in, t_in)
+            out = self._batch_outs.get((k, bucket))
+            if out is None or out.shape != y.shape or out.dtype != y.dtype:  # the warm-up: not captured
+                out = self._batch_outs[(k, bucket)] = torch.empty_like(y)
+            return out.copy_(y)
+
         with current_device(d):
-            graph, x_out, _, _ = self.record(d, lambda: run(x_in, p_in, t_in), warm_up=True, pool=pool)
+            graph, x_out, _, _ = self.record(d, body, warm_up=True, pool=pool)
         return Graph(graph, x_in, p_in, x_out, tables=t_in)
 
     def _stop_batch_graphs(self, k: int, e: Exception) -> None:
@@ -257,6 +275,8 @@ class GraphCache:
         self.batch_off.add(k)
         for key in [key for key in self.batch if key[0] == k]:
             del self.batch[key]
+        for key in [key for key in self._batch_outs if key[0] == k]:
+            del self._batch_outs[key]
         if not self.batch:
             self._batch_pools.clear()
         torch.cuda.empty_cache()
