@@ -105,6 +105,17 @@ class PagedKVCache:
         width = max(len(t.blocks) for t in tables)
         return torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t in tables], dtype=torch.int32)
 
+    def decodes_every_layer(self, width: int) -> bool:
+        """Whether `DecodeTokens` takes the decode tokens of every layer (on a GPU, or anywhere with
+        `kernels.decode` "on"): queries `width` wide, every pool's keys and values as wide, the
+        kernels not "off". A padded batched decode step (`runtime.batch.decode_padded`) needs it."""
+        kt, vt = self.types or (None, None)
+        widths = {width}
+        for k, v in zip(self.k, self.v, strict=True):
+            typed = kt is not None and vt is not None
+            widths |= {head_dim(k, kt), head_dim(v, vt)} if typed else {k.shape[-1], v.shape[-1]}
+        return self.kernels.decode != "off" and len(widths) == 1
+
     def decode(self, i: int, tables: torch.Tensor, positions: torch.Tensor) -> DecodeTokens:
         """Layer i's view for one token of each of several sequences: sequence b's at positions[b]
         (int64 [B]) in its blocks tables[b] (`tables`), both on the pool's device."""
