@@ -357,9 +357,12 @@ def check_forward_batch(arch, cache_type, n_gpu_layers, kernels, tmp_path, monke
         calls.clear()
         got |= {(j, s + 1): out[j] for j in early}
     got[late, 0] = out[-1]
+    # on a GPU the engine alone takes the integer-dot GEMVs (x rounded to int8) where the batch's rows
+    # take the float ones, as in test_batch's GPU check
+    tolerance = 3e-2 if n_gpu_layers == "all" and torch.cuda.is_available() else 5e-3
     for (j, s), logits in got.items():
         want = alone[j][1][s]
-        torch.testing.assert_close(logits, want, atol=5e-3 * want.abs().max().item(), rtol=0)
+        torch.testing.assert_close(logits, want, atol=tolerance * want.abs().max().item(), rtol=0)
 
 
 # --- GPU: Llama-3-8B's attention shape, 1 to 64 sequences -----------------------------------------
