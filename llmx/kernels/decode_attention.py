@@ -1,5 +1,7 @@
 """One decode token's attention layer in two launches: RoPE on q and k, the KV-cache write, and
-grouped-query attention over the cache, flash-decoding style (split over the keys, then combined).
+grouped-query attention over the cache, flash-decoding style (split over the keys, then combined);
+for one token of each of B sequences over a paged cache, the same two launches
+(`paged_decode_attention`).
 
 The eager path (`Rope.apply`, the cache's `index_copy_`, `ops.attention`) costs ~25 small kernels a
 layer. Shapes (one token): q [1, H, D], k, v [1, Hk, D], cos/sin [1, n_dims/2] float32 (the step's
@@ -10,20 +12,30 @@ layers, a ring for sliding-window ones. A block type's rows are dequantized in t
 this step's key and value quantized in the kernel (the bytes of `llmx.quant.quantize`), so the
 row it attends to is the one stored.
 
-- `attention_kernel`, grid (Hk, S): program (kv head, split) rotates the G = H/Hk queries of its KV
-  head and this step's key, then reads its share of the visible keys [lo, pos] (lo = 0, or
+- `attention_kernel`, grid (Hk, S, B): program (kv head, split, token) rotates the G = H/Hk
+  queries of its KV head and this step's key, then reads its share of the visible keys [lo, pos] (lo = 0, or
   pos - window + 1 for a sliding window). The visible range is cut into S chunks on the device,
   from pos, so the masked tail of a CUDA-graph bucket (rows pos+1..n_read-1) and keys left of the
   window are never read, and a window layer still spreads over all S programs. The program whose
   chunk holds pos writes the new key and value to the cache and takes that row from its registers;
   no other program reads the row, so the write needs no ordering. Each program leaves an
   unnormalized output with its running max and sum.
-- `combine_kernel`, grid (H,): merges each head's S partial outputs with log-sum-exp weights, and
-  on a GPU also writes the row quantized for the o projection's integer-dot GEMV.
+- `combine_kernel`, grid (B * H,): merges each head's S partial outputs with log-sum-exp weights,
+  and on a GPU also writes the row quantized for the o projection's integer-dot GEMV.
 
-The KV cache calls it (`runtime.cache.LayerWriter.rope_store_attend`): it owns the buffers this
-writes. Nothing depends on a value read back to the host, so a CUDA graph captured for one n_read replays
-correctly for every position below it. Scores, softmax and sums are float32; the two products take
+Paged (`runtime.paged`, `PAGED`): token b's position pos = positions[b] lives in pool row
+tables[b, pos // BR] * BR + pos % BR (blocks of BR rows), and so does each key it reads: the visible
+keys [lo, pos] of a tile are gathered block by block through the table, and the new row is stored
+at its block's row. No ring (a paged sliding-window layer keeps every position; the window is by
+position) and no bucket tail (each token reads up to its own position). S comes from B, Hk and the
+tables' width (`split_count`): one sequence at 32K splits to fill the GPU, 64 sequences not at all.
+Shared blocks (the prefix cache) are only read: a sequence writes its own last block.
+
+The KV cache calls it (`runtime.cache.LayerWriter.rope_store_attend`, the paged one
+`runtime.paged.DecodeTokens.rope_store_attend`): it owns the buffers this writes. Nothing depends
+on a value read back to the host, so a CUDA graph captured for one n_read replays correctly for
+every position below it (a paged one for B tokens and tables of W blocks: every position and table
+that fits them). Scores, softmax and sums are float32; the two products take
 their operands in the cache's dtype on a GPU (tensor cores; `ops.attention` attends in it there
 too) and in float32 under TRITON_INTERPRET=1 (numpy cannot multiply bf16, and the CPU path attends
 in float32).
@@ -81,14 +93,74 @@ def decode_attention(
     the caches' (K's, V's) where either is GGUF blocks, None for float caches.
     Requires n_read > pos. Returns [1, H * D] in q's dtype.
     """
+    span = n_read if window is None else min(n_read, window)
+    return _launch(
+        q, k, v, cos, sin, k_cache, v_cache, positions, None, n_read, 1, span, n_dims=n_dims, neox=neox,
+        scale=scale, softcap=softcap, window=window, types=types,
+    )  # fmt: skip
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    block_rows: int,
+    n_dims: int,
+    neox: bool,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    types: tuple[QType, QType] | None = None,
+) -> torch.Tensor:
+    """`decode_attention` for one token of each of B sequences over a paged cache
+    (`runtime.paged`), in the same two launches: q [B, H, D], k, v [B, Hk, D], cos/sin [B, n_dims/2]
+    (each token's angles); sequence b's token sits at positions[b] (int64 [B]) and its positions
+    0..positions[b] in the pools' blocks of `block_rows` rows listed by tables[b] (int32 [B, W]):
+    position p is pool row tables[b, p // block_rows] * block_rows + p % block_rows. Its k and v are
+    stored at its position's row, and its queries attend to its keys j <= pos (j > pos - window with a
+    window). Everything on q's device: nothing is read back to the host, and the launches' shapes
+    depend only on B and W (a CUDA graph per batch bucket replays for every position and table that
+    fits W blocks). Returns [B, H * D] in q's dtype."""
+    span = tables.shape[1] * block_rows if window is None else min(tables.shape[1] * block_rows, window)
+    return _launch(
+        q, k, v, cos, sin, k_pool, v_pool, positions, (tables, block_rows), 0, q.shape[0], span,
+        n_dims=n_dims, neox=neox, scale=scale, softcap=softcap, window=window, types=types,
+    )  # fmt: skip
+
+
+def split_count(n_seq: int, n_kv: int, span: int, device: torch.device) -> int:
+    """How many chunks each (sequence, KV head) cuts its visible keys into: enough that the
+    n_seq * n_kv * splits programs make `target_programs` (a long context of one sequence fills the
+    GPU), but no chunk shorter than a BLOCK_N tile of the longest `span` (a wide batch is not
+    over-split: 64 sequences of 8 KV heads already make 512 programs, one split each)."""
+    return max(1, min(triton.cdiv(span, BLOCK_N), triton.cdiv(target_programs(device), n_seq * n_kv)))
+
+
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+    paged: tuple[torch.Tensor, int] | None, n_read: int, n_seq: int, span: int, *, n_dims: int,
+    neox: bool, scale: float | None, softcap: float | None, window: int | None,
+    types: tuple[QType, QType] | None,
+) -> torch.Tensor:  # fmt: skip
+    """Both kernels for `n_seq` tokens: over a contiguous cache (`paged` None: one token, rows
+    0..n_read-1, a ring past its rows) or a paged one (`paged`: the block tables and block rows)."""
     _, n_head, d = q.shape
     n_kv = k.shape[1]
-    span = n_read if window is None else min(n_read, window)
-    splits = max(1, min(triton.cdiv(span, BLOCK_N), triton.cdiv(target_programs(q.device), n_kv)))
-    partial = torch.empty(n_head, splits, d, dtype=torch.float32, device=q.device)
-    stats = torch.empty(n_head, splits, 2, dtype=torch.float32, device=q.device)  # max (log2 units), sum
-    out = torch.empty(1, n_head * d, dtype=q.dtype, device=q.device)
+    splits = split_count(n_seq, n_kv, span, q.device)
+    partial = torch.empty(n_seq * n_head, splits, d, dtype=torch.float32, device=q.device)
+    # max (log2 units), sum
+    stats = torch.empty(n_seq * n_head, splits, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty(n_seq, n_head * d, dtype=q.dtype, device=q.device)
     q, k, v, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cos, sin))
+    tables, block_rows = paged if paged is not None else (positions, 1)  # unread without `paged`
     block_d = max(16, triton.next_power_of_2(d))
     # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
     # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth).
@@ -103,21 +175,22 @@ def decode_attention(
         else _TL_DTYPE[k_cache.dtype]
     )
     pdl = launch.programmatic_launch(q.device)  # after the q/k/v GEMV: resident as it ends
-    attention_kernel[(n_kv, splits)](
-        q, k, v, cos, sin, positions, k_cache, v_cache, partial, stats, _levels(q.device),
-        q.stride(1), k.stride(1), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+    attention_kernel[(n_kv, splits, n_seq)](
+        q, k, v, cos, sin, positions, tables, k_cache, v_cache, partial, stats, _levels(q.device),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        tables.stride(0),
         n_read, k_cache.shape[0], window or 0, 1.0 / math.sqrt(d) if scale is None else scale,
         softcap or 1.0, splits,
         G=n_head // n_kv, D=d, N_DIMS=n_dims, NEOX=neox, WINDOW=window is not None,
         SOFTCAP=softcap is not None, DOT=dot, KT=kt, KB=kb, VT=vt, VB=vb,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        WAIT=pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
+        PAGED=paged is not None, BR=block_rows, WAIT=pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     # The output goes on to the o projection: quantized here for its integer-dot GEMV, by heads.
     qx = activation.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
-    combine_kernel[(n_head,)](
-        partial, stats, out, splits, *activation.quantized_pointers(out, qx),
+    combine_kernel[(n_seq * n_head,)](
+        partial, stats, out, splits, n_head, *activation.quantized_pointers(out, qx),
         D=d, QUANT=qx is not None, TRIGGER=qx is not None and pdl,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
@@ -174,22 +247,27 @@ def _dot(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def attention_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, part_ptr, stats_ptr, levels_ptr,
-    sq, sk, sv, skc_n, skc_h, svc_n, svc_h,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, part_ptr, stats_ptr,
+    levels_ptr, sq_b, sq, sk_b, sk, sv_b, sv, scos_b, ssin_b, skc_n, skc_h, svc_n, svc_h, st_b,
     n_read, n_rows, window, scale, softcap, n_splits,
     G: tl.constexpr, D: tl.constexpr, N_DIMS: tl.constexpr, NEOX: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr,
-    VB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WAIT: tl.constexpr,
+    VB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, BR: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
     if WAIT:  # launched as a programmatic dependent (norm.rms_norm_kernel's note)
         gdc_wait()
-    kvh, split = tl.program_id(0), tl.program_id(1)
+    kvh, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     gmask, dmask = g < G, d < D
-    pos = tl.load(pos_ptr).to(tl.int32)
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    b64 = b.to(tl.int64)
+    q_ptr, k_ptr, v_ptr = q_ptr + b64 * sq_b, k_ptr + b64 * sk_b, v_ptr + b64 * sv_b
+    cos_ptr, sin_ptr, table_ptr = cos_ptr + b * scos_b, sin_ptr + b * ssin_b, table_ptr + b64 * st_b
 
-    # This program's chunk [start, end) of the visible keys [lo, hi).
-    hi = tl.minimum(pos + 1, n_read)
+    # This program's chunk [start, end) of the visible keys [lo, hi): a paged sequence's are its
+    # positions up to its own (its table holds them all: no ring, no CUDA-graph bucket's tail).
+    hi = pos + 1 if PAGED else tl.minimum(pos + 1, n_read)
     lo = 0
     if WINDOW:
         lo = tl.maximum(pos + 1 - window, 0)
@@ -197,7 +275,7 @@ def attention_kernel(
     start = lo + split * chunk
     end = tl.minimum(start + chunk, hi)
 
-    heads = kvh * G + g
+    heads = kvh * G + g  # of this token's
     qmask = gmask[:, None] & dmask[None, :]
     q = _rotate(q_ptr + heads[:, None] * sq, d[None, :], qmask, cos_ptr, sin_ptr, N_DIMS, NEOX)
     k_new = _rotate(k_ptr + kvh * sk, d, dmask, cos_ptr, sin_ptr, N_DIMS, NEOX)
@@ -222,7 +300,11 @@ def attention_kernel(
         rmask = rows < end
         fresh = (rows == pos)[:, None]  # this step's row: from registers, not (yet) from the cache
         tile = rmask[:, None] & dmask[None, :]
-        r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
+        if PAGED:  # position p in row table[p // BR] * BR + p % BR
+            block = tl.load(table_ptr + rows // BR, mask=rmask, other=0).to(tl.int64)
+            r64 = (block * BR + rows % BR)[:, None]
+        else:
+            r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
         keys = _load_rows(kc_ptr + r64 * skc_n + kvh * skc_h, d[None, :], tile, levels_ptr, KT, KB)
         keys = tl.where(fresh, k_new[None, :], keys)
         s = _dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
@@ -243,7 +325,10 @@ def attention_kernel(
     # tests. (tl.where rather than `dmask & scalar`, which the interpreter turns into int32.)
     holds_pos = (start <= pos) & (pos < end)
     mine = tl.where(holds_pos, dmask, False)
-    slot = (pos % n_rows).to(tl.int64)
+    if PAGED:
+        slot = tl.load(table_ptr + pos // BR).to(tl.int64) * BR + pos % BR
+    else:
+        slot = (pos % n_rows).to(tl.int64)
     if KT == 0:
         tl.store(kc_ptr + slot * skc_n + kvh * skc_h + d, k_new, mask=mine)
     else:
@@ -254,7 +339,7 @@ def attention_kernel(
         _store_blocks(vc_ptr + slot * svc_n + kvh * svc_h, v_codes, v_d, v_m, holds_pos, D, VT, VB, BLOCK_D)
 
     # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 in combine.
-    base = heads * n_splits + split
+    base = (b * (tl.num_programs(0) * G) + heads) * n_splits + split
     tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=qmask)
     tl.store(stats_ptr + base * 2, m_i, mask=gmask)
     tl.store(stats_ptr + base * 2 + 1, l_i, mask=gmask)
@@ -397,12 +482,12 @@ def _store_blocks(row_ptr, codes, d, m, store, D, QT: tl.constexpr, QB: tl.const
 
 @triton.jit
 def combine_kernel(
-    part_ptr, stats_ptr, out_ptr, n_splits, xq_ptr, dx_ptr, xs_ptr,
+    part_ptr, stats_ptr, out_ptr, n_splits, n_head, xq_ptr, dx_ptr, xs_ptr,
     D: tl.constexpr, QUANT: tl.constexpr, TRIGGER: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     if TRIGGER:  # the o projection's GEMV may start loading its weights (norm.rms_norm_kernel's note)
         gdc_launch_dependents()
-    h = tl.program_id(0)
+    h = tl.program_id(0)  # token h // n_head's head h % n_head: its output row is [n_head * D]
     s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     smask, dmask = s < n_splits, d < D
     base = h * n_splits + s
@@ -413,5 +498,5 @@ def combine_kernel(
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w * l_sum, 0)
     out = out.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + h * D + d, out, mask=dmask)
-    if QUANT:  # D == BLOCK_D, a multiple of 32: head h is groups h * D / 32.. of the output row
-        store_quantized_block(out, h * (D // 32), 0, tl.num_programs(0) * D, xq_ptr, dx_ptr, xs_ptr)
+    if QUANT:  # D == BLOCK_D, a multiple of 32: a token's head i is groups i * D / 32.. of its row
+        store_quantized_block(out, (h % n_head) * (D // 32), h // n_head, n_head * D, xq_ptr, dx_ptr, xs_ptr)

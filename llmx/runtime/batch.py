@@ -3,19 +3,28 @@
 The rows of every sequence in the step form one activation [T, E], so the embedding, the norms, every
 matmul (`ops.linear` on the QWeights, which reads each weight once for all T rows) and the FFN run
 once for the whole batch: that is where batching pays. Attention reads each sequence's own blocks of
-the paged cache (`runtime.paged`): the decode tokens of all sequences in one native call a layer on
-the CPU (`DecodeTokens`), a prompt's chunk (and a decode token elsewhere) with the existing attention
-ops over its rows gathered. RoPE rotates each row by its own position.
+the paged cache (`runtime.paged`): the decode tokens of all sequences in one call a layer
+(`DecodeTokens`: the native kernel on the CPU, Triton's paged decode kernel on a GPU), a prompt's
+chunk (and the decode tokens where neither kernel takes them) with the existing attention ops over
+its rows gathered. RoPE rotates each row by its own position.
 
-This is the eager path on every device (no CUDA graphs, no fused decode kernel, no op offload or
-expert staging yet); the single-sequence path (`Engine`, `Executor.forward`) is not changed by it.
+A step of decode tokens alone (every chunk one token: the usual step while no prompt is being read)
+replays a CUDA graph on GPUs where every segment can hold one (`decode_padded`, `Executor.batch_graphs`):
+its B sequences are padded to a batch bucket and its block tables to a width bucket
+(`runtime.graphs.batch_bucket`, `width_bucket`), so a graph serves every step of that shape. A padding
+row decodes token 0 at position 0 of the pool's scratch block (`BlockPool.scratch`): it writes nowhere
+a sequence reads, and its logits are dropped. Steps with prompt chunks, and placements a graph cannot
+hold (CPU layers, row splits, experts in RAM), run eagerly; so does everything else (no op offload or
+expert staging yet). The single-sequence path (`Engine`, `Executor.forward`) is not changed by it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
+import numpy as np
 import torch
 
 from llmx.errors import LlmxError
@@ -25,7 +34,9 @@ from llmx.ops.cached_attention import cached_attention
 from llmx.ops.rope import Rope
 from llmx.runtime.blocks import BlockTable
 from llmx.runtime.executor import Executor, ids_on
+from llmx.runtime.graphs import batch_bucket, width_bucket
 from llmx.runtime.paged import PagedKVCache, SequenceKV
+from llmx.runtime.segments import Segment
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ class BatchKV:
         if layout.singles:
             rows = layout.single_rows
             q1, k1, v1, cos1, sin1 = (t if rows is None else t[rows] for t in (q, k, v, cos, sin))
-            tokens = layout.cache.decode(self.layer, *layout.single_tables())
+            tokens = layout.cache.decode(self.layer, *layout.single_tables(layout.cache.k[self.layer].device))
             decoded = tokens.rope_store_attend(q1, k1, v1, rope, cos1, sin1, window, scale, softcap)
             if decoded is not None and rows is None:
                 return decoded  # every row a decode token: the usual step
@@ -108,7 +119,10 @@ class _Layout:
     _rows: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = field(
         default_factory=dict, init=False
     )
-    _single_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
+    # per pool device: the decode tokens' block tables and positions
+    _single_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False
+    )
 
     def __post_init__(self) -> None:
         ends = torch.tensor([len(c.ids) for c in self.chunks]).cumsum(0).tolist()
@@ -142,13 +156,15 @@ class _Layout:
         slots, rows = self._rows[pool][j]
         return self.cache.layer(i, self.steps(device)[j].positions, slots, rows)
 
-    def single_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block tables of the decode tokens' sequences and the tokens' positions, on the CPU."""
-        if self._single_tables is None:
+    def single_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block tables of the decode tokens' sequences and the tokens' positions, on `device`
+        (copied there once a step: every layer of a device reads the same)."""
+        if device not in self._single_tables:
             chunks = [self.chunks[j] for j in sorted(self.singles)]
             positions = torch.tensor([c.table.length for c in chunks], dtype=torch.long)
-            self._single_tables = self.cache.tables([c.table for c in chunks]), positions
-        return self._single_tables
+            tables = self.cache.tables([c.table for c in chunks])
+            self._single_tables[device] = tables.to(device), positions.to(device)
+        return self._single_tables[device]
 
     def _pool_rows(self, c: Chunk, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool rows this step writes for chunk `c`, and those its attention reads."""
@@ -171,6 +187,11 @@ def forward_batch(
     cache once the step is over."""
     if executor.split is not None:
         raise LlmxError("serving with -np > 1 does not support -sm row yet; use -sm layer or -np 1")
+    graphs = range(len(executor.segments))
+    if all(len(c.ids) == 1 for c in chunks) and all(executor.batch_graphs(k) for k in graphs):
+        out = decode_padded(executor, cache, chunks, on_device)
+        if out is not None:
+            return out
     for c in chunks:
         cache.blocks.reserve(c.table, len(c.ids))
     layout = _Layout(cache, chunks)
@@ -190,4 +211,111 @@ def forward_batch(
     for c in chunks:
         if not isinstance(c.ids, torch.Tensor):
             cache.blocks.commit(c.table, c.ids)
+    return x.float() if on_device else x.float().cpu()
+
+
+@dataclass(frozen=True)
+class PaddedKV:
+    """A layer's cache for a padded decode step (`decode_padded`): every row one token, all of them
+    taken by `DecodeTokens` in one call; `tables` [B, W] and `positions` [B] on the pool's device."""
+
+    cache: PagedKVCache
+    layer: int
+    tables: torch.Tensor
+    positions: torch.Tensor
+
+    def rope_store_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
+        sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
+        softcap: float | None,
+    ) -> torch.Tensor:  # fmt: skip
+        tokens = self.cache.decode(self.layer, self.tables, self.positions)
+        out = tokens.rope_store_attend(q, k, v, rope, cos, sin, window, scale, softcap)
+        if out is None:
+            raise LlmxError("a padded batched decode step needs the paged decode kernel on the pools' device")
+        return out
+
+
+def decode_rows(
+    executor: Executor, cache: PagedKVCache, seg: Segment, x: torch.Tensor, positions: torch.Tensor,
+    tables: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Segment `seg` of a padded decode step, eagerly (what its CUDA graph holds): x [B, E] -> its
+    output (the logits of every row, padding rows too, where the head is in it). Reads nothing back
+    to the host: the launches' shapes come from B and the tables' width W alone."""
+    model = executor.model
+    step = BatchStep(positions, True, tables.shape[1] * cache.block_rows)
+    for i in seg.layers:
+        x = model.block(i, model.layers[i], x, step, PaddedKV(cache, i, tables, positions))
+    return model.head(x) if seg.with_head else x
+
+
+def padded_inputs(
+    cache: PagedKVCache, chunks: Sequence[Chunk], bucket: int, scratch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's positions (int64 [bucket]) and block tables (int32 [bucket, width bucket]) on
+    the host: each sequence's row, then the padding rows', at position 0 of the `scratch` block (a
+    sequence's row past its blocks holds `scratch` too: never read)."""
+    n_read = max(c.table.length for c in chunks) + 1
+    width = width_bucket(n_read, cache.block_rows, cache.seq_ctx)
+    tables = np.full((bucket, width), scratch, dtype=np.int32)
+    positions = np.zeros(bucket, dtype=np.int64)
+    for j, c in enumerate(chunks):
+        tables[j, : len(c.table.blocks)] = c.table.blocks
+        positions[j] = c.table.length
+    return torch.from_numpy(positions), torch.from_numpy(tables)
+
+
+@torch.inference_mode()
+def decode_padded(
+    executor: Executor, cache: PagedKVCache, chunks: Sequence[Chunk], on_device: bool = False
+) -> torch.Tensor | None:
+    """`forward_batch` of decode tokens alone (each chunk one token), padded to
+    a batch bucket and a width bucket: segments that can (`Executor.batch_graphs`) replay the graph
+    of that shape, the others run it eagerly (`decode_rows`). Logits of the chunks that want them,
+    as `forward_batch`'s (left on the device, they may be a graph's output: valid until the next
+    step). None, nothing run, where the step cannot be padded: more sequences than the last bucket,
+    no block free for the padding rows to write into, or a layer the paged decode kernel does not
+    take; `forward_batch` then runs it unpadded."""
+    b, model = len(chunks), executor.model
+    bucket = batch_bucket(b)
+    if bucket is None or not cache.decodes_every_layer(model.config.head_dim):
+        return None
+    for c in chunks:
+        cache.blocks.reserve(c.table, 1)
+    scratch = cache.blocks.scratch() if bucket > b else 0  # without padding rows nothing reads it
+    if scratch is None:
+        return None
+    positions, tables = padded_inputs(cache, chunks, bucket, scratch)
+    cuda = torch.cuda.is_available()
+    if cuda:  # pinned, so the copies to the GPUs need not wait (torch keeps them until copied)
+        positions, tables = positions.pin_memory(), tables.pin_memory()
+    embed = executor.embed_device
+    if any(isinstance(c.ids, torch.Tensor) for c in chunks):  # ids sampled on a device
+        pad = torch.zeros(bucket - b, dtype=torch.long, device=embed)
+        ids = torch.cat([ids_on(c.ids, embed) for c in chunks] + [pad])
+    else:
+        host = torch.tensor([c.ids[0] for c in chunks] + [0] * (bucket - b), dtype=torch.long)
+        ids = (host.pin_memory() if cuda and embed.type == "cuda" else host).to(embed, non_blocking=True)
+    with current_device(embed):
+        x = model.embed(ids)
+    on_device_inputs: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    for k, seg in enumerate(executor.segments):
+        x = executor.move(x, seg.device)
+        run = partial(decode_rows, executor, cache, seg)
+        y = None
+        if executor.batch_graphs(k):
+            y = executor.graphs.replay_batch(k, seg, x, positions, tables, run)
+        if y is None:
+            if seg.device not in on_device_inputs:
+                on_device_inputs[seg.device] = (positions.to(seg.device, non_blocking=True),
+                                                tables.to(seg.device, non_blocking=True))  # fmt: skip
+            with current_device(seg.device):
+                y = run(x, *on_device_inputs[seg.device])
+        x = y
+    for c in chunks:
+        if not isinstance(c.ids, torch.Tensor):
+            cache.blocks.commit(c.table, c.ids)
+    wanted = [j for j, c in enumerate(chunks) if c.logits]
+    x = x[:b] if len(wanted) == b else x[torch.tensor(wanted, device=x.device)]
     return x.float() if on_device else x.float().cpu()

@@ -60,11 +60,21 @@ class BlockPool:
         self._idle: OrderedDict[int, None] = OrderedDict()  # released known blocks, least recent first
         self._block: dict[bytes, int] = {}  # the known blocks by key
         self._key: dict[int, bytes] = {}
+        self._scratch: int | None = None  # `scratch`'s block, while the pool holds one
 
     @property
     def free_blocks(self) -> int:
-        """Blocks a sequence may take: empty ones, and known ones no sequence holds."""
-        return len(self._empty) + len(self._idle)
+        """Blocks a sequence may take: empty ones, known ones no sequence holds, and the scratch block."""
+        return len(self._empty) + len(self._idle) + (self._scratch is not None)
+
+    def scratch(self) -> int | None:
+        """A block that no sequence reads, for rows whose writes must land nowhere that matters (the
+        padding rows of a batched decode step's CUDA graph); None when no block is free. The pool
+        holds it until a reservation needs it (then it is an empty block again: a sequence writes
+        each of its rows before reading it), so it never costs a sequence its context."""
+        if self._scratch is None and self.free_blocks:
+            self._scratch = self._take()
+        return self._scratch
 
     @property
     def cached_blocks(self) -> int:
@@ -101,6 +111,10 @@ class BlockPool:
         need = -(-end // self.block_rows) - len(table.blocks)
         if need > self.free_blocks:
             raise LlmxError(f"the KV cache has {self.free_blocks} free blocks, {need} are needed")
+        if need > len(self._empty) + len(self._idle) and self._scratch is not None:
+            self._refs[self._scratch] = 0
+            self._empty.append(self._scratch)
+            self._scratch = None
         for _ in range(need):
             table.blocks.append(self._take())
 

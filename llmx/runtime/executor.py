@@ -110,6 +110,20 @@ class Executor:
         streamed = self._streamer.bytes_streamed if self._streamer else 0
         return streamed + (self._stager.bytes_streamed if self._stager else 0)
 
+    def batch_graphs(self, k: int) -> bool:
+        """Whether segment k's batched decode steps (`runtime.batch.decode_padded`) replay CUDA graphs:
+        graphs on (`use_graphs`, the engine's switch), a GPU segment whose weights and KV all live on
+        its GPU (no row-split matrices, no experts in RAM), no capture of it failed."""
+        seg = self.segments[k]
+        return (
+            self.use_graphs
+            and seg.device.type == "cuda"
+            and self._graphable[k]
+            and not self._peers[k]
+            and not self._host_experts[k]
+            and k not in self.graphs.batch_off
+        )
+
     def _offloads(self, seg: Segment, t: int) -> bool:
         """Whether this CPU segment's prompt batch of `t` tokens runs on the GPU with streamed weights."""
         if self._streamer is None or seg.device.type != "cpu" or not seg.layers or t < 2:

@@ -18,6 +18,13 @@ A decode step of a segment whose layers keep their expert stacks in RAM is captu
 between those layers' trips to the CPU (`runtime.pieces`); its prompts run eagerly.
 Prompts across GPUs run eagerly (capturing them beside the decode graphs crashed a later decode
 replay on torch 2.11; not understood yet).
+
+A server's batched decode step (`runtime.batch.decode_padded`: every chunk one token) replays a graph
+per segment, batch bucket and table-width bucket (`batch_bucket`, `width_bucket`): its hidden state,
+positions and block tables are copied into the graph's static buffers, padding rows fill the bucket.
+Those graphs of one device share one memory pool, as prompt graphs do; a capture that fails (out of
+memory, an op that cannot be captured) turns them off for that segment with a warning. Segments with
+peers or experts in RAM run batched steps eagerly.
 """
 
 from __future__ import annotations
@@ -41,10 +48,34 @@ GRAPH_BUCKET = 256  # tokens: a decode graph attends over the cache rounded up t
 # live in the device's shared pool).
 PROMPT_GRAPHS = 32
 PROMPT_SHAPES_REMEMBERED = 4096  # prompt shapes seen once, waiting for a second sighting
+# A server's batched decode step (`runtime.batch`) of B sequences replays the graph of the smallest
+# of these at least B (padding rows fill it), its block tables as wide as the longest sequence's
+# context rounded up to GRAPH_BUCKET; past the last, steps run eagerly.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
+# Batched decode graphs kept per executor, the least recently used going first: every batch bucket
+# at 6 widths (1.5K positions) of one segment; their activations share one pool per device.
+BATCH_GRAPHS = 48
 
 # Runs a segment eagerly (what a capture records): (segment, hidden state, step, all logits) -> output
 RunSegment = Callable[[Segment, torch.Tensor, Step, bool], torch.Tensor]
 PromptKey = tuple[int, int, int, bool]  # (segment, tokens, position, all logits)
+BatchKey = tuple[int, int, int]  # (segment, batch bucket, table width in blocks)
+# Runs a segment's batched decode step eagerly: (hidden state [B, E], positions [B], tables [B, W]) -> output
+RunBatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def batch_bucket(n: int) -> int | None:
+    """The batch size a decode step of `n` sequences is padded to: the smallest of BATCH_BUCKETS at
+    least n; None past the last (the step runs eagerly)."""
+    return next((b for b in BATCH_BUCKETS if b >= n), None)
+
+
+def width_bucket(n_read: int, block_rows: int, seq_ctx: int) -> int:
+    """The blocks of a batched decode graph's tables for sequences whose longest reads `n_read`
+    positions: rounded up to GRAPH_BUCKET positions (a decode graph's bucket), at most a sequence's
+    `seq_ctx` (whole blocks), so one graph serves every context in that range."""
+    positions = min(-(-n_read // GRAPH_BUCKET) * GRAPH_BUCKET, seq_ctx)
+    return -(-positions // block_rows)
 
 
 @dataclass
@@ -59,6 +90,7 @@ class Graph:
     x_out: torch.Tensor
     pools: tuple = ()  # the peer GPUs' memory pools (row split): alive as long as the graph
     trips: tuple[Trip, ...] = ()
+    tables: torch.Tensor | None = None  # a batched decode step's block tables [B, W]
 
     def replay(self) -> None:
         self.graph.replay()
@@ -77,8 +109,14 @@ class GraphCache:
     prompt: dict[PromptKey, Graph] = field(default_factory=dict)  # least recently used first
     prompt_off: bool = False  # a prompt capture ran out of memory: prompts run eagerly from then on
     uncaptured: set[int] = field(default_factory=set)  # segments across GPUs this torch cannot capture
+    batch: dict[BatchKey, Graph] = field(default_factory=dict)  # least recently used first
+    batch_off: set[int] = field(default_factory=set)  # segments whose batched steps run eagerly
+    batch_captures: int = 0  # batched decode graphs captured, and steps replayed (tests count them)
+    batch_replays: int = 0
     _prompt_shapes_seen: set[PromptKey] = field(default_factory=set)
     _pools: dict[torch.device, tuple[int, int]] = field(default_factory=dict)
+    _batch_pools: dict[torch.device, tuple[int, int]] = field(default_factory=dict)
+    _batch_outs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # by (segment, bucket)
     _streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict)
 
     def replay_decode(
@@ -162,6 +200,92 @@ class GraphCache:
             "llmx: no GPU memory left to capture prompt graphs; prompts run without them", stacklevel=4
         )
 
+    def replay_batch(
+        self,
+        k: int,
+        seg: Segment,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        run: RunBatch,
+    ) -> torch.Tensor | None:
+        """A batched decode step of segment k from the graph of its shape (`x` [B, E] of a batch
+        bucket, `tables` [B, W] of a width bucket; captured on first use after a warm-up that `run`s
+        the step eagerly): the inputs are copied into the graph's (`positions` and `tables` may be on
+        the host, pinned: copied without waiting), the graph replayed, its output returned (valid
+        until this segment's next step). None where a capture failed, for this segment from then on
+        (a warning says so): the step runs eagerly."""
+        if k in self.batch_off:
+            return None
+        key = (k, x.shape[0], tables.shape[1])
+        g = self.batch.pop(key, None)
+        if g is None:
+            if len(self.batch) >= BATCH_GRAPHS:  # dicts keep order: the first is the oldest
+                del self.batch[next(iter(self.batch))]
+            try:
+                g = self._capture_batch(k, seg, x, positions, tables, run)
+            except Exception as e:  # any failure (memory, an op that cannot be captured): eager steps
+                self._stop_batch_graphs(k, e)
+                return None
+            self.batch_captures += 1
+        self.batch[key] = g  # most recently used last
+        assert g.tables is not None
+        with current_device(seg.device):
+            g.x_in.copy_(x)
+            g.positions.copy_(positions, non_blocking=True)
+            g.tables.copy_(tables, non_blocking=True)
+            g.replay()
+        self.batch_replays += 1
+        return g.x_out
+
+    def _capture_batch(
+        self,
+        k: int,
+        seg: Segment,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        run: RunBatch,
+    ) -> Graph:
+        """Capture segment `seg`'s batched decode step into its device's pool of batched graphs (they
+        never run at the same time, and each one's output is consumed before the segment's next step).
+        The step ends by copying its output into one buffer of its segment and batch bucket, which
+        every width's graph shares: so the pool reuses the memory of each graph's output (the logits
+        of 64 rows of a 128K vocabulary are 32 MB) rather than keeping one a graph."""
+        d, bucket = seg.device, x.shape[0]
+        x_in = x.clone()
+        p_in = positions.to(d, non_blocking=True).clone()
+        t_in = tables.to(d, non_blocking=True).clone()
+        pool = self._batch_pools.setdefault(d, torch.cuda.graph_pool_handle())
+
+        def body() -> torch.Tensor:
+            y = run(x_in, p_in, t_in)
+            out = self._batch_outs.get((k, bucket))
+            if out is None or out.shape != y.shape or out.dtype != y.dtype:  # the warm-up: not captured
+                out = self._batch_outs[(k, bucket)] = torch.empty_like(y)
+            return out.copy_(y)
+
+        with current_device(d):
+            graph, x_out, _, _ = self.record(d, body, warm_up=True, pool=pool)
+        return Graph(graph, x_in, p_in, x_out, tables=t_in)
+
+    def _stop_batch_graphs(self, k: int, e: Exception) -> None:
+        """Segment k's batched steps run eagerly from now on: a capture failed (out of memory: the
+        graphs' pool is memory the plan does not count; or an op this torch cannot capture)."""
+        self.batch_off.add(k)
+        for key in [key for key in self.batch if key[0] == k]:
+            del self.batch[key]
+        for key in [key for key in self._batch_outs if key[0] == k]:
+            del self._batch_outs[key]
+        if not self.batch:
+            self._batch_pools.clear()
+        torch.cuda.empty_cache()
+        warnings.warn(
+            f"llmx: a batched decode step could not be captured in a CUDA graph ({first_line(e)}); "
+            "batched steps run without one",
+            stacklevel=4,
+        )
+
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The one stream a GPU's captures (and their warm-ups) run on. Its own GPU's: torch.cuda.graph's
         default capture stream is made once, on whichever GPU captures first, and a second GPU's
@@ -184,40 +308,54 @@ class GraphCache:
         peers: Sequence[torch.device] = (),
         pieces: bool = False,
     ) -> Graph:
-        """Capture a step of `seg`. With `peers` (the other GPUs of row-split matrices and split
-        layers) their work runs on side streams forked from and joined to the capture stream, so one
-        graph records every GPU's kernels and copies; their allocations go to memory pools the graph
-        keeps. Such a graph is replayed once and must give the warm-up's output bit for bit, else
-        RuntimeError. `pieces` (never with peers): in pieces around the CPU experts of its layers."""
+        """Capture a step of `seg` (see `record`): its hidden state copied into `x_in`, which the
+        replays read."""
         x_in = x.clone()
-        stream = self._side_stream(seg.device)
-        stream.wait_stream(torch.cuda.current_stream(seg.device))
+        # a fresh Step each call, so the capture records its per-step gathers rather than reusing them
+        step = lambda: Step(positions, masked=True, n_read=n_read)  # noqa: E731
+        graph, x_out, trips, pools = self.record(
+            seg.device, lambda: self.run(seg, x_in, step(), all_logits), warm_up, pool, peers, pieces
+        )
+        return Graph(graph, x_in, positions, x_out, pools, trips)
+
+    def record(
+        self,
+        device: torch.device,
+        body: Callable[[], torch.Tensor],
+        warm_up: bool,
+        pool: tuple[int, int] | None = None,
+        peers: Sequence[torch.device] = (),
+        pieces: bool = False,
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[Trip, ...], tuple]:
+        """Capture `body` (a step's work on `device`, reading static inputs, each call making its
+        per-step tensors afresh) -> (graph, its output, trips, peer pools). With `warm_up` it runs once
+        outside the graph first (Triton autotuning, lazy allocations, RoPE tables) on the side stream,
+        as capture requires; it computes exactly what the replay will. With `peers` (the other GPUs of
+        row-split matrices and split layers) their work runs on side streams forked from and joined to
+        the capture stream, so one graph records every GPU's kernels and copies; their allocations go
+        to memory pools the graph keeps. Such a graph is replayed once and must give the warm-up's
+        output bit for bit, else RuntimeError. `pieces` (never with peers): in pieces around the CPU
+        experts of its layers."""
+        stream = self._side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         sides = {d: self._side_stream(d) for d in peers}
         warm = None
         if warm_up:
-            # Warm up outside the graph (Triton autotuning, lazy allocations, RoPE tables) on the side
-            # stream, as capture requires; it computes exactly what the replay will. The capture gets
-            # a fresh Step so its per-step gathers are recorded, not reused.
             with torch.cuda.stream(stream), forked(stream, sides, {}):
-                warm = self.run(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
-            torch.cuda.current_stream(seg.device).wait_stream(stream)
+                warm = body()
+            torch.cuda.current_stream(device).wait_stream(stream)
         if pieces:
-            graph, x_out, trips = capture_in_pieces(
-                lambda: self.run(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits),
-                stream,
-                pool,
-            )
-            return Graph(graph, x_in, positions, x_out, trips=trips)
+            graph, x_out, trips = capture_in_pieces(body, stream, pool)
+            return graph, x_out, trips, ()
         pools = {d: torch.cuda.MemPool() for d in peers}
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream), forked(stream, sides, pools):
-            x_out = self.run(seg, x_in, Step(positions, masked=True, n_read=n_read), all_logits)
-        g = Graph(graph, x_in, positions, x_out, tuple(pools.values()))
+            x_out = body()
         if peers and warm is not None:
             graph.replay()
             if not torch.equal(x_out, warm):
                 raise RuntimeError("the captured step differs from the eager one")
-        return g
+        return graph, x_out, (), tuple(pools.values())
 
 
 @contextlib.contextmanager

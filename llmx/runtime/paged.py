@@ -16,8 +16,9 @@ no ring wraps over a shared position.
 `SequenceKV` is one sequence's view of one layer for one step (an `ops.LayerKV`): it stores the
 step's rows through the cache's writer (`cache.store_rows`) and returns the sequence's rows gathered
 in position order, so the existing attention ops read them as they read a contiguous cache.
-`DecodeTokens` is the decode tokens of several sequences in one layer for one step: on the CPU one
-native call stores them all and attends each over its blocks where they lie (no gather).
+`DecodeTokens` is the decode tokens of several sequences in one layer for one step: one call stores
+them all and attends each over its blocks where they lie (no gather): the native kernel on the CPU,
+Triton's paged decode kernel (`kernels.decode_attention.paged_decode_attention`) on a GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from llmx.kernels import cpu_attention
 from llmx.ops.cached_attention import AttentionKernels
 from llmx.ops.rope import Rope
 from llmx.quant import QType
+from llmx.quant.triton.launch import has_triton
 from llmx.runtime.blocks import BlockPool, BlockTable
 from llmx.runtime.cache import KVCache, head_dim, kv_buffer, store_rows
 
@@ -103,9 +105,20 @@ class PagedKVCache:
         width = max(len(t.blocks) for t in tables)
         return torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t in tables], dtype=torch.int32)
 
+    def decodes_every_layer(self, width: int) -> bool:
+        """Whether `DecodeTokens` takes the decode tokens of every layer (on a GPU, or anywhere with
+        `kernels.decode` "on"): queries `width` wide, every pool's keys and values as wide, the
+        kernels not "off". A padded batched decode step (`runtime.batch.decode_padded`) needs it."""
+        kt, vt = self.types or (None, None)
+        widths = {width}
+        for k, v in zip(self.k, self.v, strict=True):
+            typed = kt is not None and vt is not None
+            widths |= {head_dim(k, kt), head_dim(v, vt)} if typed else {k.shape[-1], v.shape[-1]}
+        return self.kernels.decode != "off" and len(widths) == 1
+
     def decode(self, i: int, tables: torch.Tensor, positions: torch.Tensor) -> DecodeTokens:
         """Layer i's view for one token of each of several sequences: sequence b's at positions[b]
-        (int64 [B]) in its blocks tables[b] (`tables`), both on the CPU."""
+        (int64 [B]) in its blocks tables[b] (`tables`), both on the pool's device."""
         k, v = self.k[i], self.v[i]
         return DecodeTokens(k, v, self.types, self.kernels, self.block_rows, tables, positions)
 
@@ -144,7 +157,7 @@ class SequenceKV:
 class DecodeTokens:
     """One layer's pools k, v [rows, Hk, row] (`types` as `SequenceKV`'s) and one token of each of B
     sequences: sequence b's at positions[b] (int64 [B]), its blocks of `block_rows` rows in
-    tables[b] (int32 [B, most blocks]), on the CPU."""
+    tables[b] (int32 [B, most blocks]), on the pools' device."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -158,19 +171,30 @@ class DecodeTokens:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
         sin: torch.Tensor, window: int | None, scale: float | None, softcap: float | None,
     ) -> torch.Tensor | None:  # fmt: skip
-        """`ops.rope_attention` of the B tokens in one native call: q [B, H, D], k and v [B, Hk, D]
-        float32, cos and sin [B, n_dims / 2] their angles -> [B, H * D], each k rotated and stored
-        with its v at its position, each token attending its positions up to its own (the last
-        `window`, for a sliding window). None, nothing written, where the native kernel does not take
-        the step: a GPU, a softcap, unequal head widths, a type or shape it lacks, or `kernels.decode`
-        "off" (as for one sequence's decode, `runtime.cache.LayerWriter`)."""
-        cpu = not q.is_cuda and q.dtype == torch.float32 and self.k.device.type == "cpu"
-        if not cpu or self.kernels.decode == "off" or softcap is not None:
-            return None
-        types = self.types
+        """`ops.rope_attention` of the B tokens in one call: q [B, H, D], k and v [B, Hk, D], cos and
+        sin [B, n_dims / 2] their angles -> [B, H * D], each k rotated and stored with its v at its
+        position, each token attending its positions up to its own (the last `window`, for a sliding
+        window). As for one sequence's decode (`runtime.cache.LayerWriter`): Triton's kernel where
+        everything lives on one GPU (or anywhere with `kernels.decode` "on": the interpreter on the
+        CPU), else the native one for float32 on the CPU. None, nothing written, where neither takes
+        the step: unequal head widths, a pool on the CPU for a GPU's step (--no-kv-offload), on the
+        CPU a softcap or a type or shape the native kernel lacks, or `kernels.decode` "off"."""
+        mode, types = self.kernels.decode, self.types
         widths = (self.k.shape[-1], self.v.shape[-1]) if types is None else (
             head_dim(self.k, types[0]), head_dim(self.v, types[1]))  # fmt: skip
-        if not q.shape[-1] == v.shape[-1] == widths[0] == widths[1]:
+        if mode == "off" or not q.shape[-1] == v.shape[-1] == widths[0] == widths[1]:
+            return None
+        if mode == "on" or (q.is_cuda and has_triton()):
+            if not q.device == self.k.device == self.v.device == self.tables.device == self.positions.device:
+                return None
+            from llmx.kernels.decode_attention import paged_decode_attention
+
+            return paged_decode_attention(
+                q, k, v, cos, sin, self.k, self.v, self.tables, self.positions, block_rows=self.block_rows,
+                n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window, types=types,
+            )  # fmt: skip
+        cpu = not q.is_cuda and q.dtype == torch.float32 and self.k.device.type == "cpu"
+        if not cpu or softcap is not None:
             return None
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return cpu_attention.paged_rope_decode_attention(
