@@ -128,23 +128,22 @@ def prefill_kernel(
             True, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
         )  # fmt: skip
     else:
-        # Keys [lo, hi) are visible to some query of the tile, [full_lo, full_hi) to all of them.
+        # Keys [lo, hi) are visible to some query of the tile, [full_lo, full_hi) to all of them:
+        # masked blocks [lo, a) (a window's edge), unmasked [a, b), masked [b, hi) (the diagonal).
         hi = tl.minimum(p_last + 1, n_read)
         full_hi = tl.minimum(p_first + 1, n_read)
-        lo = 0
-        full_lo = 0
+        a = 0
         if WINDOW:
             lo = tl.maximum(p_first + 1 - window, 0)
             full_lo = tl.maximum(p_last + 1 - window, 0)
-        # masked blocks [start, a), unmasked [a, b), masked [b, hi)
-        start = lo // BLOCK_N * BLOCK_N
-        a = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), hi)
+            start = lo // BLOCK_N * BLOCK_N
+            a = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), hi)
+            acc, m_i, l_i = _attend(
+                acc, m_i, l_i, q, qpos, start, a, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h,
+                sv_n, sv_h, n_read, window, scale, softcap, d, dmask,
+                True, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
+            )  # fmt: skip
         b = tl.maximum(full_hi // BLOCK_N * BLOCK_N, a)
-        acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, qpos, start, a, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
-            sv_h, n_read, window, scale, softcap, d, dmask,
-            True, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
-        )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, qpos, a, b, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
             sv_h, n_read, window, scale, softcap, d, dmask,
