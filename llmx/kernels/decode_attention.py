@@ -51,20 +51,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from llmx.kernels import cache_rows
+from llmx.kernels.cache_rows import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TL_DTYPE, dot, load_rows
 from llmx.quant import QType
-from llmx.quant.reference import IQ4_LEVELS
 from llmx.quant.triton import activation, launch
 from llmx.quant.triton.dot8 import store_quantized_block
 
 BLOCK_N = 64  # keys per loop step
 INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's, so tests split as it does
-_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-# A cache type's code in the kernel (0: float, read in its dtype), ordered so that ranges name the
-# layouts' traits: Q5_0..Q5_1 have fifth bits, Q5_1..Q4_1 a minimum; then its block's bytes.
-# Compiled kernels read module globals only as tl.constexpr (Triton's interpreter reads any).
-_BLOCKS = {"Q8_0": (1, 34), "Q4_0": (2, 18), "IQ4_NL": (3, 18), "Q5_0": (4, 22), "Q5_1": (5, 24),
-           "Q4_1": (6, 20)}  # fmt: skip
-Q8_0, Q4_0, IQ4_NL, Q5_0, Q5_1, Q4_1 = (tl.constexpr(code) for code, _ in _BLOCKS.values())
 
 
 def decode_attention(
@@ -165,25 +159,25 @@ def _launch(
     # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
     # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth).
     stages = 1 if torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
-    (kt, kb), (vt, vb) = (_BLOCKS.get(t.name, (0, 0)) for t in types or ()) if types else ((0, 0), (0, 0))
+    (kt, kb), (vt, vb) = cache_rows.codes(types)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache does
-    dot = (
+    dot_type = (
         tl.float32
         if not q.is_cuda
         else tl.float16
         if k_cache.dtype == torch.uint8
-        else _TL_DTYPE[k_cache.dtype]
+        else TL_DTYPE[k_cache.dtype]
     )
     pdl = launch.programmatic_launch(q.device)  # after the q/k/v GEMV: resident as it ends
     attention_kernel[(n_kv, splits, n_seq)](
-        q, k, v, cos, sin, positions, tables, k_cache, v_cache, partial, stats, _levels(q.device),
+        q, k, v, cos, sin, positions, tables, k_cache, v_cache, partial, stats, cache_rows.levels(q.device),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         tables.stride(0),
         n_read, k_cache.shape[0], window or 0, 1.0 / math.sqrt(d) if scale is None else scale,
         softcap or 1.0, splits,
         G=n_head // n_kv, D=d, N_DIMS=n_dims, NEOX=neox, WINDOW=window is not None,
-        SOFTCAP=softcap is not None, DOT=dot, KT=kt, KB=kb, VT=vt, VB=vb,
+        SOFTCAP=softcap is not None, DOT=dot_type, KT=kt, KB=kb, VT=vt, VB=vb,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         PAGED=paged is not None, BR=block_rows, WAIT=pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
@@ -195,12 +189,6 @@ def _launch(
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
-
-
-@cache
-def _levels(device: torch.device) -> torch.Tensor:
-    """IQ4_NL's 16 levels as float32 on `device`, for the kernel to look codes up in."""
-    return torch.from_numpy(IQ4_LEVELS).float().to(device)
 
 
 @cache
@@ -233,16 +221,6 @@ def _rotate(ptrs, d, mask, cos_ptr, sin_ptr, N_DIMS: tl.constexpr, NEOX: tl.cons
     cos = tl.load(cos_ptr + angle, mask=rotating, other=1.0)
     sin = tl.load(sin_ptr + angle, mask=rotating, other=0.0)
     return x * cos + tl.where(first, -xp, xp) * sin
-
-
-@triton.jit
-def _dot(a, b, DOT: tl.constexpr):
-    """a @ b accumulated in float32; float32 operands in full precision, not tf32."""
-    a, b = a.to(DOT), b.to(DOT)
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -305,19 +283,19 @@ def attention_kernel(
             r64 = (block * BR + rows % BR)[:, None]
         else:
             r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
-        keys = _load_rows(kc_ptr + r64 * skc_n + kvh * skc_h, d[None, :], tile, levels_ptr, KT, KB)
+        keys = load_rows(kc_ptr + r64 * skc_n + kvh * skc_h, d[None, :], tile, levels_ptr, KT, KB)
         keys = tl.where(fresh, k_new[None, :], keys)
-        s = _dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
+        s = dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
         # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
         s = softcap * (2.0 * tl.sigmoid(s * (2.0 * scale / softcap)) - 1.0) if SOFTCAP else s * scale
         s = tl.where(rmask[None, :], s * 1.4426950408889634, float("-inf"))  # to log2 units for exp2
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a visible key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        values = _load_rows(vc_ptr + r64 * svc_n + kvh * svc_h, d[None, :], tile, levels_ptr, VT, VB)
+        values = load_rows(vc_ptr + r64 * svc_n + kvh * svc_h, d[None, :], tile, levels_ptr, VT, VB)
         values = tl.where(fresh, v_new[None, :], values)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p, values, DOT)
+        acc = acc * alpha[:, None] + dot(p, values, DOT)
         m_i = m_new
 
     # The chunk holding pos stores this step's key and value. After the loop: the interpreter runs
@@ -345,48 +323,8 @@ def attention_kernel(
     tl.store(stats_ptr + base * 2 + 1, l_i, mask=gmask)
 
 
-# --- cache blocks: GGUF's layouts (ggml-common.h), read and written a head's row at a time -------------
-# Every block type here holds 32 values: an f16 scale d (Q4_1, Q5_1: then an f16 minimum m), Q5's 32
-# fifth bits (qh, a little-endian uint32), then codes: Q8_0's 32 int8, the others' 16 bytes of
-# nibbles (byte l: value l low, value l + 16 high), the block's last 16 bytes.
-
-
-@triton.jit
-def _f16_at(ptrs, mask):
-    """The f16 fields at byte pointers `ptrs` (even offsets), as float32."""
-    return tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_rows(row_ptrs, d, mask, levels_ptr, QT: tl.constexpr, QB: tl.constexpr):
-    """Values d of the cache rows at `row_ptrs` (a head's start in each row) as float32 (a block
-    type's dequantized: d * code (+ m), IQ4_NL's code its level), or in the cache's dtype."""
-    # One return at the end: Triton 3.6 compiles the statements after a constexpr branch's return
-    # too, and refuses returns of different types (the cache's dtype, float32).
-    if QT == 0:
-        values = tl.load(row_ptrs + d, mask=mask, other=0.0)
-    else:
-        j = d % 32
-        block = row_ptrs + (d // 32) * QB
-        scale = _f16_at(block, mask)
-        if QT == Q8_0:
-            codes = tl.load((block + 2 + j).to(tl.pointer_type(tl.int8)), mask=mask, other=0)
-            values = scale * codes.to(tl.float32)
-        else:
-            nibbles = tl.load(block + (QB - 16) + j % 16, mask=mask, other=0).to(tl.int32)
-            code = (nibbles >> ((j // 16) * 4)) & 15
-            if QT >= Q5_0 and QT <= Q5_1:
-                qh = tl.load(block + (QB - 20) + j // 8, mask=mask, other=0).to(tl.int32)
-                code = code | (((qh >> (j % 8)) & 1) << 4)
-            if QT == IQ4_NL:
-                values = scale * tl.load(levels_ptr + code)
-            elif QT == Q4_0:
-                values = scale * (code - 8).to(tl.float32)
-            elif QT == Q5_0:
-                values = scale * (code - 16).to(tl.float32)
-            else:
-                values = scale * code.to(tl.float32) + _f16_at(block + 2, mask)
-    return values
+# --- cache blocks: GGUF's layouts (ggml-common.h), written a head's row at a time --------------------
+# The layouts are described with the reader, `cache_rows.load_rows`.
 
 
 @triton.jit
@@ -441,7 +379,7 @@ def _inverse(d):
 
 @triton.jit
 def _blocks_value(codes, d, m, levels_ptr, QT: tl.constexpr, BLOCK_D: tl.constexpr):
-    """What `_load_rows` reads back from `_quantize`'s blocks: [BLOCK_D] float32."""
+    """What `cache_rows.load_rows` reads back from `_quantize`'s blocks: [BLOCK_D] float32."""
     if QT == IQ4_NL:
         v = d[:, None] * tl.load(levels_ptr + codes)
     elif QT == Q4_0:

@@ -2,7 +2,9 @@
 at a time: the scores and the dequantized keys and values never cover more than CHUNK_ROWS keys, so
 a long context costs no cache-sized float copy. Online softmax (running max and sum per query, as
 flash attention keeps them) joins the chunks. The eager path for quantized caches: prompts on the
-CPU and (until a flash prefill kernel reads blocks) on GPUs, and the steps no fused kernel takes.
+CPU, and the steps no fused kernel takes (on a GPU, prompt batches take the Triton flash kernel,
+`kernels.prefill_attention`, which reads the blocks in place, unless `-fa off` or
+`AttentionKernels.prefill` "off").
 """
 
 from __future__ import annotations

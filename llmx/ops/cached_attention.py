@@ -2,9 +2,12 @@
 
 Which kernels run is an `AttentionKernels` value, chosen once at load and held by the cache (whose
 layer object runs the fused ones, being the only writer of its buffers): with `-fa on`/`auto`
-one-token steps take the fused kernels (Triton on a GPU, native on the CPU) and prompt batches
-PyTorch's flash kernels (on the CPU too: a long context never stores a prompt batch's scores); with
-`-fa off` attention materializes the scores, as llama.cpp's does (a chunk of heads at a time: `-amb`).
+one-token steps take the fused kernels (Triton on a GPU, native on the CPU), and prompt batches on a
+GPU Triton's flash kernel (`kernels.prefill_attention`: every cache type, float or GGUF blocks read
+in place, GQA without copying the cache per group, sliding windows, rings and soft-capping), on the
+CPU PyTorch's flash kernel (a long context never stores a prompt batch's scores; `block_attention`
+for block caches); with `-fa off` attention materializes the scores, as llama.cpp's does (a chunk of
+heads at a time: `-amb`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from llmx.ops.masks import ring_mask
 from llmx.ops.rope import Rope
 from llmx.plan.memory import score_heads
 from llmx.quant import QType
+from llmx.quant.triton.launch import has_triton
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,9 @@ class AttentionKernels:
     `decode`, for one-token steps: "auto" the fused kernels (RoPE, cache write and attention: Triton
     on a GPU, native on the CPU); "on" the Triton kernel on the CPU too (tests, TRITON_INTERPRET=1);
     "off" PyTorch's ops.
+    `prefill`, for prompt batches with `flash`: "auto" the Triton flash kernel on a GPU
+    (`kernels.prefill_attention`); "on" on the CPU too (tests, TRITON_INTERPRET=1); "off" PyTorch's
+    SDPA for float caches and `block_attention` for block caches (the path before the kernel).
     `max_score_bytes`: with `-fa off`, the math path's cap on the scores it stores at once (`-amb`,
     0 = none): it attends `plan.memory.score_heads` query heads at a time.
     """
@@ -40,6 +47,7 @@ class AttentionKernels:
     flash: bool = True
     decode: str = "auto"
     max_score_bytes: int = 0
+    prefill: str = "auto"
 
     @classmethod
     def choose(cls, flash_attn: str, fused: str, max_batch_mib: int = 0) -> AttentionKernels:
@@ -123,16 +131,45 @@ def cached_attention(
     its first n_read rows: q [T, H, D], k and v [T, Hk, D] -> [T, H * D]."""
     keys, values = cache(k, v)
     ring = cache.key_positions()
+    if flash_prefill(q, keys, values, cache):
+        from llmx.kernels.prefill_attention import prefill_attention
+
+        return prefill_attention(
+            q, keys, values, cache.positions, types=cache.types, key_positions=ring, window=window,
+            scale=scale, softcap=softcap,
+        )  # fmt: skip
     if ring is not None:  # a sliding-window layer's ring: rows are not in position order
         mask = ring_mask(cache.positions, ring, window).to(q.device)  # --no-kv-offload: from the CPU
     if cache.types is not None:
         return block_attention(q, keys, values, cache.types, mask, scale, softcap)
-    # A prompt batch ends at the last cached key, so its mask is causal aligned to the bottom right,
-    # unless a sliding window cuts in; then a GPU can attend without materializing the scores.
+    # Without the Triton kernel (`prefill` "off"): a prompt batch ends at the last cached key, so its
+    # mask is causal aligned to the bottom right, unless a sliding window cuts in; then a GPU can
+    # attend without materializing the scores.
     whole = window is None or cache.n_read <= window
     if cache.kernels.flash and q.is_cuda and q.shape[0] > 1 and softcap is None and whole:
         return causal_prompt_attention(q, keys, values, scale)
     return attention(q, keys, values, mask, scale, softcap, cache.kernels)
+
+
+def flash_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache: LayerKV) -> bool:
+    """Whether a step takes the Triton flash kernel (`kernels.prefill_attention`): a prompt batch
+    (T > 1) with `-fa on`/`auto` on a GPU (anywhere with `prefill` "on"), its keys and values heads
+    of q's width (at most 256), and Triton at hand."""
+    mode = cache.kernels.prefill
+    if not cache.kernels.flash or mode == "off" or q.shape[0] < 2:
+        return False
+    if mode == "auto" and not (q.is_cuda and has_triton()):
+        return False
+    types = cache.types or (None, None)
+    widths = [_head_width(x, qt) for x, qt in zip((keys, values), types, strict=True)]
+    return q.shape[-1] <= 256 and widths == [q.shape[-1]] * 2 and keys.device == values.device == q.device
+
+
+def _head_width(rows: torch.Tensor, qt: QType | None) -> int:
+    """The values a head holds in cache rows [N, Hk, row] of type `qt` (None: float)."""
+    if qt is None or qt.is_float:
+        return rows.shape[-1]
+    return rows.shape[-1] // qt.block_bytes * qt.block_elems
 
 
 def causal_prompt_attention(
@@ -196,7 +233,7 @@ def attention(
         # which reach PyTorch's fused kernels (the CPU's flash attention: 3-5x faster per step than
         # the math path that 3-D tensors take).
         out = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], scale=scale, enable_gqa=True)[0]
-    else:  # a GPU's masked prompt (a sliding window the flash path does not take)
+    else:  # a GPU's masked prompt without the Triton kernel (a sliding window SDPA's causal path lacks)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).reshape(t, n_head * head_dim).to(q.dtype)
 

@@ -1,0 +1,207 @@
+"""A prompt batch's attention over the KV cache in one Triton launch: flash attention (tiles of keys,
+online softmax; the scores never leave registers) over cache rows of any cache type.
+
+T queries at `positions` (ascending: a prompt chunk, the last T of the n_read rows read) attend over
+cache rows 0..n_read-1, a key visible when its position k satisfies k <= p (and p - window < k for a
+sliding window), as `ops.causal_mask` and `ops.ring_mask` say. The rows are float (f32, f16, bf16)
+or GGUF blocks (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; K and V each their own type), dequantized as
+a tile is loaded (`cache_rows.load_rows`), so a quantized cache costs no float copy either.
+
+Grid (tiles, Hk): for KV head h the G = H/Hk query heads of its group are rows t * G + g of one
+[T * G, D] matrix, cut into tiles of BLOCK_M rows (BLOCK_M / G consecutive queries), so every key
+and value tile is loaded once for the whole group (no `repeat_interleave` of the cache). A tile's
+keys split into ranges by what its queries see (from the positions, read on the device, so a CUDA
+graph replays it): blocks of keys visible to every query of the tile go without a mask, blocks on
+the diagonal or the window's edge with one, and blocks that no query of the tile sees are never
+read. A ring cache (a sliding-window layer's, once wrapped: `key_positions` gives each row's
+position) is read whole, masked by those positions.
+
+Scores, softmax and sums are float32 (softcap * tanh(s / softcap) for Gemma 2's soft-capping); the
+two products take f16 operands for the block types and f16 caches, bf16 for bf16 caches (tensor
+cores), float32 for f32 caches and under TRITON_INTERPRET=1 (numpy cannot multiply bf16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from llmx.kernels import cache_rows
+from llmx.kernels.cache_rows import TL_DTYPE, dot, load_rows
+from llmx.quant import QType
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    types: tuple[QType, QType] | None = None,
+    key_positions: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """q [T, H, D] at `positions` [T] (ascending) over cache rows k, v [N, Hk, row]: float rows of D
+    values, or uint8 GGUF blocks of `types` (K's, V's; None: float caches). Row n holds position n,
+    or `key_positions`[n] for a ring (negative: never written). Scores scaled by `scale` (default
+    1/sqrt(D)), then soft-capped where `softcap` is set. `block_m`/`block_n` override the tiles
+    (tests). Returns [T, H * D] in q's dtype."""
+    t, n_head, d = q.shape
+    n_read, n_kv = k.shape[0], k.shape[1]
+    group = n_head // n_kv
+    (kt, kb), (vt, vb) = cache_rows.codes(types)
+    # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache's do
+    dot_type = tl.float32 if not q.is_cuda else tl.float16 if k.dtype == torch.uint8 else TL_DTYPE[k.dtype]
+    bm, bn, warps, stages = _tiles(d, q.is_cuda, torch.float32 in (k.dtype, v.dtype))
+    bm, bn = block_m or bm, block_n or bn
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    positions = positions.to(q.device)
+    ring = key_positions is not None
+    kpos = key_positions.to(q.device) if ring else positions  # not read without a ring
+    out = torch.empty(t, n_head * d, dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(t * group, bm), n_kv)
+    prefill_kernel[grid](
+        q, k, v, out, positions, kpos, cache_rows.levels(q.device),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        t, n_read, window or 0, 1.0 / math.sqrt(d) if scale is None else scale, softcap or 1.0,
+        G=group, D=d, WINDOW=window is not None, SOFTCAP=softcap is not None, RING=ring, DOT=dot_type,
+        KT=kt, KB=kb, VT=vt, VB=vb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def _tiles(d: int, cuda: bool, wide: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head dim `d`; `wide`: a float32 cache.
+
+    On a GPU: 128 query rows x 64 keys for D <= 128 (K and V tiles of 16 KB each a stage in f16);
+    64 x 64 for D = 256 at two stages (64 KB of K and V a stage, 128 KB in all, under an H100's
+    227 KB of shared memory); float32 operands halve the keys and, at D = 256, go unpipelined. The
+    interpreter takes small tiles, so tests cross many tile edges on small shapes."""
+    if not cuda:
+        return 16, 16, 4, 1
+    if d <= 128:
+        return (128, 32, 8, 2) if wide else (128, 64, 8 if d > 64 else 4, 3)
+    return (64, 32, 8, 1) if wide else (64, 64, 8, 2)
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, kpos_ptr, levels_ptr,
+    sq_t, sq_h, sk_n, sk_h, sv_n, sv_h,
+    n_q, n_read, window, scale, softcap,
+    G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, RING: tl.constexpr,
+    DOT: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr, VB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    tile, kvh = tl.program_id(0), tl.program_id(1)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # rows t * G + g of this KV head's queries
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qt = tl.minimum(r // G, n_q - 1)  # rows past the last query repeat it (never stored)
+    heads = kvh * G + r % G
+    q_ptrs = q_ptr + qt[:, None].to(tl.int64) * sq_t + heads[:, None] * sq_h + d[None, :]
+    q = tl.load(q_ptrs, mask=dmask[None, :], other=0.0).to(DOT)
+    qpos = tl.load(pos_ptr + qt).to(tl.int32)
+    p_first = tl.load(pos_ptr + (tile * BLOCK_M) // G).to(tl.int32)
+    p_last = tl.load(pos_ptr + tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, n_q - 1)).to(tl.int32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if RING:  # rows in no position order: all of them, masked by the positions they hold
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, qpos, 0, n_read, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
+            sv_h, n_read, window, scale, softcap, d, dmask,
+            True, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
+        )  # fmt: skip
+    else:
+        # Keys [lo, hi) are visible to some query of the tile, [full_lo, full_hi) to all of them:
+        # masked blocks [lo, a) (a window's edge), unmasked [a, b), masked [b, hi) (the diagonal).
+        hi = tl.minimum(p_last + 1, n_read)
+        full_hi = tl.minimum(p_first + 1, n_read)
+        a = 0
+        if WINDOW:
+            lo = tl.maximum(p_first + 1 - window, 0)
+            full_lo = tl.maximum(p_last + 1 - window, 0)
+            start = lo // BLOCK_N * BLOCK_N
+            a = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), hi)
+            acc, m_i, l_i = _attend(
+                acc, m_i, l_i, q, qpos, start, a, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h,
+                sv_n, sv_h, n_read, window, scale, softcap, d, dmask,
+                True, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
+            )  # fmt: skip
+        b = tl.maximum(full_hi // BLOCK_N * BLOCK_N, a)
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, qpos, a, b, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
+            sv_h, n_read, window, scale, softcap, d, dmask,
+            False, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, qpos, b, hi, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
+            sv_h, n_read, window, scale, softcap, d, dmask,
+            True, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
+        )  # fmt: skip
+
+    # every query sees at least its own key, so l_i > 0 for every row stored
+    out = acc / l_i[:, None]
+    o_row = qt[:, None].to(tl.int64) * (tl.num_programs(1) * G * D)  # out is [T, H * D]
+    o_ptrs = out_ptr + o_row + heads[:, None] * D + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(r < n_q * G)[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _attend(
+    acc, m_i, l_i, q, qpos, start, end, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n, sv_h,
+    n_read, window, scale, softcap, d, dmask,
+    MASK: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, RING: tl.constexpr, DOT: tl.constexpr,
+    KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr, VB: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Key blocks [start, end) (multiples of BLOCK_N) into the running (acc, max, sum) of the queries
+    q [BLOCK_M, BLOCK_D] at `qpos`; with MASK each key is checked against each query (and rows past
+    n_read dropped), without it every key is visible to every query."""
+    for n in range(start, end, BLOCK_N):
+        rows = n + tl.arange(0, BLOCK_N)
+        rmask = rows < n_read
+        tile = rmask[:, None] & dmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        keys = load_rows(k_ptr + r64 * sk_n + kvh * sk_h, d[None, :], tile, levels_ptr, KT, KB)
+        s = dot(q, tl.trans(keys.to(DOT)), DOT)  # [BLOCK_M, BLOCK_N]
+        # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
+        # (in log2 units, for exp2)
+        if SOFTCAP:
+            s = (softcap * LOG2E) * (2.0 * tl.sigmoid(s * (2.0 * scale / softcap)) - 1.0)
+        else:
+            s = s * (scale * LOG2E)
+        if MASK:
+            kpos = rows
+            if RING:
+                kpos = tl.load(kpos_ptr + rows, mask=rmask, other=-1).to(tl.int32)
+            visible = (kpos[None, :] <= qpos[:, None]) & (rmask & (kpos >= 0))[None, :]
+            if WINDOW:
+                visible = visible & (kpos[None, :] > qpos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that has seen no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        values = load_rows(v_ptr + r64 * sv_n + kvh * sv_h, d[None, :], tile, levels_ptr, VT, VB)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p, values.to(DOT), DOT)
+        m_i = m_new
+    return acc, m_i, l_i
