@@ -59,7 +59,8 @@ def reference(q, k, v, mask, scale, softcap) -> torch.Tensor:
     """float64 attention: q [T, H, D] over k, v [N, Hk, D] (float64), `mask` [T, N] -> [T, H * D]."""
     t, n_head, d = q.shape
     group = n_head // k.shape[1]
-    kh, vh = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    kh, vh = (x.to(q.device).repeat_interleave(group, 1) for x in (k, v))
+    mask = mask.to(q.device)
     s = torch.einsum("thd,nhd->htn", q.double(), kh) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
