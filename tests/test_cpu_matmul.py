@@ -147,7 +147,7 @@ def test_float_weights(name):
 
 
 def test_leading_dims_and_shape_errors():
-    w, w64 = quant_weight("Q5_1", n=32, k=64)  # a type only the packed path takes
+    w, w64 = quant_weight("IQ4_NL", n=32, k=64)  # a type only the packed path takes
     x = torch.randn(2, 3, 64)
     y = linear(x, w)
     assert y.shape == (2, 3, 32)
@@ -170,9 +170,8 @@ def test_describe_names_the_packed_form():
         quant_weight("Q4_1", 16, 64)[0].describe() == "Q4_1 -> 4-bit codes, f32 scale + offset per 32 (exact)"
     )
     assert quant_weight("Q6_K", 16, 256)[0].describe() == "Q6_K -> int8 codes, f32 scale per 16 (exact)"
-    assert (
-        QWeight(torch.zeros(2, 22, dtype=torch.uint8), BY_NAME["Q5_0"], (2, 32)).describe().endswith("chunk)")
-    )
+    unpacked = QWeight(torch.zeros(2, 18, dtype=torch.uint8), BY_NAME["IQ4_NL"], (2, 32))
+    assert unpacked.describe().endswith("chunk)")
 
 
 @pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
