@@ -245,7 +245,7 @@ def test_tiny_prefill_equals_token_by_token_decode(tiny):
 def test_embedding_table_is_repacked_only_when_it_is_also_the_output(arch, packed, tmp_path):
     """Llama has its own output matrix, so its token-embedding table is only looked up (a few rows a
     step) and stays as raw blocks; Gemma 3's tied table is also the head's matrix, so it is packed.
-    (Q5_0: a type the native kernels do not take, which they would multiply unpacked.)"""
-    model = llmx.load(write_tiny(arch, "Q5_0", tmp_path), ctx_size=64)
+    (IQ4_NL: a type the native kernels do not take, which they would multiply unpacked.)"""
+    model = llmx.load(write_tiny(arch, "IQ4_NL", tmp_path), ctx_size=64)
     table = model.engine.executor.model.top.token_embd
     assert (table.packed is not None) is packed
