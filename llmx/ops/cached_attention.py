@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from llmx.ops.block_attention import block_attention
 from llmx.ops.masks import ring_mask
 from llmx.ops.rope import Rope
-from llmx.plan.memory import score_heads
+from llmx.plan.memory import PREFILL_KERNEL_MAX_HEAD_DIM, score_heads
 from llmx.quant import QType
 from llmx.quant.triton.launch import has_triton
 
@@ -154,7 +154,7 @@ def cached_attention(
 def flash_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache: LayerKV) -> bool:
     """Whether a step takes the Triton flash kernel (`kernels.prefill_attention`): a prompt batch
     (T > 1) with `-fa on`/`auto` on a GPU (anywhere with `prefill` "on"), its keys and values heads
-    of q's width (at most 256), and Triton at hand."""
+    of q's width (at most PREFILL_KERNEL_MAX_HEAD_DIM), and Triton at hand."""
     mode = cache.kernels.prefill
     if not cache.kernels.flash or mode == "off" or q.shape[0] < 2:
         return False
@@ -162,7 +162,8 @@ def flash_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cac
         return False
     types = cache.types or (None, None)
     widths = [_head_width(x, qt) for x, qt in zip((keys, values), types, strict=True)]
-    return q.shape[-1] <= 256 and widths == [q.shape[-1]] * 2 and keys.device == values.device == q.device
+    narrow = q.shape[-1] <= PREFILL_KERNEL_MAX_HEAD_DIM
+    return narrow and widths == [q.shape[-1]] * 2 and keys.device == values.device == q.device
 
 
 def _head_width(rows: torch.Tensor, qt: QType | None) -> int:

@@ -52,6 +52,11 @@ def kv_read_bytes(layers: Iterable[tuple[float, int]], n_kv: float) -> float:
     return sum(per_position * min(n_kv, rows) for per_position, rows in layers)
 
 
+# The widest head the GPU's Triton prompt-attention kernel takes (`kernels.prefill_attention`: its
+# tiles' shared memory); `ops.cached_attention` sends wider heads to PyTorch's kernels.
+PREFILL_KERNEL_MAX_HEAD_DIM = 256
+
+
 def score_heads(n_head: int, n_queries: int, n_keys: int, max_bytes: int) -> int:
     """Query heads whose float32 scores [heads, n_queries, n_keys] attention computes at once: all of
     them, or under `-amb` (`max_bytes`; 0 = no cap) as many as keep the scores within it, at least one
@@ -135,9 +140,14 @@ def _attention_bytes(model: ModelSpec, ub: int, ctx: int, flash: bool, gpu: bool
         # The CPU's flash kernel (`ops.cached_attention.cpu_flash_attention`): K and V in f32, the
         # mask in bool and as the float bias the kernel adds (made twice over); no scores.
         return total + ctx * 2 * hk * d * F32 + ub * ctx * (1 + 2 * F32)
+    if flash and c.head_dim == c.head_dim_v <= PREFILL_KERNEL_MAX_HEAD_DIM:
+        # The GPU's Triton flash kernel (`kernels.prefill_attention`): the cache read in place, in its
+        # own type, every window and ring included; no scores, no copies of K and V.
+        return total
     if flash and not (c.sliding_window and c.sliding_window < ctx):
-        # PyTorch's fused causal kernels: no scores; after the first batch of a sequence K and V
-        # are repeated to every query head (the bottom-right causal variant needs it).
+        # PyTorch's fused causal kernels (heads wider than the Triton kernel's): no scores; after the
+        # first batch of a sequence K and V are repeated to every query head (the bottom-right causal
+        # variant needs it).
         return total + 2 * ctx * h * d * F16 + ub * h * d * F16
     # The masked math path (the CPU, a GPU's sliding-window layers, -fa off), a chunk of heads at a
     # time: q, K and V in f32, K and V repeated to the chunk's query heads and K scaled, then per
