@@ -6,8 +6,8 @@ float32-scaled form), and a decode step reads each byte once: `gemv` multiplies 
 per pass over the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one
 call; it reads x rounded to 16-bit codes per group of 32 (see cpu_blocks.c). Prompts dequantize chunks
 of rows with `dequantize_rows` for a dense `torch.mm`. `decode_attention` is one token's attention over
-a KV cache, `paged_rope_store_attend` a batch's decode tokens over the paged one (see
-`llmx.kernels.cpu_attention`).
+a KV cache, `Attention` a layer's whole decode step over its cache (RoPE, store, attend), and
+`paged_rope_store_attend` a batch's decode tokens over the paged one (see `llmx.kernels.cpu_attention`).
 
 The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second, linked to
 torch's own OpenMP runtime) into the cache directory, keyed by its source, the compiler, the CPU's
@@ -375,38 +375,37 @@ def decode_attention(
     return out
 
 
-def rope_store_attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    neox: bool,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    types: tuple[str, str],
-    slot: int,
-    n: int,
-    scale: float,
-) -> torch.Tensor:
-    """One token's attention step in one call: q [1, H, D] and k [1, Hk, D] float32 rotated by RoPE
-    (cos, sin [n_dims / 2] float32), k and v [1, Hk, D] stored (quantized, for a block type) as row
-    `slot` of the caches [rows, Hk, row] (contiguous, of the KV_TYPES `types`), then attention over
-    their first n rows (every key visible) -> [1, H * D] float32."""
-    lib = _library()
-    _, n_head, d = q.shape
-    n_kv = k.shape[1]
-    assert lib is not None and k_cache.is_contiguous() and v_cache.is_contiguous()
-    qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty(1, n_head * d, dtype=torch.float32)
-    err = lib.llmx_rope_store_attend(
-        qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
-        int(neox), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]], slot, n,
-        n_head, n_kv, d, scale, out.data_ptr(), _threads(lib),
-    )  # fmt: skip
-    assert err == 0, (n_head, n_kv, d, slot, n)
-    return out
+class Attention:
+    """One layer's cache on the CPU, kc and vc [rows, Hk, row] (contiguous, of the KV_TYPES `types`, equal
+    head widths D), made ready once for `llmx_rope_store_attend`: a decode step makes one call a layer,
+    so the cache's pointers and types are bound here rather than looked up at every call."""
+
+    def __init__(self, kc: torch.Tensor, vc: torch.Tensor, types: tuple[str, str], d: int) -> None:
+        lib = _library()
+        assert lib is not None and kc.is_contiguous() and vc.is_contiguous()
+        self._lib, self.caches = lib, (kc, vc)  # the caches kept alive with their pointers
+        self.rows, self.n_kv, self.d = kc.shape[0], kc.shape[1], d
+        self._cache = (kc.data_ptr(), vc.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]])
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        neox: bool, slot: int, n: int, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """One token's attention step in one call: q [1, H, D] and k [1, Hk, D] float32 rotated by RoPE
+        (cos, sin [1, n_dims / 2] float32), k and v [1, Hk, D] stored (quantized, for a block type) as
+        row `slot` of the caches, then attention over their first n rows (every key visible) -> [1, H * D]
+        float32."""
+        n_head = q.shape[1]
+        qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
+        cos, sin = cos.contiguous(), sin.contiguous()
+        out = torch.empty(1, n_head * self.d, dtype=torch.float32)
+        err = self._lib.llmx_rope_store_attend(
+            qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
+            int(neox), *self._cache, slot, n, n_head, self.n_kv, self.d, scale, out.data_ptr(),
+            _threads(self._lib),
+        )  # fmt: skip
+        assert err == 0, (n_head, self.n_kv, self.d, slot, n)
+        return out
 
 
 def paged_rope_store_attend(
