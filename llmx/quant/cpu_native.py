@@ -83,8 +83,9 @@ def bind(path: Path) -> ctypes.CDLL:
     """Load a build of `cpu_blocks.c` and declare its functions."""
     lib = ctypes.CDLL(str(path))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
-    lib.llmx_swiglu.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
+    lib.llmx_swiglu.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr]
+    lib.llmx_swiglu.argtypes += [ptr, ptr, i32]
     lib.llmx_moe_swiglu.argtypes = [i32, ptr, i64] * 3 + [i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, ptr, i64, i64, i64, i64, ptr, i32]
     lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, ptr, i32]
@@ -245,23 +246,36 @@ class Gemv:
             (ctypes.c_int64 * count)(*(raw.shape[1] for raw in self.raws)),
         )
 
-    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
-        return self._run(x2, self.n, self._lib.llmx_gemv_many)
+    def __call__(self, x2: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x2 [M, K] times the matrices, plus `residual` [M, N] where given (added in the same call)."""
+        return self._run(x2, self.n, residual, self._lib.llmx_gemv_many)
 
-    def swiglu(self, x2: torch.Tensor, down: Gemv) -> torch.Tensor:
+    def swiglu(self, x2: torch.Tensor, down: Gemv, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu(gate(x2)) * up(x2)) in one native call, this call being the joined gate and up
-        matrices (equal heights F) and `down` one matrix of F columns: [M, down.n]."""
-        return self._run(x2, down.n, self._lib.llmx_swiglu, *down._weights)
+        matrices (equal heights F) and `down` one matrix of F columns: [M, down.n], plus `residual`
+        [M, down.n] where given (a block's residual stream, added in the same call)."""
+        return self._run(x2, down.n, residual, self._lib.llmx_swiglu, *down._weights)
 
     def _run(
-        self, x2: torch.Tensor, n: int, entry: Callable[..., int], *weights_after_x: object
+        self,
+        x2: torch.Tensor,
+        n: int,
+        residual: torch.Tensor | None,
+        entry: Callable[..., int],
+        *weights_after_x: object,
     ) -> torch.Tensor:
-        """`entry`(this call's weights, K, x2, M, `weights_after_x`, y, threads) into y [M, n]."""
+        """`entry`(this call's weights, K, x2, M, `weights_after_x`, residual, y, threads) into y [M, n]."""
         assert x2.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
         x2 = x2.contiguous()
         m, k = x2.shape
         y = torch.empty((m, n), dtype=torch.float32)
-        err = entry(*self._weights, k, x2.data_ptr(), m, *weights_after_x, y.data_ptr(), _threads(self._lib))
+        res = None
+        if residual is not None:
+            assert residual.dtype == torch.float32 and residual.shape == y.shape
+            res = residual.contiguous()
+        res_ptr = None if res is None else res.data_ptr()
+        threads = _threads(self._lib)
+        err = entry(*self._weights, k, x2.data_ptr(), m, *weights_after_x, res_ptr, y.data_ptr(), threads)
         assert err == 0, (self.sizes, m)
         return y
 
