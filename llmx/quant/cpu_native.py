@@ -12,6 +12,8 @@ a KV cache, `Attention` a layer's whole decode step over its cache (RoPE, store,
 The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second, linked to
 torch's own OpenMP runtime) into the cache directory, keyed by its source, the compiler, the CPU's
 features and that runtime, and loaded with ctypes.
+Every call into it goes through `_issue`, so that a `Recording` can keep a step's calls in order (with
+their arguments and the buffers behind their pointers) for `llmx.runtime.cpu_replay` to make again.
 Without a C compiler, or with LLMX_CPU_GEMV=eager, `available` is False and these types take
 `cpu_pack`'s path, with a warning saying why.
 """
@@ -179,15 +181,65 @@ def _threads(lib: ctypes.CDLL) -> int:
     of their own (`llmx_pin_threads`: the calling thread stays free), unless LLMX_PIN_THREADS=0 or
     there are more threads than CPUs this process may use, and the GEMVs' prefetch distance is set
     for that many threads (`prefetch_distance`)."""
-    global _pinned_team
+    global _pinned_team, recording
     n = torch.get_num_threads()
     if n != _pinned_team:
         _pinned_team = n
-        cpus = sorted(os.sched_getaffinity(0))
-        if pin_threads() and 1 < n <= len(cpus):
-            lib.llmx_pin_threads((ctypes.c_int * n)(*cpus[:n]), n)
-        lib.llmx_set_prefetch(prefetch_distance(lib, n))
+        held, recording = recording, None  # the setup below (a timed GEMV) is no part of a step
+        try:
+            _set_up_team(lib, n)
+        finally:
+            recording = held
     return n
+
+
+def threads() -> int:
+    """The thread count the native calls take now (`_threads`)."""
+    lib = _library()
+    assert lib is not None
+    return _threads(lib)
+
+
+def _set_up_team(lib: ctypes.CDLL, n: int) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if pin_threads() and 1 < n <= len(cpus):
+        lib.llmx_pin_threads((ctypes.c_int * n)(*cpus[:n]), n)
+    lib.llmx_set_prefetch(prefetch_distance(lib, n))
+
+
+class Recording:
+    """A step's native calls as `_issue` made them while this was `recording`: each entry point with
+    its argument tuple, in order, and the tensors behind its pointers kept alive (`kept`). Arguments
+    that change from step to step are marked by the call that made them (`per_step`): an offset from
+    the step's `position`, which a replay adds to its own position."""
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+        self.calls: list[tuple[Callable[..., int | None], tuple, bool]] = []  # entry, args, threads last
+        self.fields: list[tuple[int, int, int]] = []  # (call, argument, offset from the position)
+        self.last_position = sys.maxsize  # the last position a replay of these calls may take
+        self.kept: list[object] = []
+
+    def per_step(self, arg: int, value: int, bound: int) -> None:
+        """Argument `arg` of the last call is the step's position plus a fixed offset (its `value` now)
+        and may be at most `bound`."""
+        offset = value - self.position
+        self.fields.append((len(self.calls) - 1, arg, offset))
+        self.last_position = min(self.last_position, bound - offset)
+
+
+recording: Recording | None = None  # where `_issue` keeps the calls it makes, when set
+
+
+def _issue(
+    entry: Callable[..., int | None], args: tuple, kept: tuple[object, ...], threads: bool = True
+) -> int | None:
+    """entry(*args), kept in the `recording` if one is on (`kept`: what args points into; `threads`:
+    the last argument is the thread count, which a replay reads again)."""
+    if recording is not None:
+        recording.calls.append((entry, args, threads))
+        recording.kept.extend(kept)
+    return entry(*args)
 
 
 def prefetch_distance(lib: ctypes.CDLL, threads: int) -> int:
@@ -275,7 +327,8 @@ class Gemv:
             res = residual.contiguous()
         res_ptr = None if res is None else res.data_ptr()
         threads = _threads(self._lib)
-        err = entry(*self._weights, k, x2.data_ptr(), m, *weights_after_x, res_ptr, y.data_ptr(), threads)
+        args = (*self._weights, k, x2.data_ptr(), m, *weights_after_x, res_ptr, y.data_ptr(), threads)
+        err = _issue(entry, args, (x2, res, y))
         assert err == 0, (self.sizes, m)
         return y
 
@@ -311,10 +364,10 @@ def moe_swiglu(
     threads = _threads(lib)
     for t0 in range(0, m, MOE_TOKENS):
         n = min(MOE_TOKENS, m - t0)
-        err = lib.llmx_moe_swiglu(
+        err = _issue(lib.llmx_moe_swiglu, (
             *args, n_expert, n_ff, n_embd, x2[t0].data_ptr(), n, k_used, ids[t0].data_ptr(),
             weights[t0].data_ptr(), y[t0].data_ptr(), threads,
-        )  # fmt: skip
+        ), (x2, ids, weights, y))  # fmt: skip
         assert err == 0, (shape, n, k_used)
     return y
 
@@ -344,9 +397,8 @@ def _dequantize(
     lib = _library()
     assert lib is not None and raw.is_contiguous() and out.is_contiguous() and out.shape == (n, k)
     id_ptr = None if ids is None else ids.data_ptr()
-    err = lib.llmx_dequantize_rows(
-        TYPES[qt.name], raw.data_ptr(), id_ptr, r0, n, raw.shape[1], k, out.data_ptr(), _threads(lib)
-    )
+    args = (TYPES[qt.name], raw.data_ptr(), id_ptr, r0, n, raw.shape[1], k, out.data_ptr(), _threads(lib))
+    err = _issue(lib.llmx_dequantize_rows, args, (raw, ids, out))
     assert err == 0, qt.name
     return out
 
@@ -359,7 +411,12 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     assert lib is not None and x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous()
     assert 1 <= k <= x.numel()
     values, ids = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.int64)
-    lib.llmx_top_k(x.data_ptr(), x.numel(), k, values.data_ptr(), ids.data_ptr())
+    _issue(
+        lib.llmx_top_k,
+        (x.data_ptr(), x.numel(), k, values.data_ptr(), ids.data_ptr()),
+        (x, values, ids),
+        False,
+    )
     return values, ids
 
 
@@ -381,12 +438,15 @@ def decode_attention(
     assert lib is not None and k.is_contiguous() and v.is_contiguous()
     qs = (q.reshape(n_head, d) * scale).contiguous()
     out = torch.empty(1, n_head * d, dtype=torch.float32)
-    err = lib.llmx_decode_attention(
+    err = _issue(lib.llmx_decode_attention, (
         qs.data_ptr(), k.data_ptr(), v.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]], n, n_head, n_kv,
         d, out.data_ptr(), _threads(lib),
-    )  # fmt: skip
+    ), (qs, k, v, out))  # fmt: skip
     assert err == 0, (n_head, n_kv, d)
     return out
+
+
+ATTENTION_SLOT, ATTENTION_ROWS = 11, 12  # `llmx_rope_store_attend`'s arguments slot and n
 
 
 class Attention:
@@ -413,12 +473,15 @@ class Attention:
         qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
         cos, sin = cos.contiguous(), sin.contiguous()
         out = torch.empty(1, n_head * self.d, dtype=torch.float32)
-        err = self._lib.llmx_rope_store_attend(
+        err = _issue(self._lib.llmx_rope_store_attend, (
             qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
             int(neox), *self._cache, slot, n, n_head, self.n_kv, self.d, scale, out.data_ptr(),
             _threads(self._lib),
-        )  # fmt: skip
+        ), (qs, ks, vs, cos, sin, out, self))  # fmt: skip
         assert err == 0, (n_head, self.n_kv, self.d, slot, n)
+        if recording is not None:  # a replay writes row `slot` and reads `n` rows at its own position
+            recording.per_step(ATTENTION_SLOT, slot, self.rows - 1)
+            recording.per_step(ATTENTION_ROWS, n, self.rows)
         return out
 
 
@@ -454,12 +517,12 @@ def paged_rope_store_attend(
     cos, sin = cos.contiguous(), sin.contiguous()
     tables, positions = tables.contiguous(), positions.contiguous()
     out = torch.empty(n_seq, n_head * d, dtype=torch.float32)
-    err = lib.llmx_paged_rope_store_attend(
+    err = _issue(lib.llmx_paged_rope_store_attend, (
         qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
         int(neox), k_pool.data_ptr(), v_pool.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]],
         tables.data_ptr(), tables.shape[1], block_rows, positions.data_ptr(), window or 0, n_seq, n_head,
         n_kv, d, scale, out.data_ptr(), _threads(lib),
-    )  # fmt: skip
+    ), (qs, ks, vs, cos, sin, k_pool, v_pool, tables, positions, out))  # fmt: skip
     assert err == 0, (n_head, n_kv, d, tables.shape, positions.tolist())
     return out
 
@@ -476,5 +539,6 @@ def rms_norm(
     h = x if delta is None else torch.empty_like(x)
     add = None if delta is None else delta.contiguous().data_ptr()
     w = weight.contiguous().data_ptr()
-    lib.llmx_rms_norm(x.data_ptr(), add, w, h.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    args = (x.data_ptr(), add, w, h.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    _issue(lib.llmx_rms_norm, args, (x, delta, weight, h, out), False)
     return h, out
