@@ -3,7 +3,8 @@
 A segment is a run of consecutive blocks on one device (`runtime.segments`). Every op runs where
 its weight lives; only the activation (a few KB per token) crosses devices. GPU segments replay
 CUDA graphs where they can (`runtime.graphs`; in pieces around layers whose experts live in RAM,
-`runtime.pieces`); a CPU segment's prompt batch may run on a GPU with its weights streamed there
+`runtime.pieces`), and a model wholly on the CPU replays its decode steps' native calls
+(`runtime.cpu_replay`); a CPU segment's prompt batch may run on a GPU with its weights streamed there
 (`runtime.offload`), the streamed copies handed to the blocks as values, and a GPU segment's prompt
 batch may copy the experts it uses from RAM (`runtime.expert_staging`).
 
@@ -155,7 +156,9 @@ class Executor:
         """Logits [T or 1, vocab] (float32; on the CPU, or left on the head's device if `on_device`)
         for `ids` placed at positions n_past, n_past+1, ... `ids` may be a tensor on a device (ids
         sampled there): an embedding table on the CPU then waits for them, one on that GPU does not.
-        Logits left on the device may be a decode graph's output buffer: valid until the next step."""
+        Logits left on the device may be a decode graph's output buffer, or on the CPU a replayed
+        step's (`runtime.cpu_replay`): valid until the next step. A CPU-only model's one-token steps
+        are replayed from the native calls of the first, where `use_graphs` and the step allow."""
         t = len(ids)
         counters = self.last = StepCounters()
         if t == 1 and self.use_graphs and self._cpu_replay is not None:
