@@ -3,6 +3,8 @@ logits bit for bit the eager steps', a step with another torch op refused once a
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from references import GREEDY
@@ -107,3 +109,19 @@ def test_the_recorder_refuses_a_step_with_a_torch_op_that_is_no_view() -> None:
     assert watched(lambda: x.t().contiguous()) is not None  # a copy, though `contiguous` may alias
     assert watched(lambda: int(x[0, 0])) is not None  # a value read from another tensor
     assert watched(lambda: x.mul_(2)) is not None
+
+
+def test_a_recording_keeps_only_its_own_thread_s_calls() -> None:
+    """A native call another thread makes meanwhile (a server's sampler) is no part of the step."""
+    x, w = torch.ones(1, 64), torch.ones(64)
+    recording = cpu_native.Recording(0)
+    cpu_native.recording = recording
+    try:
+        other = threading.Thread(target=lambda: cpu_native.rms_norm(x, w, 1e-6))
+        other.start()
+        other.join()
+        assert recording.calls == []
+        cpu_native.rms_norm(x, w, 1e-6)
+        assert [entry.__name__ for entry, _, _ in recording.calls] == ["llmx_rms_norm"]
+    finally:
+        cpu_native.recording = None

@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -214,7 +215,7 @@ class Recording:
     the step's `position`, which a replay adds to its own position."""
 
     def __init__(self, position: int) -> None:
-        self.position = position
+        self.position, self.thread = position, threading.get_ident()  # the thread whose calls it keeps
         self.calls: list[tuple[Callable[..., int | None], tuple, bool]] = []  # entry, args, threads last
         self.fields: list[tuple[int, int, int]] = []  # (call, argument, offset from the position)
         self.last_position = sys.maxsize  # the last position a replay of these calls may take
@@ -236,7 +237,7 @@ def _issue(
 ) -> int | None:
     """entry(*args), kept in the `recording` if one is on (`kept`: what args points into; `threads`:
     the last argument is the thread count, which a replay reads again)."""
-    if recording is not None:
+    if recording is not None and recording.thread == threading.get_ident():
         recording.calls.append((entry, args, threads))
         recording.kept.extend(kept)
     return entry(*args)
@@ -479,7 +480,8 @@ class Attention:
             _threads(self._lib),
         ), (qs, ks, vs, cos, sin, out, self))  # fmt: skip
         assert err == 0, (n_head, self.n_kv, self.d, slot, n)
-        if recording is not None:  # a replay writes row `slot` and reads `n` rows at its own position
+        if recording is not None and recording.thread == threading.get_ident():
+            # a replay writes row `slot` and reads `n` rows at its own position
             recording.per_step(ATTENTION_SLOT, slot, self.rows - 1)
             recording.per_step(ATTENTION_ROWS, n, self.rows)
         return out
