@@ -58,24 +58,37 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return cpu_native.decode_attention(q, k, v, types, scale)
 
 
+def prepare(
+    kc: torch.Tensor, vc: torch.Tensor, types: tuple[QType, QType] | None, dims: tuple[int, int]
+) -> cpu_native.Attention | None:
+    """The native decode step of a layer's cache kc, vc [rows, Hk, row] (`types`: the cache's where either
+    is GGUF blocks, else None; `dims`: the values a key head and a value head hold), made once with the
+    cache: None where the kernel does not take it (not on the CPU, a type or head width it lacks,
+    unequal key and value widths)."""
+    names = _kv_types(kc, vc, types)
+    if kc.is_cuda or vc.is_cuda or names is None or dims[0] != dims[1]:
+        return None
+    blocks = any(n not in cpu_native.FLOAT_KV.values() for n in names)
+    d = dims[0]
+    takes = d % (32 if blocks else 8) == 0 and d <= cpu_native.MAX_HEAD_DIM
+    if not (takes and kc.is_contiguous() and vc.is_contiguous() and cpu_native.available()):
+        return None
+    return cpu_native.Attention(kc, vc, names, d)
+
+
 def rope_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neox: bool, cos: torch.Tensor, sin: torch.Tensor,
-    kc: torch.Tensor, vc: torch.Tensor, types: tuple[QType, QType] | None, positions: torch.Tensor,
-    n_read: int, scale: float,
+    native: cpu_native.Attention, slot: int, n_read: int, scale: float,
 ) -> torch.Tensor | None:  # fmt: skip
-    """`ops.rope_attention` for one float32 token whose cache kc, vc [rows, Hk, row] is on the CPU and
-    not a wrapped ring, seeing every key of it: q [1, H, D], k and v [1, Hk, D] this step's, cos and
-    sin [1, n_dims / 2] its RoPE angles (NeoX halves or adjacent pairs), `positions` [1] its
-    position -> [1, H * D], k rotated and stored with v in row positions[0] (`types`: the cache's
-    where either is GGUF blocks, else None); None (nothing written) where the native kernel does not
-    take it. Only the cache (`runtime.cache.LayerWriter`) calls it; its caller has checked that the
-    head widths of q, k, v and the cache agree."""
-    slot = int(positions[0])
-    names = _kv_types(kc, vc, types)
-    if not (_takes(q, kc, vc, names) and slot < n_read <= kc.shape[0]):
+    """`ops.rope_attention` for one float32 token on the CPU over the cache `native` was prepared for
+    (`prepare`), not a wrapped ring, seeing every key of it: q [1, H, D], k and v [1, Hk, D] this
+    step's, cos and sin [1, n_dims / 2] its RoPE angles (NeoX halves or adjacent pairs), `slot` its
+    position -> [1, H * D], k rotated and stored with v in row `slot`; None (nothing written) where
+    the kernel does not take it. Only the cache (`runtime.cache.LayerWriter`) calls it; its caller has
+    checked that the head widths of q, k, v and the cache agree."""
+    if q.shape[1] % native.n_kv != 0 or not slot < n_read <= native.rows:
         return None
-    assert names is not None
-    return cpu_native.rope_store_attend(q, k, v, cos[0], sin[0], neox, kc, vc, names, slot, n_read, scale)
+    return native(q, k, v, cos, sin, neox, slot, n_read, scale)
 
 
 def paged_rope_decode_attention(

@@ -15,12 +15,12 @@ def swiglu(
     x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The gated FFN of Llama-family models: down(silu(gate(x)) * up(x)), plus `residual` where
-    given (the block's residual stream, added by the down projection's GEMV on a GPU)."""
+    given (the block's residual stream, added by the down projection's GEMV)."""
     if (
         all(isinstance(w, QWeight) for w in (gate, up, down))
-        and (y := qw.swiglu(x, gate, up, down)) is not None
+        and (y := qw.swiglu(x, gate, up, down, residual)) is not None
     ):
-        return y if residual is None else y.add_(residual)  # a CPU decode step: one native call
+        return y  # a CPU decode step: one native call, the residual added in it
     g, u = linear_many(x, [gate, up])
     if fused_rows(g) and u.shape == g.shape and u.dtype == g.dtype and u.device == g.device:
         from llmx.kernels import norm

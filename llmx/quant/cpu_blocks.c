@@ -1047,10 +1047,12 @@ static void gemv_pass(const matrix_t *mats, int64_t count, int64_t total, const 
 
 /* Several matrices that multiply the same x (q/k/v, gate/up), of any of the types, in one parallel
  * region: y [m, N] holds weight j's outputs in columns off_j .. off_j + n[j] - 1 (in order, N their
- * sum). Each W_j is n[j] rows of k weights, row_bytes[j] apart; m <= MAX_ROWS rows of x [m, k].
- * Returns 0, or -1 for an unknown type, a bad count or m, or no memory. */
+ * sum), plus res [m, N] where it is not NULL (a block's residual stream, added as torch's add_ would,
+ * on this thread: a few thousand floats). Each W_j is n[j] rows of k weights, row_bytes[j] apart;
+ * m <= MAX_ROWS rows of x [m, k]. Returns 0, or -1 for an unknown type, a bad count or m, or no memory. */
 int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const int64_t *ns,
-                   const int64_t *row_bytes, int64_t k, const float *x, int64_t m, float *y, int threads) {
+                   const int64_t *row_bytes, int64_t k, const float *x, int64_t m, const float *res, float *y,
+                   int threads) {
     matrix_t mats[MAX_WEIGHTS];
     int64_t all_rows[MAX_ROWS]; /* every x row */
     if (count < 1 || count > MAX_WEIGHTS || m < 1 || m > MAX_ROWS) return -1;
@@ -1069,6 +1071,8 @@ int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const 
         gemv_pass(mats, count, total, &qx, chunk);
     }
     free(qx.hi);
+    if (res != NULL)
+        for (int64_t i = 0; i < m * total; i++) y[i] += res[i];
     return 0;
 }
 
@@ -1096,7 +1100,7 @@ typedef struct {
  * 0..n_expert-1, or no memory. */
 static int experts_swiglu(const experts_t *gate, const experts_t *up, const experts_t *down, int64_t n_expert,
                           int64_t k, int64_t n_ff, int64_t n_out, const float *x, int64_t m, int64_t k_used,
-                          const int64_t *ids, const float *w, float *y, int threads) {
+                          const int64_t *ids, const float *w, const float *res, float *y, int threads) {
     const int64_t pairs = m * k_used, f = n_ff, e = n_out;
     if (m < 1 || k_used < 1 || n_expert < 1 || k % 32 != 0 || f % 32 != 0) return -1;
     for (int64_t p = 0; p < pairs; p++)
@@ -1164,7 +1168,7 @@ static int experts_swiglu(const experts_t *gate, const experts_t *up, const expe
                 float sum = 0.0f;
                 for (int64_t j = 0; j < k_used; j++)
                     sum += w[t * k_used + j] * out[place[t * k_used + j] * e + c];
-                y[i] = sum;
+                y[i] = res != NULL ? sum + res[i] : sum;
             }
         }
     }
@@ -1180,26 +1184,28 @@ int llmx_moe_swiglu(int gate_type, const uint8_t *gate, int64_t gate_row_bytes, 
                     const int64_t *ids, const float *w, float *y, int threads) {
     const experts_t g = {gate_type, gate, gate_row_bytes}, u = {up_type, up, up_row_bytes},
                     d = {down_type, down, down_row_bytes};
-    return experts_swiglu(&g, &u, &d, n_expert, n_embd, n_ff, n_embd, x, m, k_used, ids, w, y, threads);
+    return experts_swiglu(&g, &u, &d, n_expert, n_embd, n_ff, n_embd, x, m, k_used, ids, w, NULL, y, threads);
 }
 
 /* The gated FFN of a few tokens, down(silu(gate(x)) * up(x)), in one call: gate and up (a joined
  * pair, as llmx_gemv_many takes them: count 2, equal heights F), down (count 1, F weights a row) into
  * y [m, nd]: experts_swiglu with one expert that every token takes at weight 1 (the same products: a
  * sum of one term times 1 is exact). A decode step's FFN thus costs one call where it took five torch
- * ops and two GEMV calls (~70 us a layer of Python and dispatch on the H200 host). The down matrix must
- * take F weights a row (the caller checks: its rows' bytes do not say). Returns 0, or -1 as
- * llmx_gemv_many does, or for unequal heights. */
+ * ops and two GEMV calls (~70 us a layer of Python and dispatch on the H200 host); with res [m, nd] not
+ * NULL, y also gets the block's residual stream added (as torch's add_ would) where a sixth op did. The
+ * down matrix must take F weights a row (the caller checks: its rows' bytes do not say). Returns 0, or
+ * -1 as llmx_gemv_many does, or for unequal heights. */
 int llmx_swiglu(int count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *row_bytes,
                 int64_t k, const float *x, int64_t m, int down_count, const int *down_type,
-                const uint8_t *const *down, const int64_t *nd, const int64_t *down_row_bytes, float *y, int threads) {
+                const uint8_t *const *down, const int64_t *nd, const int64_t *down_row_bytes, const float *res,
+                float *y, int threads) {
     int64_t expert0[MAX_ROWS];
     float one[MAX_ROWS];
     if (count != 2 || ns[0] != ns[1] || down_count != 1 || m < 1 || m > MAX_ROWS) return -1;
     for (int64_t t = 0; t < m; t++) expert0[t] = 0, one[t] = 1.0f;
     const experts_t g = {types[0], ws[0], row_bytes[0]}, u = {types[1], ws[1], row_bytes[1]},
                     d = {down_type[0], down[0], down_row_bytes[0]};
-    return experts_swiglu(&g, &u, &d, 1, k, ns[0], nd[0], x, m, 1, expert0, one, y, threads);
+    return experts_swiglu(&g, &u, &d, 1, k, ns[0], nd[0], x, m, 1, expert0, one, res, y, threads);
 }
 
 /* out[i, :] = W[r, :] in float32 for n rows r: ids[i] (an embedding lookup), or r0 + i where ids is

@@ -6,12 +6,14 @@ float32-scaled form), and a decode step reads each byte once: `gemv` multiplies 
 per pass over the weights, on torch's threads, and the matrices that share x (q/k/v, gate/up) in one
 call; it reads x rounded to 16-bit codes per group of 32 (see cpu_blocks.c). Prompts dequantize chunks
 of rows with `dequantize_rows` for a dense `torch.mm`. `decode_attention` is one token's attention over
-a KV cache, `paged_rope_store_attend` a batch's decode tokens over the paged one (see
-`llmx.kernels.cpu_attention`).
+a KV cache, `Attention` a layer's whole decode step over its cache (RoPE, store, attend), and
+`paged_rope_store_attend` a batch's decode tokens over the paged one (see `llmx.kernels.cpu_attention`).
 
 The C file is compiled once per machine (`cc -O3 -march=native -fopenmp`, about a second, linked to
 torch's own OpenMP runtime) into the cache directory, keyed by its source, the compiler, the CPU's
 features and that runtime, and loaded with ctypes.
+Every call into it goes through `_issue`, so that a `Recording` can keep a step's calls in order (with
+their arguments and the buffers behind their pointers) for `llmx.runtime.cpu_replay` to make again.
 Without a C compiler, or with LLMX_CPU_GEMV=eager, `available` is False and these types take
 `cpu_pack`'s path, with a warning saying why.
 """
@@ -26,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -83,8 +86,9 @@ def bind(path: Path) -> ctypes.CDLL:
     """Load a build of `cpu_blocks.c` and declare its functions."""
     lib = ctypes.CDLL(str(path))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
-    lib.llmx_swiglu.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
+    lib.llmx_swiglu.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr]
+    lib.llmx_swiglu.argtypes += [ptr, ptr, i32]
     lib.llmx_moe_swiglu.argtypes = [i32, ptr, i64] * 3 + [i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, ptr, i64, i64, i64, i64, ptr, i32]
     lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, ptr, i32]
@@ -178,15 +182,65 @@ def _threads(lib: ctypes.CDLL) -> int:
     of their own (`llmx_pin_threads`: the calling thread stays free), unless LLMX_PIN_THREADS=0 or
     there are more threads than CPUs this process may use, and the GEMVs' prefetch distance is set
     for that many threads (`prefetch_distance`)."""
-    global _pinned_team
+    global _pinned_team, recording
     n = torch.get_num_threads()
     if n != _pinned_team:
         _pinned_team = n
-        cpus = sorted(os.sched_getaffinity(0))
-        if pin_threads() and 1 < n <= len(cpus):
-            lib.llmx_pin_threads((ctypes.c_int * n)(*cpus[:n]), n)
-        lib.llmx_set_prefetch(prefetch_distance(lib, n))
+        held, recording = recording, None  # the setup below (a timed GEMV) is no part of a step
+        try:
+            _set_up_team(lib, n)
+        finally:
+            recording = held
     return n
+
+
+def threads() -> int:
+    """The thread count the native calls take now (`_threads`)."""
+    lib = _library()
+    assert lib is not None
+    return _threads(lib)
+
+
+def _set_up_team(lib: ctypes.CDLL, n: int) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if pin_threads() and 1 < n <= len(cpus):
+        lib.llmx_pin_threads((ctypes.c_int * n)(*cpus[:n]), n)
+    lib.llmx_set_prefetch(prefetch_distance(lib, n))
+
+
+class Recording:
+    """A step's native calls as `_issue` made them while this was `recording`: each entry point with
+    its argument tuple, in order, and the tensors behind its pointers kept alive (`kept`). Arguments
+    that change from step to step are marked by the call that made them (`per_step`): an offset from
+    the step's `position`, which a replay adds to its own position."""
+
+    def __init__(self, position: int) -> None:
+        self.position, self.thread = position, threading.get_ident()  # the thread whose calls it keeps
+        self.calls: list[tuple[Callable[..., int | None], tuple, bool]] = []  # entry, args, threads last
+        self.fields: list[tuple[int, int, int]] = []  # (call, argument, offset from the position)
+        self.last_position = sys.maxsize  # the last position a replay of these calls may take
+        self.kept: list[object] = []
+
+    def per_step(self, arg: int, value: int, bound: int) -> None:
+        """Argument `arg` of the last call is the step's position plus a fixed offset (its `value` now)
+        and may be at most `bound`."""
+        offset = value - self.position
+        self.fields.append((len(self.calls) - 1, arg, offset))
+        self.last_position = min(self.last_position, bound - offset)
+
+
+recording: Recording | None = None  # where `_issue` keeps the calls it makes, when set
+
+
+def _issue(
+    entry: Callable[..., int | None], args: tuple, kept: tuple[object, ...], threads: bool = True
+) -> int | None:
+    """entry(*args), kept in the `recording` if one is on (`kept`: what args points into; `threads`:
+    the last argument is the thread count, which a replay reads again)."""
+    if recording is not None and recording.thread == threading.get_ident():
+        recording.calls.append((entry, args, threads))
+        recording.kept.extend(kept)
+    return entry(*args)
 
 
 def prefetch_distance(lib: ctypes.CDLL, threads: int) -> int:
@@ -245,23 +299,37 @@ class Gemv:
             (ctypes.c_int64 * count)(*(raw.shape[1] for raw in self.raws)),
         )
 
-    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
-        return self._run(x2, self.n, self._lib.llmx_gemv_many)
+    def __call__(self, x2: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x2 [M, K] times the matrices, plus `residual` [M, N] where given (added in the same call)."""
+        return self._run(x2, self.n, residual, self._lib.llmx_gemv_many)
 
-    def swiglu(self, x2: torch.Tensor, down: Gemv) -> torch.Tensor:
+    def swiglu(self, x2: torch.Tensor, down: Gemv, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu(gate(x2)) * up(x2)) in one native call, this call being the joined gate and up
-        matrices (equal heights F) and `down` one matrix of F columns: [M, down.n]."""
-        return self._run(x2, down.n, self._lib.llmx_swiglu, *down._weights)
+        matrices (equal heights F) and `down` one matrix of F columns: [M, down.n], plus `residual`
+        [M, down.n] where given (a block's residual stream, added in the same call)."""
+        return self._run(x2, down.n, residual, self._lib.llmx_swiglu, *down._weights)
 
     def _run(
-        self, x2: torch.Tensor, n: int, entry: Callable[..., int], *weights_after_x: object
+        self,
+        x2: torch.Tensor,
+        n: int,
+        residual: torch.Tensor | None,
+        entry: Callable[..., int],
+        *weights_after_x: object,
     ) -> torch.Tensor:
-        """`entry`(this call's weights, K, x2, M, `weights_after_x`, y, threads) into y [M, n]."""
+        """`entry`(this call's weights, K, x2, M, `weights_after_x`, residual, y, threads) into y [M, n]."""
         assert x2.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
         x2 = x2.contiguous()
         m, k = x2.shape
         y = torch.empty((m, n), dtype=torch.float32)
-        err = entry(*self._weights, k, x2.data_ptr(), m, *weights_after_x, y.data_ptr(), _threads(self._lib))
+        res = None
+        if residual is not None:
+            assert residual.dtype == torch.float32 and residual.shape == y.shape
+            res = residual.contiguous()
+        res_ptr = None if res is None else res.data_ptr()
+        threads = _threads(self._lib)
+        args = (*self._weights, k, x2.data_ptr(), m, *weights_after_x, res_ptr, y.data_ptr(), threads)
+        err = _issue(entry, args, (x2, res, y))
         assert err == 0, (self.sizes, m)
         return y
 
@@ -297,10 +365,10 @@ def moe_swiglu(
     threads = _threads(lib)
     for t0 in range(0, m, MOE_TOKENS):
         n = min(MOE_TOKENS, m - t0)
-        err = lib.llmx_moe_swiglu(
+        err = _issue(lib.llmx_moe_swiglu, (
             *args, n_expert, n_ff, n_embd, x2[t0].data_ptr(), n, k_used, ids[t0].data_ptr(),
             weights[t0].data_ptr(), y[t0].data_ptr(), threads,
-        )  # fmt: skip
+        ), (x2, ids, weights, y))  # fmt: skip
         assert err == 0, (shape, n, k_used)
     return y
 
@@ -330,9 +398,8 @@ def _dequantize(
     lib = _library()
     assert lib is not None and raw.is_contiguous() and out.is_contiguous() and out.shape == (n, k)
     id_ptr = None if ids is None else ids.data_ptr()
-    err = lib.llmx_dequantize_rows(
-        TYPES[qt.name], raw.data_ptr(), id_ptr, r0, n, raw.shape[1], k, out.data_ptr(), _threads(lib)
-    )
+    args = (TYPES[qt.name], raw.data_ptr(), id_ptr, r0, n, raw.shape[1], k, out.data_ptr(), _threads(lib))
+    err = _issue(lib.llmx_dequantize_rows, args, (raw, ids, out))
     assert err == 0, qt.name
     return out
 
@@ -345,7 +412,12 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     assert lib is not None and x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous()
     assert 1 <= k <= x.numel()
     values, ids = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.int64)
-    lib.llmx_top_k(x.data_ptr(), x.numel(), k, values.data_ptr(), ids.data_ptr())
+    _issue(
+        lib.llmx_top_k,
+        (x.data_ptr(), x.numel(), k, values.data_ptr(), ids.data_ptr()),
+        (x, values, ids),
+        False,
+    )
     return values, ids
 
 
@@ -367,46 +439,52 @@ def decode_attention(
     assert lib is not None and k.is_contiguous() and v.is_contiguous()
     qs = (q.reshape(n_head, d) * scale).contiguous()
     out = torch.empty(1, n_head * d, dtype=torch.float32)
-    err = lib.llmx_decode_attention(
+    err = _issue(lib.llmx_decode_attention, (
         qs.data_ptr(), k.data_ptr(), v.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]], n, n_head, n_kv,
         d, out.data_ptr(), _threads(lib),
-    )  # fmt: skip
+    ), (qs, k, v, out))  # fmt: skip
     assert err == 0, (n_head, n_kv, d)
     return out
 
 
-def rope_store_attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    neox: bool,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    types: tuple[str, str],
-    slot: int,
-    n: int,
-    scale: float,
-) -> torch.Tensor:
-    """One token's attention step in one call: q [1, H, D] and k [1, Hk, D] float32 rotated by RoPE
-    (cos, sin [n_dims / 2] float32), k and v [1, Hk, D] stored (quantized, for a block type) as row
-    `slot` of the caches [rows, Hk, row] (contiguous, of the KV_TYPES `types`), then attention over
-    their first n rows (every key visible) -> [1, H * D] float32."""
-    lib = _library()
-    _, n_head, d = q.shape
-    n_kv = k.shape[1]
-    assert lib is not None and k_cache.is_contiguous() and v_cache.is_contiguous()
-    qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty(1, n_head * d, dtype=torch.float32)
-    err = lib.llmx_rope_store_attend(
-        qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
-        int(neox), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]], slot, n,
-        n_head, n_kv, d, scale, out.data_ptr(), _threads(lib),
-    )  # fmt: skip
-    assert err == 0, (n_head, n_kv, d, slot, n)
-    return out
+ATTENTION_SLOT, ATTENTION_ROWS = 11, 12  # `llmx_rope_store_attend`'s arguments slot and n
+
+
+class Attention:
+    """One layer's cache on the CPU, kc and vc [rows, Hk, row] (contiguous, of the KV_TYPES `types`, equal
+    head widths D), made ready once for `llmx_rope_store_attend`: a decode step makes one call a layer,
+    so the cache's pointers and types are bound here rather than looked up at every call."""
+
+    def __init__(self, kc: torch.Tensor, vc: torch.Tensor, types: tuple[str, str], d: int) -> None:
+        lib = _library()
+        assert lib is not None and kc.is_contiguous() and vc.is_contiguous()
+        self._lib, self.caches = lib, (kc, vc)  # the caches kept alive with their pointers
+        self.rows, self.n_kv, self.d = kc.shape[0], kc.shape[1], d
+        self._cache = (kc.data_ptr(), vc.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]])
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        neox: bool, slot: int, n: int, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """One token's attention step in one call: q [1, H, D] and k [1, Hk, D] float32 rotated by RoPE
+        (cos, sin [1, n_dims / 2] float32), k and v [1, Hk, D] stored (quantized, for a block type) as
+        row `slot` of the caches, then attention over their first n rows (every key visible) -> [1, H * D]
+        float32."""
+        n_head = q.shape[1]
+        qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
+        cos, sin = cos.contiguous(), sin.contiguous()
+        out = torch.empty(1, n_head * self.d, dtype=torch.float32)
+        err = _issue(self._lib.llmx_rope_store_attend, (
+            qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
+            int(neox), *self._cache, slot, n, n_head, self.n_kv, self.d, scale, out.data_ptr(),
+            _threads(self._lib),
+        ), (qs, ks, vs, cos, sin, out, self))  # fmt: skip
+        assert err == 0, (n_head, self.n_kv, self.d, slot, n)
+        if recording is not None and recording.thread == threading.get_ident():
+            # a replay writes row `slot` and reads `n` rows at its own position
+            recording.per_step(ATTENTION_SLOT, slot, self.rows - 1)
+            recording.per_step(ATTENTION_ROWS, n, self.rows)
+        return out
 
 
 def paged_rope_store_attend(
@@ -441,12 +519,12 @@ def paged_rope_store_attend(
     cos, sin = cos.contiguous(), sin.contiguous()
     tables, positions = tables.contiguous(), positions.contiguous()
     out = torch.empty(n_seq, n_head * d, dtype=torch.float32)
-    err = lib.llmx_paged_rope_store_attend(
+    err = _issue(lib.llmx_paged_rope_store_attend, (
         qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
         int(neox), k_pool.data_ptr(), v_pool.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]],
         tables.data_ptr(), tables.shape[1], block_rows, positions.data_ptr(), window or 0, n_seq, n_head,
         n_kv, d, scale, out.data_ptr(), _threads(lib),
-    )  # fmt: skip
+    ), (qs, ks, vs, cos, sin, k_pool, v_pool, tables, positions, out))  # fmt: skip
     assert err == 0, (n_head, n_kv, d, tables.shape, positions.tolist())
     return out
 
@@ -463,5 +541,6 @@ def rms_norm(
     h = x if delta is None else torch.empty_like(x)
     add = None if delta is None else delta.contiguous().data_ptr()
     w = weight.contiguous().data_ptr()
-    lib.llmx_rms_norm(x.data_ptr(), add, w, h.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    args = (x.data_ptr(), add, w, h.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    _issue(lib.llmx_rms_norm, args, (x, delta, weight, h, out), False)
     return h, out

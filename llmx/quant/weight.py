@@ -277,6 +277,8 @@ def linear(
     if choice in _ON_GPU:  # x keeps its shape; the integer-dot GEMV adds the residual as it stores
         return G.run(x, G.unit_rows(x), w, choice, residual=residual)
     x2 = x if flat else x.reshape(-1, k)
+    if choice == "native" and flat:  # a decode step: the GEMV adds the residual as it stores
+        return w.native(x2, residual)
     if choice == "native":
         y = w.native(x2)
     elif choice == "native_chunks":
@@ -335,10 +337,12 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
     return list(y.reshape(*x.shape[:-1], -1).split(group.sizes, dim=-1))
 
 
-def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor | None:
-    """down(silu(gate(x)) * up(x)) in one native call for a decode step's x [M, K] (M <= NATIVE_MAX_ROWS)
-    when gate and up were prepared as one native call (`prepare_shared`) and down takes the native
-    kernels too (`cpu_native.Gemv.swiglu`); None otherwise."""
+def swiglu(
+    x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight, residual: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """down(silu(gate(x)) * up(x)), plus `residual` where given, in one native call for a decode step's
+    x [M, K] (M <= NATIVE_MAX_ROWS) when gate and up were prepared as one native call (`prepare_shared`)
+    and down takes the native kernels too (`cpu_native.Gemv.swiglu`); None otherwise."""
     if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > C.NATIVE_MAX_ROWS or not x.is_cpu:
         return None
     group, down_call = gate.shared, down.native
@@ -346,7 +350,7 @@ def swiglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.
         return None
     if gate.shape[0] != up.shape[0] or down.shape[1] != gate.shape[0]:
         return None
-    return group.native.swiglu(x, down_call)
+    return group.native.swiglu(x, down_call, residual)
 
 
 def moe_swiglu(

@@ -21,13 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from llmx.errors import LlmxError
-from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels, native_cpu_decode
+from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels
 from llmx.ops.rope import Rope
 from llmx.quant import F16, QType, qtype
+from llmx.quant.cpu_native import Attention as NativeAttention
 from llmx.quant.quantize import KV_BLOCK_TYPES, quantize
 from llmx.quant.torch_ops import FLOAT_DTYPES
 from llmx.quant.triton.launch import has_triton
 
+BIND = "bind"  # a `LayerWriter` made without its cache's native step binds its own
 CACHE_TYPES = tuple(name.lower() for name in (*FLOAT_DTYPES, *KV_BLOCK_TYPES))  # what the runtime holds
 
 
@@ -87,6 +89,11 @@ class KVCache:
 
         self.k = [kv_buffer(rows(s), s.n_head_kv, s.k_dim, self.types[0], s.device) for s in layers]
         self.v = [kv_buffer(rows(s), s.n_head_kv, s.v_dim, self.types[1], s.device) for s in layers]
+        # each CPU layer's native decode step, bound to its buffers once (None: not taken)
+        block_types = self.types if self.blocks else None
+        self.native = [
+            native_attention(k, v, block_types, kernels) for k, v in zip(self.k, self.v, strict=True)
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -97,9 +104,23 @@ class KVCache:
         kc = self.k[layer]
         if positions.device != kc.device:  # --no-kv-offload: a GPU layer's cache lives on the CPU
             positions = positions.to(kc.device)
+        native = self.native[layer]
         if self.blocks:
-            return BlockWriter(kc, self.v[layer], positions, n_read, self.kernels, self.types)
-        return LayerWriter(kc, self.v[layer], positions, n_read, self.kernels)
+            return BlockWriter(kc, self.v[layer], positions, n_read, self.kernels, self.types, native)
+        return LayerWriter(kc, self.v[layer], positions, n_read, self.kernels, native=native)
+
+
+def native_attention(
+    k: torch.Tensor, v: torch.Tensor, types: tuple[QType, QType] | None, kernels: AttentionKernels
+) -> NativeAttention | None:
+    """The native CPU decode step of a layer's buffers k, v [rows, Hk, row] (`types` where either is
+    GGUF blocks), or None where it is off (`kernels.decode`) or does not take them."""
+    if kernels.decode == "off" or k.is_cuda:
+        return None
+    from llmx.kernels import cpu_attention
+
+    dims = (head_dim(k, types[0]), head_dim(v, types[1])) if types else (k.shape[-1], v.shape[-1])
+    return cpu_attention.prepare(k, v, types, dims)
 
 
 @dataclass(frozen=True)
@@ -115,6 +136,13 @@ class LayerWriter:
     # K's and V's cache types where either is GGUF blocks (a `BlockWriter`); None: float buffers,
     # whose dtypes say their types
     types: tuple[QType, QType] | None = None
+    # the native CPU decode step bound to k and v (`native_attention`, None: not taken), which the
+    # cache binds once a layer; a writer made on its own (tests) binds its own (BIND)
+    native: NativeAttention | str | None = BIND
+
+    def __post_init__(self) -> None:
+        if self.native == BIND:
+            object.__setattr__(self, "native", native_attention(self.k, self.v, self.types, self.kernels))
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v [T, Hk, D]; the first `n_read` rows (of a ring: all of them, see
@@ -155,13 +183,13 @@ class LayerWriter:
                 q, k, v, cos, sin, self.k, self.v, self.positions, self.n_read, types=self.types,
                 n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
             )  # fmt: skip
-        if self._native_takes(q, v, mask, softcap):
+        native = self.native
+        if isinstance(native, NativeAttention) and self._native_takes(q, v, mask, softcap, native):
             from llmx.kernels import cpu_attention
 
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-            return cpu_attention.rope_decode_attention(
-                q, k, v, rope.neox, cos, sin, self.k, self.v, self.types, self.positions, self.n_read, scale
-            )
+            slot, n = int(self.positions[0]), self.n_read
+            return cpu_attention.rope_decode_attention(q, k, v, rope.neox, cos, sin, native, slot, n, scale)
         return None
 
     def _triton_takes(self, q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -183,14 +211,15 @@ class LayerWriter:
         return head_dim(self.k, self.types[0]), head_dim(self.v, self.types[1])
 
     def _native_takes(
-        self, q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, softcap: float | None
-    ) -> bool:
-        """Whether the native CPU kernel may run this step: as `ops.attention`'s native decode, with
-        its cache on the CPU too."""
-        if self.kernels.decode == "off" or softcap is not None:
+        self, q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, softcap: float | None,
+        native: NativeAttention,
+    ) -> bool:  # fmt: skip
+        """Whether the native CPU kernel bound to this layer's buffers may run this step: as
+        `ops.attention`'s native decode, q and v of the cache's head width."""
+        if softcap is not None or mask is not None or q.shape[0] != 1 or q.dtype != torch.float32:
             return False
-        widths = q.shape[-1] == v.shape[-1] == self.head_dims()[0] == self.head_dims()[1]
-        return widths and native_cpu_decode(q, self.k, mask) and self.positions.device.type == "cpu"
+        widths = q.shape[-1] == v.shape[-1] == native.d
+        return widths and not q.is_cuda and self.positions.device.type == "cpu"
 
 
 @dataclass(frozen=True)

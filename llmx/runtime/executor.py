@@ -3,7 +3,8 @@
 A segment is a run of consecutive blocks on one device (`runtime.segments`). Every op runs where
 its weight lives; only the activation (a few KB per token) crosses devices. GPU segments replay
 CUDA graphs where they can (`runtime.graphs`; in pieces around layers whose experts live in RAM,
-`runtime.pieces`); a CPU segment's prompt batch may run on a GPU with its weights streamed there
+`runtime.pieces`), and a model wholly on the CPU replays its decode steps' native calls
+(`runtime.cpu_replay`); a CPU segment's prompt batch may run on a GPU with its weights streamed there
 (`runtime.offload`), the streamed copies handed to the blocks as values, and a GPU segment's prompt
 batch may copy the experts it uses from RAM (`runtime.expert_staging`).
 
@@ -24,9 +25,11 @@ import torch
 from llmx.models.common import Model, Step
 from llmx.ops import current_device
 from llmx.ops.moe import crossing
+from llmx.ops.rope import Rope
 from llmx.plan.memory import kv_read_bytes
 from llmx.runtime.cache import KVCache
 from llmx.runtime.counters import StepCounters, host_reads
+from llmx.runtime.cpu_replay import CpuReplay
 from llmx.runtime.expert_staging import ExpertStager
 from llmx.runtime.graphs import GraphCache
 from llmx.runtime.offload import WeightStreamer
@@ -82,6 +85,7 @@ class Executor:
     _streamer: WeightStreamer | None = field(default=None, init=False)
     _stager: ExpertStager | None = field(default=None, init=False)
     _staging: PinnedStaging = field(default_factory=PinnedStaging, init=False)
+    _cpu_replay: CpuReplay | None = field(default=None, init=False)  # a CPU-only model's decode steps
     # per segment: (weight bytes, its CPU caches as (K+V bytes a position, positions held))
     _cpu_reads: list[tuple[int, tuple[tuple[float, int], ...]]] = field(init=False)
 
@@ -97,6 +101,13 @@ class Executor:
         in_pieces = frozenset(k for k, layers in enumerate(self._host_experts) if layers)
         self.graphs = GraphCache(self._run_segment, self.cache.n_ctx, in_pieces)
         self._cpu_reads = [host_reads(seg, self.model, self.cache) for seg in self.segments]
+        devices = {*self.layer_devices, self.embed_device, self.head_device}
+        if self.split is None and {d.type for d in devices} == {"cpu"}:
+            c = self.model.config
+            windows = [w for i in range(c.n_layer) if (w := c.window(i)) is not None]
+            ropes = [r for r in vars(self.model).values() if isinstance(r, Rope)]
+            vocab = self.model.top.token_embd.shape[0]
+            self._cpu_replay = CpuReplay(ropes, vocab, min(windows, default=self.cache.n_ctx) - 1)
         if self.op_offload is not None and any(d.type == "cpu" for d in self.layer_devices):
             self._streamer = WeightStreamer(self.op_offload, self.model.layers)
         if self.stage_experts and any(self._host_experts):
@@ -159,9 +170,21 @@ class Executor:
         """Logits [T or 1, vocab] (float32; on the CPU, or left on the head's device if `on_device`)
         for `ids` placed at positions n_past, n_past+1, ... `ids` may be a tensor on a device (ids
         sampled there): an embedding table on the CPU then waits for them, one on that GPU does not.
-        Logits left on the device may be a decode graph's output buffer: valid until the next step."""
+        Logits left on the device may be a decode graph's output buffer, or on the CPU a replayed
+        step's (`runtime.cpu_replay`): valid until the next step. A CPU-only model's one-token steps
+        are replayed from the native calls of the first, where `use_graphs` and the step allow."""
         t = len(ids)
         counters = self.last = StepCounters()
+        if t == 1 and self.use_graphs and self._cpu_replay is not None:
+            started = time.perf_counter()
+            logits = self._cpu_replay.decode(ids, n_past, self._cpu_step)
+            if logits is not None:
+                counters.issued_at = time.perf_counter()
+                counters.cpu_seconds = counters.issued_at - started
+                counters.cpu_bytes = sum(
+                    w + round(kv_read_bytes(kv, n_past + 1)) for w, kv in self._cpu_reads
+                )
+                return logits if on_device else logits.clone()  # the replay's buffer: valid until the next
         with current_device(self.embed_device):
             x = self.model.embed(ids_on(ids, self.embed_device))
         positions = torch.arange(n_past, n_past + t)
@@ -201,6 +224,14 @@ class Executor:
                     counters.cpu_bytes += weights + round(kv_read_bytes(kv, n_past + t))
         counters.issued_at = time.perf_counter()
         return x.float() if on_device else x.float().cpu()
+
+    def _cpu_step(self, ids: torch.Tensor, step: Step) -> torch.Tensor:
+        """A CPU-only model's one-token step, eagerly (what `CpuReplay` records): logits [1, vocab]."""
+        with current_device(self.embed_device):
+            x = self.model.embed(ids)
+            for seg in self.segments:
+                x = self._run_segment(seg, x, step)
+        return x
 
     def move(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         """x on `device`: from the CPU to a GPU through the pinned staging buffer; from a GPU to the CPU

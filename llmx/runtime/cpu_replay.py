@@ -1,0 +1,178 @@
+"""A CPU decode step made again from its native calls, as a GPU replays a CUDA graph (`runtime.graphs`).
+
+On the CPU a one-token step of SmolLM2 is some 180 calls into `cpu_blocks.c` (`quant.cpu_native`:
+GEMVs, the gated FFNs, norms, one attention call a layer) and ~3 ms of Python around them: the
+model's functions, the ops' choices, views and allocations, where the calls themselves take 7-11 ms.
+Between two steps only a few values change: the token, the attention calls' position (the cache row
+written, the rows read) and the RoPE angles. So the first such step of an executor is recorded
+(`cpu_native.Recording`: each call with its arguments, the tensors behind its pointers kept alive)
+and each later one is replayed: the token written into the recorded ids, the angles copied into the
+recorded tables, then the calls made in order with the attention calls' position fields moved to
+the step's. The calls are deterministic at a given thread count, so a replayed step's logits are
+the eager step's, bit for bit; the thread count is read again at each replay.
+
+A recording holds only if nothing but the native calls computed anything: every torch op of the
+recorded step must be an allocation, a view (its result sharing its input's storage) or a read of the
+step's positions (whose use in the attention calls is a per-step field). `OnlyViews` watches the step;
+a model with another op between its calls (Gemma 3's GELU gate, its post-norm adds) is refused once
+and runs eagerly from then on. A replay is made only where the recorded calls hold: a one-token step
+at a position the attention calls' caches hold and below every sliding window (no mask, no ring).
+
+The logits a replay returns are its last call's output buffer, written again by the next replay.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from llmx.models.common import Step
+from llmx.ops.rope import Rope
+from llmx.quant import cpu_native
+
+aten = torch.ops.aten
+ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default})
+READS = frozenset({aten.item.default, aten._local_scalar_dense.default})
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class OnlyViews(TorchDispatchMode):
+    """Runs a recorded step's torch ops and keeps the first that is not an allocation, a view (an op
+    whose results alias its input and share its storage) or a read of a value of `readable` (the
+    step's positions): `refused`, a reason the recording does not hold. Ops run while the recording
+    is set aside (`cpu_native.recording` not it: a thread team's first setup) are not watched."""
+
+    def __init__(self, recording: cpu_native.Recording, readable: torch.Tensor) -> None:
+        super().__init__()
+        self.recording, self.readable = recording, _storage(readable)
+        self.refused: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if (
+            self.refused is None
+            and cpu_native.recording is self.recording
+            and not self._allowed(func, args, out)
+        ):
+            self.refused = f"the step runs {func} between its native calls"
+        return out
+
+    def _allowed(self, func: torch._ops.OpOverload, args: tuple, out: object) -> bool:
+        if func in ALLOCATIONS:
+            return True
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is None:
+            return False
+        if func in READS:
+            return _storage(first) == self.readable
+        returns = func._schema.returns
+        views = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return views and all(_storage(t) == _storage(first) for t in outs)
+
+
+class CpuReplay:
+    """The one-token decode steps of a CPU-only executor: recorded at the first, replayed after.
+    `ropes`: the model's RoPEs (their tables are the step's inputs), `vocab`: the embedding's rows,
+    `last_position`: the last position a replay may take (below every sliding window)."""
+
+    def __init__(self, ropes: Sequence[Rope], vocab: int, last_position: int) -> None:
+        self.ropes, self.vocab, self.last_position = tuple(ropes), vocab, last_position
+        self.refused: str | None = None  # why this executor's step cannot be recorded
+        self._replay: _Replay | None = None
+
+    def decode(
+        self,
+        ids: Sequence[int] | torch.Tensor,
+        n_past: int,
+        run: Callable[[torch.Tensor, Step], torch.Tensor],
+    ) -> torch.Tensor | None:
+        """Logits [1, vocab] of the token ids[0] at position n_past: replayed, or (the first time)
+        computed by `run(ids, step)` while recorded; None where neither may be done (the caller
+        runs the step eagerly)."""
+        token = int(ids[0])
+        if not 0 <= token < self.vocab or n_past > self.last_position:
+            return None
+        if self._replay is not None:
+            return self._replay(token, n_past)
+        if self.refused is not None:
+            return None
+        return self._record(token, n_past, run)
+
+    def _record(
+        self, token: int, n_past: int, run: Callable[[torch.Tensor, Step], torch.Tensor]
+    ) -> torch.Tensor:
+        ids = torch.tensor([token], dtype=torch.long)
+        step = Step(torch.arange(n_past, n_past + 1), masked=False, n_read=n_past + 1)
+        tables = [(rope, *step.rope(rope)) for rope in self.ropes]  # made before: the step's inputs
+        recording = cpu_native.Recording(n_past)
+        watch = OnlyViews(recording, step.positions)
+        cpu_native.recording = recording
+        try:
+            with watch:
+                logits = run(ids, step)
+        finally:
+            cpu_native.recording = None
+        self.refused = watch.refused or _unusable(recording, ids, logits)
+        if self.refused is None:
+            self._replay = _Replay(recording, ids, tables, logits)
+            self.last_position = min(self.last_position, recording.last_position)
+        return logits
+
+
+def _unusable(recording: cpu_native.Recording, ids: torch.Tensor, logits: torch.Tensor) -> str | None:
+    """Why a recording that ran only allowed ops still cannot be replayed, or None."""
+    pointers = {a for _, args, _ in recording.calls for a in args if isinstance(a, int)}
+    if not recording.calls or ids.data_ptr() not in pointers:
+        return "the step's embedding is no native call"
+    if logits.data_ptr() not in pointers or not logits.is_contiguous():
+        return "the step's logits are no native call's output"
+    return None
+
+
+class _Replay:
+    def __init__(
+        self,
+        recording: cpu_native.Recording,
+        ids: torch.Tensor,
+        tables: list[tuple[Rope, torch.Tensor, torch.Tensor]],
+        logits: torch.Tensor,
+    ) -> None:
+        self.recording, self.ids, self.tables, self.logits = recording, ids, tables, logits
+        self._token = ctypes.c_int64.from_address(ids.data_ptr())
+        self._patches: dict[int, list[tuple[int, int]]] = {}
+        for call, arg, offset in recording.fields:
+            self._patches.setdefault(call, []).append((arg, offset))
+        self._calls: dict[int, list] = {}  # by thread count: (entry, args, position fields or None)
+
+    def _calls_for(self, threads: int) -> list:
+        calls = self._calls.get(threads)
+        if calls is None:
+            calls = self._calls[threads] = [
+                (entry, (*args[:-1], threads) if takes_threads else args, self._patches.get(i))
+                for i, (entry, args, takes_threads) in enumerate(self.recording.calls)
+            ]
+        return calls
+
+    def __call__(self, token: int, position: int) -> torch.Tensor:
+        self._token.value = token
+        positions = torch.tensor([position])
+        for rope, cos, sin in self.tables:
+            new_cos, new_sin = rope.tables(positions, position + 1)
+            cos.copy_(new_cos)
+            sin.copy_(new_sin)
+        for entry, args, fields in self._calls_for(cpu_native.threads()):
+            if fields is not None:
+                args = list(args)
+                for arg, offset in fields:
+                    args[arg] = position + offset
+            if entry(*args):
+                raise RuntimeError(f"{entry.__name__} failed in a replayed step at position {position}")
+        return self.logits

@@ -1,0 +1,127 @@
+"""A CPU-only model's decode steps replayed from their recorded native calls (`runtime.cpu_replay`):
+logits bit for bit the eager steps', a step with another torch op refused once and run eagerly."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from references import GREEDY
+from tiny_models import random_prompt, write_tiny
+
+import llmx
+from llmx.quant import cpu_native
+from llmx.runtime.cpu_replay import OnlyViews
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels did not build")
+
+STEPS = 24
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the native calls sum in one order at a given thread count
+    yield
+    torch.set_num_threads(threads)
+
+
+def decode_run(model, replay: bool, prompt: list[int]) -> torch.Tensor:
+    """Logits of STEPS greedy decode steps after `prompt` [STEPS, vocab], replayed or eager, on a
+    context reset and filled again (the recording is kept across resets)."""
+    engine = model.engine
+    engine.executor.use_graphs = replay
+    engine.reset()
+    logits, out = engine.prefill(prompt), []
+    for _ in range(STEPS):
+        logits = engine.decode(int(logits.argmax()))
+        out.append(logits)  # a CPU caller's logits stay its own: the next replay does not write them
+    return torch.stack(out)
+
+
+def generated(model, replay: bool, prompt: list[int]) -> list[int]:
+    """Greedy ids from `Engine.generate`, which samples each step's logits on their device and reads
+    the id one step late."""
+    model.engine.executor.use_graphs = replay
+    model.engine.reset()
+    return list(model.engine.generate(prompt, STEPS, GREEDY))
+
+
+def check_replays(model, prompt: list[int]) -> None:
+    eager = decode_run(model, False, prompt)
+    replay = model.engine.executor._cpu_replay
+    assert replay is not None and replay._replay is None
+    replayed = decode_run(model, True, prompt)
+    assert replay.refused is None and replay._replay is not None
+    assert torch.equal(replayed, eager)
+    # again after a reset, from another prompt length (other positions), and rewound mid-way
+    longer = prompt + random_prompt(5, 7)
+    assert torch.equal(decode_run(model, True, longer), decode_run(model, False, longer))
+    engine = model.engine
+    engine.n_past -= 4
+    rewound_replay = [engine.decode(3).clone() for _ in range(2)]
+    engine.executor.use_graphs = False
+    engine.n_past -= 2
+    assert torch.equal(torch.stack(rewound_replay), torch.stack([engine.decode(3) for _ in range(2)]))
+    assert generated(model, True, prompt) == generated(model, False, prompt)
+
+
+def test_smollm2_decode_replays_bit_for_bit(smollm2_path) -> None:
+    check_replays(llmx.load(smollm2_path, ctx_size=128), [1, 2, 3])
+
+
+@pytest.mark.parametrize(("arch", "type_name"), [("llama", "Q8_0"), ("qwen3", "Q4_K_M")])
+def test_tiny_decode_replays_bit_for_bit(arch, type_name, tmp_path) -> None:
+    model = llmx.load(write_tiny(arch, type_name, tmp_path), ctx_size=64)
+    check_replays(model, random_prompt(6, 1))
+
+
+def test_a_step_with_a_torch_op_runs_eagerly(tmp_path) -> None:
+    """Gemma 3's step has torch ops between its native calls (its GELU gate, its post-norm adds): the
+    recording is refused once, and the steps run eagerly, as with replays off."""
+    model = llmx.load(write_tiny("gemma3", "Q8_0", tmp_path), ctx_size=64)
+    prompt = random_prompt(4, 2)
+    replayed = decode_run(model, True, prompt)
+    replay = model.engine.executor._cpu_replay
+    assert replay._replay is None and "between its native calls" in replay.refused
+    assert torch.equal(replayed, decode_run(model, False, prompt))
+
+
+def test_the_recorder_refuses_a_step_with_a_torch_op_that_is_no_view() -> None:
+    positions = torch.arange(3, 4)
+
+    def watched(step) -> str | None:
+        recording = cpu_native.Recording(3)
+        watch = OnlyViews(recording, positions)
+        cpu_native.recording = recording
+        try:
+            with watch:
+                step()
+        finally:
+            cpu_native.recording = None
+        return watch.refused
+
+    x = torch.ones(2, 6)
+    assert watched(lambda: (torch.empty(4), torch.empty_like(x), x.view(3, 4)[1], x.split(3, -1))) is None
+    assert watched(lambda: int(positions[0])) is None  # the step's position: a per-step field
+    assert "aten.add" in watched(lambda: x.view(12) + 1)
+    assert watched(lambda: x.t().contiguous()) is not None  # a copy, though `contiguous` may alias
+    assert watched(lambda: int(x[0, 0])) is not None  # a value read from another tensor
+    assert watched(lambda: x.mul_(2)) is not None
+
+
+def test_a_recording_keeps_only_its_own_thread_s_calls() -> None:
+    """A native call another thread makes meanwhile (a server's sampler) is no part of the step."""
+    x, w = torch.ones(1, 64), torch.ones(64)
+    recording = cpu_native.Recording(0)
+    cpu_native.recording = recording
+    try:
+        other = threading.Thread(target=lambda: cpu_native.rms_norm(x, w, 1e-6))
+        other.start()
+        other.join()
+        assert recording.calls == []
+        cpu_native.rms_norm(x, w, 1e-6)
+        assert [entry.__name__ for entry, _, _ in recording.calls] == ["llmx_rms_norm"]
+    finally:
+        cpu_native.recording = None
