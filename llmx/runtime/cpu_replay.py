@@ -11,12 +11,15 @@ recorded tables, then the calls made in order with the attention calls' position
 the step's. The calls are deterministic at a given thread count, so a replayed step's logits are
 the eager step's, bit for bit; the thread count is read again at each replay.
 
-A recording holds only if nothing but the native calls computed anything: every torch op of the
-recorded step must be an allocation, a view (its result sharing its input's storage) or a read of the
-step's positions (whose use in the attention calls is a per-step field). `OnlyViews` watches the step;
-a model with another op between its calls (Gemma 3's GELU gate, its post-norm adds) is refused once
-and runs eagerly from then on. A replay is made only where the recorded calls hold: a one-token step
-at a position the attention calls' caches hold and below every sliding window (no mask, no ring).
+A recording holds only if nothing but the native calls computed anything: a torch op between two
+calls (Gemma 3's GELU gate, its post-norm adds, a bias) would leave its recorded output for the next
+call to read again. So the next step after the recording is run both ways, eagerly and replayed over
+it, and the replay is kept only if its logits equal the eager step's bit for bit (a stale value, which
+differs from token to token and position to position, shows); otherwise the step is run eagerly once
+more (rewriting the cache row the replay wrote) and the executor stops trying. (Watching the recorded
+step's ops with a TorchDispatchMode instead imports ~900 modules, ~140 MB, at its first use.) A replay
+is made only where the recorded calls hold: a one-token step at a position the attention calls'
+caches hold and below every sliding window (no mask, no ring).
 
 The logits a replay returns are its last call's output buffer, written again by the next replay.
 """
@@ -27,55 +30,10 @@ import ctypes
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from llmx.models.common import Step
 from llmx.ops.rope import Rope
 from llmx.quant import cpu_native
-
-aten = torch.ops.aten
-ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default})
-READS = frozenset({aten.item.default, aten._local_scalar_dense.default})
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class OnlyViews(TorchDispatchMode):
-    """Runs a recorded step's torch ops and keeps the first that is not an allocation, a view (an op
-    whose results alias its input and share its storage) or a read of a value of `readable` (the
-    step's positions): `refused`, a reason the recording does not hold. Ops run while the recording
-    is set aside (`cpu_native.recording` not it: a thread team's first setup) are not watched."""
-
-    def __init__(self, recording: cpu_native.Recording, readable: torch.Tensor) -> None:
-        super().__init__()
-        self.recording, self.readable = recording, _storage(readable)
-        self.refused: str | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        if (
-            self.refused is None
-            and cpu_native.recording is self.recording
-            and not self._allowed(func, args, out)
-        ):
-            self.refused = f"the step runs {func} between its native calls"
-        return out
-
-    def _allowed(self, func: torch._ops.OpOverload, args: tuple, out: object) -> bool:
-        if func in ALLOCATIONS:
-            return True
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if first is None:
-            return False
-        if func in READS:
-            return _storage(first) == self.readable
-        returns = func._schema.returns
-        views = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return views and all(_storage(t) == _storage(first) for t in outs)
 
 
 class CpuReplay:
@@ -85,8 +43,9 @@ class CpuReplay:
 
     def __init__(self, ropes: Sequence[Rope], vocab: int, last_position: int) -> None:
         self.ropes, self.vocab, self.last_position = tuple(ropes), vocab, last_position
-        self.refused: str | None = None  # why this executor's step cannot be recorded
+        self.refused: str | None = None  # why this executor's step cannot be replayed
         self._replay: _Replay | None = None
+        self._checked = False  # whether a replay has given an eager step's logits
 
     def decode(
         self,
@@ -94,37 +53,44 @@ class CpuReplay:
         n_past: int,
         run: Callable[[torch.Tensor, Step], torch.Tensor],
     ) -> torch.Tensor | None:
-        """Logits [1, vocab] of the token ids[0] at position n_past: replayed, or (the first time)
-        computed by `run(ids, step)` while recorded; None where neither may be done (the caller
-        runs the step eagerly)."""
+        """Logits [1, vocab] of the token ids[0] at position n_past: replayed, or computed by
+        `run(ids, step)` while recorded (the first time) or checked against a replay (the second);
+        None where none of them may be done (the caller runs the step eagerly)."""
         token = int(ids[0])
-        if not 0 <= token < self.vocab or n_past > self.last_position:
+        if not 0 <= token < self.vocab or n_past > self.last_position or self.refused is not None:
             return None
-        if self._replay is not None:
+        if self._replay is not None and self._checked:
             return self._replay(token, n_past)
-        if self.refused is not None:
-            return None
-        return self._record(token, n_past, run)
+        ids_t = torch.tensor([token], dtype=torch.long)
+        step = Step(torch.arange(n_past, n_past + 1), masked=False, n_read=n_past + 1)
+        if self._replay is None:
+            return self._record(ids_t, step, run)
+        eager = run(ids_t, step).clone()
+        if torch.equal(self._replay(token, n_past), eager):
+            self._checked = True
+            return eager
+        self.refused, self._replay = (
+            "a replayed step differs from the eager one: it computes between its native calls",
+            None,
+        )
+        return run(ids_t, step)  # the cache row the replay wrote, written again
 
     def _record(
-        self, token: int, n_past: int, run: Callable[[torch.Tensor, Step], torch.Tensor]
+        self, ids: torch.Tensor, step: Step, run: Callable[[torch.Tensor, Step], torch.Tensor]
     ) -> torch.Tensor:
-        ids = torch.tensor([token], dtype=torch.long)
-        step = Step(torch.arange(n_past, n_past + 1), masked=False, n_read=n_past + 1)
+        n_past = int(step.positions[0])
         tables = [(rope, *step.rope(rope)) for rope in self.ropes]  # made before: the step's inputs
         recording = cpu_native.Recording(n_past)
-        watch = OnlyViews(recording, step.positions)
         cpu_native.recording = recording
         try:
-            with watch:
-                logits = run(ids, step)
+            logits = run(ids, step)
         finally:
             cpu_native.recording = None
-        self.refused = watch.refused or _unusable(recording, ids, logits)
+        self.refused = _unusable(recording, ids, logits)
         if self.refused is None:
             self._replay = _Replay(recording, ids, tables, logits)
             self.last_position = min(self.last_position, recording.last_position)
-        return logits
+        return logits.clone()  # the recorded buffer: the check's replay writes it again
 
 
 def _unusable(recording: cpu_native.Recording, ids: torch.Tensor, logits: torch.Tensor) -> str | None:
