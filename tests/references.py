@@ -1,6 +1,7 @@
 """Comparisons shared by the model tests: top-k logits of a committed reference, transformers' outputs,
-greedy continuations up to the stop token, batched prefill against token-by-token decode, and greedy
-choices compared only where they are decisive."""
+greedy continuations up to the stop token, batched prefill against token-by-token decode, greedy
+choices compared only where they are decisive, and a prompt's greedy steps in the engine alone (what
+batched paths are checked against)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,15 @@ def prefill_and_decode(model: LoadedModel, ids: list[int]) -> tuple[torch.Tensor
     model.engine.reset()
     stepwise = torch.stack([model.engine.decode(t) for t in ids])
     return batched, stepwise
+
+
+def greedy_alone(model: LoadedModel, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """The engine alone: greedy tokens after `prompt` and the logits [steps + 1, vocab] that chose them
+    (the prompt's, then each decode step's)."""
+    engine = model.engine
+    engine.reset()
+    logits, tokens = [engine.prefill(prompt)], []
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(engine.decode(tokens[-1]))
+    return tokens, torch.stack(logits)

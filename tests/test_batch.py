@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from references import DECISIVE_MARGIN, decisive
+from references import DECISIVE_MARGIN, decisive, greedy_alone
 from tiny_models import SLIDING_WINDOW, random_prompt, write_tiny
 
 import llmx
@@ -65,23 +65,13 @@ def test_blocks_are_taken_as_a_sequence_grows_given_back_and_reused():
 # --- batched logits against the single-sequence path ---------------------------------------------
 
 
-def _alone(model, prompt: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
-    """The engine alone: greedy tokens after `prompt` and the logits [steps + 1, vocab] that chose them
-    (the prompt's, then each decode step's)."""
-    engine = model.engine
-    engine.reset()
-    logits, tokens = [engine.prefill(prompt)], []
-    for _ in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        logits.append(engine.decode(tokens[-1]))
-    return tokens, torch.stack(logits)
-
-
 def _check_batched(model, lengths: list[int], n_seq: int, tolerance: float = 5e-3) -> None:
     """All but the last sequence prefill together, then decode STEPS tokens (each the token the engine
     alone chose: a difference never compounds) while the last joins, its prompt in CHUNK-token chunks."""
     prompts = [random_prompt(n, seed) for seed, n in enumerate(lengths)]
-    alone = [_alone(model, p) for p in prompts]  # first: the pools below lie over the engine's cache
+    alone = [
+        greedy_alone(model, p, STEPS) for p in prompts
+    ]  # first: the pools below lie over the engine's cache
     paged = PagedKVCache.over(model.engine.executor.cache, n_seq)
     tables = [BlockTable() for _ in prompts]
     early, late = range(len(prompts) - 1), len(prompts) - 1
@@ -133,7 +123,7 @@ def _serve(model, paged: PagedKVCache, prompts: list[list[int]], starts: list[in
     a request), prefills the rest in `chunk`-token chunks and decodes a token (the engine alone's)
     beside the others, then ends, its blocks released. Every logits is checked against the engine
     alone's; the positions each took from the cache come back."""
-    alone = [_alone(model, p, steps=1) for p in prompts]  # first: the pools lie over the engine's cache
+    alone = [greedy_alone(model, p, 1) for p in prompts]  # first: the pools lie over the engine's cache
     tables = [BlockTable() for _ in prompts]
     reused, fed, decoded = [0] * len(prompts), [0] * len(prompts), [0] * len(prompts)
     live: list[int] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_sequences import ragged_tables
 from tiny_models import random_prompt, write_tiny
 
 import llmx
@@ -25,13 +26,12 @@ from llmx.quant import cpu_native, qtype
 from llmx.quant.quantize import quantize
 from llmx.quant.torch_ops import dequantize
 from llmx.runtime.batch import Chunk, forward_batch
-from llmx.runtime.blocks import BlockPool, BlockTable
+from llmx.runtime.blocks import BlockTable
 from llmx.runtime.paged import PagedKVCache
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native kernels")
 
 N_HEAD, N_KV, D, ROWS = 6, 2, 64, 16
-SYSTEM = 37  # the prompt's tokens the first three sequences share: two full blocks of it are shared
 
 
 def pool(name: str, n_blocks: int, seed: int) -> torch.Tensor:
@@ -42,32 +42,6 @@ def pool(name: str, n_blocks: int, seed: int) -> torch.Tensor:
         quantize(x, qt))  # fmt: skip
 
 
-def tables(blocks: BlockPool) -> list[BlockTable]:
-    """Five sequences at ragged lengths, before their decode token: three that began with the same
-    system prompt (the second and third on the first's two full blocks of it, refcounted), one of a
-    single position and one of 150 (several chunks of keys)."""
-    system = list(range(SYSTEM))
-    first = BlockTable()
-    blocks.reserve(first, SYSTEM + 4)
-    blocks.commit(first, [*system, 1, 2, 3, 4])
-    out = [first]
-    for tail in ([5, 6], [7, 8, 9, 10, 11, 12]):
-        t = BlockTable()
-        assert blocks.reuse(t, system + tail) == 2 * ROWS
-        blocks.reserve(t, SYSTEM - 2 * ROWS + len(tail))
-        blocks.commit(t, system[2 * ROWS :] + tail)
-        out.append(t)
-    for n in (0, 150):
-        t = BlockTable()
-        blocks.reserve(t, n)
-        blocks.commit(t, list(range(1000, 1000 + n)))
-        out.append(t)
-    for t in out:
-        blocks.reserve(t, 1)  # the decode token's place
-    assert out[1].blocks[:2] == out[2].blocks[:2] == out[0].blocks[:2]
-    return out
-
-
 def setup(kt: str, vt: str) -> tuple[PagedKVCache, list[BlockTable]]:
     n_blocks = 24
     types = None if qtype(kt).is_float and qtype(vt).is_float else (qtype(kt), qtype(vt))
@@ -75,7 +49,7 @@ def setup(kt: str, vt: str) -> tuple[PagedKVCache, list[BlockTable]]:
         [pool(kt, n_blocks, 1)], [pool(vt, n_blocks, 2)], types, AttentionKernels(), n_seq=n_blocks // 12,
         seq_ctx=12 * ROWS, block_rows=ROWS,
     )  # fmt: skip
-    return paged, tables(paged.blocks)
+    return paged, ragged_tables(paged.blocks)
 
 
 def step_inputs(n_seq: int, rope: Rope, positions: torch.Tensor):

@@ -28,6 +28,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from paged_sequences import ragged_tables  # noqa: E402
+from references import greedy_alone  # noqa: E402
 from tiny_models import random_prompt, write_tiny  # noqa: E402
 
 import llmx  # noqa: E402
@@ -44,7 +46,6 @@ from llmx.runtime.paged import PagedKVCache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS, N_BLOCKS, SEQ_BLOCKS = 16, 24, 12
-SYSTEM = 37  # the prompt's tokens the first three sequences share: two full blocks of it are shared
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 OFF, ON = AttentionKernels(decode="off"), AttentionKernels(decode="on")
 
@@ -98,41 +99,16 @@ def shuffle(blocks: BlockPool, seed: int) -> None:
         blocks.free(t)
 
 
-def tables(blocks: BlockPool) -> list[BlockTable]:
-    """Five sequences at ragged lengths, before their decode token: three that began with the same
-    system prompt (the second and third on the first's two full blocks of it, refcounted), one of a
-    single position and one of 150 (several splits of keys)."""
-    system = list(range(SYSTEM))
-    first = BlockTable()
-    blocks.reserve(first, SYSTEM + 4)
-    blocks.commit(first, [*system, 1, 2, 3, 4])
-    out = [first]
-    for tail in ([5, 6], [7, 8, 9, 10, 11, 12]):
-        t = BlockTable()
-        assert blocks.reuse(t, system + tail) == 2 * ROWS
-        blocks.reserve(t, SYSTEM - 2 * ROWS + len(tail))
-        blocks.commit(t, system[2 * ROWS :] + tail)
-        out.append(t)
-    for n in (0, 150):
-        t = BlockTable()
-        blocks.reserve(t, n)
-        blocks.commit(t, list(range(1000, 1000 + n)))
-        out.append(t)
-    for t in out:
-        blocks.reserve(t, 1)  # the decode token's place
-    assert out[1].blocks[:2] == out[2].blocks[:2] == out[0].blocks[:2]
-    every = [b for t in out for b in t.blocks]
-    assert every != sorted(every), "the blocks lie in pool order"
-    return out
-
-
 def setup(c: Case, kernels: AttentionKernels) -> tuple[PagedKVCache, list[BlockTable]]:
     paged = PagedKVCache(
         [pool(c, c.kt, 1)], [pool(c, c.vt, 2)], c.types, kernels, n_seq=N_BLOCKS // SEQ_BLOCKS,
         seq_ctx=SEQ_BLOCKS * ROWS, block_rows=ROWS,
     )  # fmt: skip
     shuffle(paged.blocks, seed=7)
-    return paged, tables(paged.blocks)
+    ts = ragged_tables(paged.blocks)
+    every = [b for t in ts for b in t.blocks]
+    assert every != sorted(every), "the blocks lie in pool order"
+    return paged, ts
 
 
 def step_inputs(c: Case, rope: Rope, positions: torch.Tensor):
@@ -299,16 +275,9 @@ def test_the_auto_kernels_keep_a_cpu_step_native(monkeypatch) -> None:
 
 
 def _alone(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """The engine alone, on the eager path: greedy tokens after `prompt` and the logits that chose
-    them (the prompt's, then each decode step's)."""
-    engine = model.engine
-    engine.executor.cache.kernels = OFF
-    engine.reset()
-    logits, tokens = [engine.prefill(prompt)], []
-    for _ in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        logits.append(engine.decode(tokens[-1]))
-    return tokens, torch.stack(logits)
+    """`references.greedy_alone` on the eager path (the fused kernels off)."""
+    model.engine.executor.cache.kernels = OFF
+    return greedy_alone(model, prompt, steps)
 
 
 FORWARD_CASES = [("llama", "q8_0"), ("gemma3", "f16")]  # gemma3: windows, groups of 2, D 256
