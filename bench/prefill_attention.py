@@ -44,24 +44,31 @@ def milliseconds(fn, runs: int = 20) -> float:
     return statistics.median(times)
 
 
-def case(name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int) -> tuple[float, float, float]:
-    """(old ms, kernel ms, max |kernel - old|) for cache type `name`."""
+def inputs(name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int):
+    """Random q [t, H, D] and a cache of `n_read` rows of K and V in type `name`, the last t of them
+    the queries' positions: (q, K, V, positions, the caches' types or None for float ones)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(t, n_head, d, device="cuda", generator=g)
     k, v = (torch.randn(n_read, n_kv, d, device="cuda", generator=g) for _ in range(2))
     positions = torch.arange(n_read - t, n_read, device="cuda")
     if name in FLOATS:
-        kc, vc, types = k.to(FLOATS[name]), v.to(FLOATS[name]), None
+        return q, k.to(FLOATS[name]), v.to(FLOATS[name]), positions, None
+    qt = qtype(name.upper())
+    return q, quantize(k, qt), quantize(v, qt), positions, (qt, qt)
+
+
+def case(name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int) -> tuple[float, float, float]:
+    """(old ms, kernel ms, max |kernel - old|) for cache type `name`."""
+    q, kc, vc, positions, types = inputs(name, t, n_read, n_head, n_kv, d)
+    if types is None:
 
         def old():
             return causal_prompt_attention(q, kc, vc)
     else:
-        qt = qtype(name.upper())
-        kc, vc, types = quantize(k, qt), quantize(v, qt), (qt, qt)
         mask = causal_mask(positions, n_read)  # made once a step for every layer: not timed
 
         def old():
-            return block_attention(q, kc, vc, (qt, qt), mask)
+            return block_attention(q, kc, vc, types, mask)
 
     def new():
         return prefill_attention(q, kc, vc, positions, types=types)
@@ -72,15 +79,7 @@ def case(name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int) -> tupl
 
 def sweep(tiles: str, name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int) -> None:
     """The kernel's milliseconds with each of `tiles` (BMxBNxWARPSxSTAGES, comma-separated)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(t, n_head, d, device="cuda", generator=g)
-    k, v = (torch.randn(n_read, n_kv, d, device="cuda", generator=g) for _ in range(2))
-    positions = torch.arange(n_read - t, n_read, device="cuda")
-    if name in FLOATS:
-        kc, vc, types = k.to(FLOATS[name]), v.to(FLOATS[name]), None
-    else:
-        qt = qtype(name.upper())
-        kc, vc, types = quantize(k, qt), quantize(v, qt), (qt, qt)
+    q, kc, vc, positions, types = inputs(name, t, n_read, n_head, n_kv, d)
     chosen = kernel._tiles
     cells = []
     for spec in tiles.split(","):
