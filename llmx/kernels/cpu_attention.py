@@ -35,13 +35,17 @@ def _kv_types(k: torch.Tensor, v: torch.Tensor, types: tuple[QType, QType] | Non
 
 def _takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, types: tuple[str, str] | None) -> bool:
     """Whether the native kernel takes q [1, H, D] over cache rows k, v [N, Hk, row] of `types`."""
-    n_head, head_dim = q.shape[1], q.shape[2]
+    return q.shape[1] % k.shape[1] == 0 and _cache_takes(k, v, types, q.shape[2])
+
+
+def _cache_takes(k: torch.Tensor, v: torch.Tensor, types: tuple[str, str] | None, head_dim: int) -> bool:
+    """Whether the native kernel reads cache rows k, v [N, Hk, row] of `types` (None: a type it lacks)
+    with heads of `head_dim` values."""
     blocks = any(t not in cpu_native.FLOAT_KV.values() for t in types or ())
     return (
         types is not None
         and head_dim % (32 if blocks else 8) == 0
         and head_dim <= cpu_native.MAX_HEAD_DIM
-        and n_head % k.shape[1] == 0
         and k.is_contiguous()
         and v.is_contiguous()
         and cpu_native.available()
@@ -66,14 +70,10 @@ def prepare(
     cache: None where the kernel does not take it (not on the CPU, a type or head width it lacks,
     unequal key and value widths)."""
     names = _kv_types(kc, vc, types)
-    if kc.is_cuda or vc.is_cuda or names is None or dims[0] != dims[1]:
+    if kc.is_cuda or vc.is_cuda or dims[0] != dims[1] or not _cache_takes(kc, vc, names, dims[0]):
         return None
-    blocks = any(n not in cpu_native.FLOAT_KV.values() for n in names)
-    d = dims[0]
-    takes = d % (32 if blocks else 8) == 0 and d <= cpu_native.MAX_HEAD_DIM
-    if not (takes and kc.is_contiguous() and vc.is_contiguous() and cpu_native.available()):
-        return None
-    return cpu_native.Attention(kc, vc, names, d)
+    assert names is not None
+    return cpu_native.Attention(kc, vc, names, dims[0])
 
 
 def rope_decode_attention(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from llmx.errors import LlmxError
-from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels
+from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels, native_cpu_decode
 from llmx.ops.rope import Rope
 from llmx.quant import F16, QType, qtype
 from llmx.quant.cpu_native import Attention as NativeAttention
@@ -216,10 +216,10 @@ class LayerWriter:
     ) -> bool:  # fmt: skip
         """Whether the native CPU kernel bound to this layer's buffers may run this step: as
         `ops.attention`'s native decode, q and v of the cache's head width."""
-        if softcap is not None or mask is not None or q.shape[0] != 1 or q.dtype != torch.float32:
+        if softcap is not None:
             return False
         widths = q.shape[-1] == v.shape[-1] == native.d
-        return widths and not q.is_cuda and self.positions.device.type == "cpu"
+        return widths and native_cpu_decode(q, self.k, mask) and self.positions.device.type == "cpu"
 
 
 @dataclass(frozen=True)
