@@ -69,7 +69,9 @@ def reference(q, k, v, mask, scale, softcap) -> torch.Tensor:
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
+    """|out - ref| / |ref|, on the CPU (a GPU writer's output beside a reference on its inputs' device)."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm()).item()
 
 
 @dataclass(frozen=True)
