@@ -392,6 +392,12 @@ def test_sweep_bench_json_then_plot_of_two_results(tiny_model, quick_ceilings, c
     assert result["environment"]["cpu"] and result["placement"]["plan"]["ctx"] >= 64
     saved = tmp_path / "run.json"
     saved.write_text(out)
+    out_q8, _ = run_cli(
+        capsys, "sweep-bench", "-m", str(tiny_model), "-c", "32", "-ub", "16", "-n", "2", "-o", "json",
+        "-ctk", "q8_0", "-ctv", "q8_0",
+    )  # fmt: skip
+    # runs that differ only in their cache types have different names in a plot
+    assert json.loads(out_q8)["label"] == result["label"] + " -ctk q8_0 -ctv q8_0"
     png = tmp_path / "curves.png"
     run_cli(capsys, "sweep-bench", "--plot", str(png), str(saved), str(saved))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -71,6 +71,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_label(info: dict, placement: str, cache_k: str, cache_v: str) -> str:
+    """A run's name in plots: model, weight type, placement, and the cache's types where not f16
+    (runs of one model that differ only in their cache must not share a name)."""
+    cache = "" if (cache_k, cache_v) == ("f16", "f16") else f" -ctk {cache_k} -ctv {cache_v}"
+    return f"{info['model_name']} {info['model_ftype']} {placement}{cache}"
+
+
 def sweep_run(args: argparse.Namespace) -> dict:
     """Load the model, sweep its context, print the table or the JSON result, and return the result."""
     from llmx.bench.loaded import load_for_bench
@@ -96,7 +103,8 @@ def sweep_run(args: argparse.Namespace) -> dict:
     info = model_info(bm.model.file)
     result = {
         "kind": "sweep-bench",
-        "label": args.label or f"{info['model_name']} {info['model_ftype']} {bm.placement['summary']}",
+        "label": args.label
+        or default_label(info, bm.placement["summary"], opts.cache_type_k, opts.cache_type_v),
         "environment": environment(),
         "model": info,
         "placement": bm.placement,
