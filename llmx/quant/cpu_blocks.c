@@ -1765,8 +1765,9 @@ int llmx_rope_store_attend(const float *q, const float *k, const float *v, const
 }
 
 /* The decode step of n_seq sequences over a paged cache, in one call (a batch's layer): sequence b's
- * token at positions[b], its q [H, D] and k [Hk, D] (rows b of q [B, H, D], k and v [B, Hk, D], float32)
- * rotated by RoPE at its angles (row b of cos, sin [B, n_dims / 2]), q scaled, k and v stored in its
+ * token at positions[b], its q [H, D] and k [Hk, D] (rows b of q [B, H, D], k and v [B, Hk, D], float32,
+ * each row's heads contiguous and rows q_stride, k_stride, v_stride floats apart: the columns of one
+ * joined q/k/v projection, read where they lie) rotated by RoPE at its angles (row b of cos, sin [B, n_dims / 2]), q scaled, k and v stored in its
  * position's row of the pools kc and vc (type_k, type_v; its blocks are row b of tables [B, table_stride],
  * block_rows rows each, as pool_row reads them), then its attention over its positions 0..positions[b]
  * (with a sliding `window` > 0 only the last `window` of them) -> row b of out [B, H, D]. Every token is
@@ -1774,8 +1775,8 @@ int llmx_rope_store_attend(const float *q, const float *k, const float *v, const
  * (see attend) where a call per sequence left a thread idle at each. Sequences may share blocks (a
  * prefix cache) but never the block a position of this step lies in. Returns 0, or -1 for shapes
  * takes_shapes refuses, a position outside its table, or no memory. */
-int llmx_paged_rope_store_attend(const float *q, const float *k, const float *v, const float *cos, const float *sin,
-                                 int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v,
+int llmx_paged_rope_store_attend(const float *q, const float *k, const float *v, int64_t q_stride, int64_t k_stride,
+                                 int64_t v_stride, const float *cos, const float *sin, int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v,
                                  const int32_t *tables, int64_t table_stride, int64_t block_rows,
                                  const int64_t *positions, int64_t window, int64_t n_seq, int64_t n_head, int64_t n_kv,
                                  int64_t d, float scale, float *out, int threads) {
@@ -1793,8 +1794,8 @@ int llmx_paged_rope_store_attend(const float *q, const float *k, const float *v,
     for (int64_t b = 0; b < n_seq; b++) {
         const int32_t *table = tables + b * table_stride;
         const int64_t pos = positions[b], slot = pool_row(table, block_rows, pos);
-        rope_query(q + b * n_head * d, cos + b * half, sin + b * half, n_dims, neox, scale, n_head, d, qs + b * n_head * d);
-        rope_store(k + b * n_kv * d, v + b * n_kv * d, cos + b * half, sin + b * half, n_dims, neox,
+        rope_query(q + b * q_stride, cos + b * half, sin + b * half, n_dims, neox, scale, n_head, d, qs + b * n_head * d);
+        rope_store(k + b * k_stride, v + b * v_stride, cos + b * half, sin + b * half, n_dims, neox,
                    (char *)kc + slot * k_row, (char *)vc + slot * v_row, type_k, type_v, n_kv, d);
         const int64_t first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
         seqs[b] = (seq_attn_t){qs + b * n_head * d, table, first, pos + 1, out + b * n_head * d};

@@ -95,7 +95,8 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i64, i64]
     lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, ctypes.c_float, ptr, i32]
     lib.llmx_rope_store_attend.restype = i32
-    lib.llmx_paged_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32]
+    lib.llmx_paged_rope_store_attend.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i32, ptr, ptr]
+    lib.llmx_paged_rope_store_attend.argtypes += [i32, i32]
     lib.llmx_paged_rope_store_attend.argtypes += [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
     lib.llmx_paged_rope_store_attend.argtypes += [ptr, i32]
     lib.llmx_paged_rope_store_attend.restype = i32
@@ -504,7 +505,8 @@ def paged_rope_store_attend(
     scale: float,
 ) -> torch.Tensor:
     """The decode step of B sequences over a paged cache in one call: sequence b's q [H, D] and k
-    [Hk, D] (rows b of q [B, H, D], k and v [B, Hk, D], float32) rotated by RoPE (rows b of cos, sin
+    [Hk, D] (rows b of q [B, H, D], k and v [B, Hk, D], float32; the rows may lie apart, each one's
+    heads contiguous) rotated by RoPE (rows b of cos, sin
     [B, n_dims / 2] float32), its k and v stored (quantized, for a block type) at its position
     positions[b] (int64 [B]) in the pools [rows, Hk, row] (contiguous, of the KV_TYPES `types`), whose
     blocks of `block_rows` rows it holds in order in tables[b] (int32 [B, max blocks]), then its
@@ -515,12 +517,15 @@ def paged_rope_store_attend(
     n_kv = k.shape[1]
     assert lib is not None and k_pool.is_contiguous() and v_pool.is_contiguous()
     assert tables.dtype == torch.int32 and positions.dtype == torch.int64 and tables.shape[0] == n_seq
-    qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
+    # read, not written (the C side copies), where they lie: the rows of one joined projection's
+    # columns need no copy (a torch op, which a replayed step would not make again: `runtime.cpu_replay`)
+    qs, ks, vs = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (q, k, v))
     cos, sin = cos.contiguous(), sin.contiguous()
     tables, positions = tables.contiguous(), positions.contiguous()
     out = torch.empty(n_seq, n_head * d, dtype=torch.float32)
     err = _issue(lib.llmx_paged_rope_store_attend, (
-        qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
+        qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), qs.stride(0), ks.stride(0), vs.stride(0), cos.data_ptr(),
+        sin.data_ptr(), 2 * cos.shape[-1],
         int(neox), k_pool.data_ptr(), v_pool.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]],
         tables.data_ptr(), tables.shape[1], block_rows, positions.data_ptr(), window or 0, n_seq, n_head,
         n_kv, d, scale, out.data_ptr(), _threads(lib),
