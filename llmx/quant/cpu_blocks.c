@@ -759,9 +759,18 @@ static inline void widen_even_odd(__m256i u, int is_signed, __m256i *even, __m25
 
 /* Lane j: the sum of the products at positions 4j..4j+3 of a group (the weights widened by
  * widen_even_odd, x's codes from c): exact, |w| <= 127 (or w * a Q6_K scale, |w| <= 8064) times
- * |c| <= X_CODES stays far inside int32. */
+ * |c| <= X_CODES stays far inside int32. VNNI's dpwssd adds the second half's products to the
+ * first's in the multiply-add itself (the same exact sums, one instruction of three fewer a group
+ * and x row: at 8 rows these products are most of a batched decode step's work). */
 static inline __m256i dot_group16(const __m256i w[2], const int16_t *c) {
-    return _mm256_add_epi32(_mm256_madd_epi16(w[0], load32(c)), _mm256_madd_epi16(w[1], load32(c + 16)));
+    const __m256i first = _mm256_madd_epi16(w[0], load32(c));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(first, w[1], load32(c + 16));
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(first, w[1], load32(c + 16));
+#else
+    return _mm256_add_epi32(first, _mm256_madd_epi16(w[1], load32(c + 16)));
+#endif
 }
 
 static inline int64_t tile_of(int64_t nx, int64_t t0) { return nx - t0 < ROW_TILE ? nx - t0 : ROW_TILE; }
