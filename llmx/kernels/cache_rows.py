@@ -58,6 +58,12 @@ def dot(a, b, DOT: tl.constexpr):
 # Every block type here holds 32 values: an f16 scale d (Q4_1, Q5_1: then an f16 minimum m), Q5's 32
 # fifth bits (qh, a little-endian uint32), then codes: Q8_0's 32 int8, the others' 16 bytes of
 # nibbles (byte l: value l low, value l + 16 high), the block's last 16 bytes.
+#
+# A tile is read a block field at a time rather than a value at a time: each block's scale once, and
+# its codes as 16-bit words, two bytes a load. Words are as wide as the layouts allow: a block's
+# bytes sit only 2-aligned (Q8_0's 34-byte blocks put codes at odd multiples of 2). A word's two
+# bytes hold adjacent values (Q8_0: values 2w, 2w + 1; nibbles: 2w, 2w + 1 low and 16 above them
+# high), so the values come out as pairs that `tl.join` puts side by side and a reshape lays in order.
 
 
 @triton.jit
@@ -67,32 +73,53 @@ def f16_at(ptrs, mask):
 
 
 @triton.jit
-def load_rows(row_ptrs, d, mask, levels_ptr, QT: tl.constexpr, QB: tl.constexpr):
-    """Values d of the cache rows at `row_ptrs` (a head's start in each row) as float32 (a block
-    type's dequantized: d * code (+ m), IQ4_NL's code its level), or in the cache's dtype."""
+def words_at(ptrs, mask):
+    """The 16-bit words at byte pointers `ptrs` (even offsets), as int32 (sign-extended)."""
+    return tl.load(ptrs.to(tl.pointer_type(tl.int16)), mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def load_rows(
+    row_ptrs, rmask, levels_ptr, D: tl.constexpr, QT: tl.constexpr, QB: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    """Values 0..D-1 of the cache rows at `row_ptrs` [BLOCK_N, 1] (a head's start in each row) where
+    `rmask` [BLOCK_N, 1], as a [BLOCK_N, BLOCK_D] tile: float32 for a block type (dequantized: d *
+    code (+ m), IQ4_NL's code its level), else in the cache's dtype."""
     # One return at the end: Triton 3.6 compiles the statements after a constexpr branch's return
     # too, and refuses returns of different types (the cache's dtype, float32).
     if QT == 0:
-        values = tl.load(row_ptrs + d, mask=mask, other=0.0)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        values = tl.load(row_ptrs + d, mask=rmask & (d < D), other=0.0)
     else:
-        j = d % 32
-        block = row_ptrs + (d // 32) * QB
-        scale = f16_at(block, mask)
-        if QT == Q8_0:
-            codes = tl.load((block + 2 + j).to(tl.pointer_type(tl.int8)), mask=mask, other=0)
-            values = scale * codes.to(tl.float32)
-        else:
-            nibbles = tl.load(block + (QB - 16) + j % 16, mask=mask, other=0).to(tl.int32)
-            code = (nibbles >> ((j // 16) * 4)) & 15
+        nb = tl.arange(0, BLOCK_D // 32)[None, :]
+        block = row_ptrs + nb * QB  # [BLOCK_N, BLOCK_D / 32]
+        bmask = rmask & (nb * 32 < D)
+        scale = f16_at(block, bmask)[:, :, None, None]
+        if QT == Q8_0:  # [BLOCK_N, BLOCK_D / 32, 16, 2]: value 2w + k of each block
+            w = tl.arange(0, 16)[None, None, :]
+            words = words_at(block[:, :, None] + 2 + 2 * w, bmask[:, :, None])
+            pairs = tl.join(words.to(tl.int8), (words >> 8).to(tl.int8))
+            values = scale * pairs.to(tl.float32)
+        else:  # [BLOCK_N, BLOCK_D / 32, 2, 8, 2]: value 16h + 2w + k of each block
+            w = tl.arange(0, 8)[None, None, :]
+            h = tl.arange(0, 2)[None, None, :, None]
+            words = words_at(block[:, :, None] + (QB - 16) + 2 * w, bmask[:, :, None])
+            nibbles = words[:, :, None, :] >> (4 * h)
+            even, odd = nibbles & 15, (nibbles >> 8) & 15
             if QT >= Q5_0 and QT <= Q5_1:
-                qh = tl.load(block + (QB - 20) + j // 8, mask=mask, other=0).to(tl.int32)
-                code = code | (((qh >> (j % 8)) & 1) << 4)
+                qh_at = block + (QB - 20)
+                qh = (words_at(qh_at, bmask) & 0xFFFF) | (words_at(qh_at + 2, bmask) << 16)
+                fifth = qh[:, :, None, None] >> (16 * h + 2 * w[:, :, None, :])
+                even, odd = even | ((fifth & 1) << 4), odd | ((fifth & 2) << 3)
+            codes = tl.join(even, odd)
+            scale = scale[:, :, :, :, None]
             if QT == IQ4_NL:
-                values = scale * tl.load(levels_ptr + code)
+                values = scale * tl.load(levels_ptr + codes)
             elif QT == Q4_0:
-                values = scale * (code - 8).to(tl.float32)
+                values = scale * (codes - 8).to(tl.float32)
             elif QT == Q5_0:
-                values = scale * (code - 16).to(tl.float32)
+                values = scale * (codes - 16).to(tl.float32)
             else:
-                values = scale * code.to(tl.float32) + f16_at(block + 2, mask)
+                values = scale * codes.to(tl.float32) + f16_at(block + 2, bmask)[:, :, None, None, None]
+        values = tl.reshape(values, (row_ptrs.shape[0], BLOCK_D))
     return values
