@@ -102,16 +102,15 @@ def load_rows(
             values = scale * pairs.to(tl.float32)
         else:  # [BLOCK_N, BLOCK_D / 32, 2, 8, 2]: value 16h + 2w + k of each block
             w = tl.arange(0, 8)[None, None, :]
-            h = tl.arange(0, 2)[None, None, :, None]
+            # word w: bytes 2w and 2w + 1, so values 2w, 2w + 1 (low nibbles), 2w + 16, 2w + 17 (high)
             words = words_at(block[:, :, None] + (QB - 16) + 2 * w, bmask[:, :, None])
-            nibbles = words[:, :, None, :] >> (4 * h)
-            even, odd = nibbles & 15, (nibbles >> 8) & 15
+            low_fifths, high_fifths = 0, 0
             if QT >= Q5_0 and QT <= Q5_1:
                 qh_at = block + (QB - 20)
-                qh = (words_at(qh_at, bmask) & 0xFFFF) | (words_at(qh_at + 2, bmask) << 16)
-                fifth = qh[:, :, None, None] >> (16 * h + 2 * w[:, :, None, :])
-                even, odd = even | ((fifth & 1) << 4), odd | ((fifth & 2) << 3)
-            codes = tl.join(even, odd)
+                qh = ((words_at(qh_at, bmask) & 0xFFFF) | (words_at(qh_at + 2, bmask) << 16))[:, :, None]
+                low_fifths, high_fifths = qh >> (2 * w), qh >> (16 + 2 * w)
+            halves = tl.join(_pair(words, low_fifths), _pair(words >> 4, high_fifths))  # [..., 8, 2, 2]
+            codes = tl.permute(halves, (0, 1, 4, 2, 3))
             scale = scale[:, :, :, :, None]
             if QT == IQ4_NL:
                 values = scale * tl.load(levels_ptr + codes)
@@ -123,3 +122,10 @@ def load_rows(
                 values = scale * codes.to(tl.float32) + f16_at(block + 2, bmask)[:, :, None, None, None]
         values = tl.reshape(values, (row_ptrs.shape[0], BLOCK_D))
     return values
+
+
+@triton.jit
+def _pair(nibbles, fifths):
+    """Values 2w, 2w + 1 of a block ([..., 8, 2] int32): the nibbles at bits 0 and 8 of `nibbles`,
+    with bits 0 and 1 of `fifths` (Q5's fifth bits, 0 for the other types) as their bit 4."""
+    return tl.join((nibbles & 15) | ((fifths & 1) << 4), ((nibbles >> 8) & 15) | ((fifths & 2) << 3))
