@@ -159,7 +159,7 @@ def _launch(
     # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
     # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth).
     stages = 1 if torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
-    (kt, kb), (vt, vb) = cache_rows.codes(types)
+    (kt, kb), (vt, vb) = cache_rows.codes(types, k_cache, v_cache)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache does
     dot_type = (
         tl.float32

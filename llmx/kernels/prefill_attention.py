@@ -58,7 +58,7 @@ def prefill_attention(
     t, n_head, d = q.shape
     n_read, n_kv = k.shape[0], k.shape[1]
     group = n_head // n_kv
-    (kt, kb), (vt, vb) = cache_rows.codes(types)
+    (kt, kb), (vt, vb) = cache_rows.codes(types, k, v)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache's do
     dot_type = tl.float32 if not q.is_cuda else tl.float16 if k.dtype == torch.uint8 else TL_DTYPE[k.dtype]
     bm, bn, warps, stages = _tiles(d, q.is_cuda, torch.float32 in (k.dtype, v.dtype))
