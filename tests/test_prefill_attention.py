@@ -114,6 +114,15 @@ def test_every_cache_type(kt: str, vt: str) -> None:
     check_kernel(Case(t=21, n_read=53), kt, vt)
 
 
+@pytest.mark.parametrize(
+    ("kt", "vt"), [("Q8_0", "Q4_0"), ("Q5_0", "IQ4_NL"), ("Q5_1", "Q4_1")], ids=lambda p: p
+)
+def test_heads_of_blocks_that_start_2_aligned(kt: str, vt: str) -> None:
+    """Three blocks a head (D = 96: 102 bytes of q8_0, 54 of q4_0) put every other head at an odd
+    multiple of 2: `load_rows` reads those caches as 16-bit halves, not 32-bit words."""
+    check_kernel(Case(t=21, n_read=53, d=96), kt, vt)
+
+
 CASES = [
     Case(t=37, n_read=37, n_head=4, n_head_kv=1),  # a first chunk, group of 4
     Case(t=21, n_read=53, n_head=4, n_head_kv=4),  # a later chunk, no grouping

@@ -159,7 +159,7 @@ def _launch(
     # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
     # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth).
     stages = 1 if torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
-    (kt, kb), (vt, vb) = cache_rows.codes(types)
+    (kt, kb), (vt, vb) = cache_rows.codes(types, k_cache, v_cache)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache does
     dot_type = (
         tl.float32
@@ -277,13 +277,12 @@ def attention_kernel(
         rows = n + tl.arange(0, BLOCK_N)
         rmask = rows < end
         fresh = (rows == pos)[:, None]  # this step's row: from registers, not (yet) from the cache
-        tile = rmask[:, None] & dmask[None, :]
         if PAGED:  # position p in row table[p // BR] * BR + p % BR
             block = tl.load(table_ptr + rows // BR, mask=rmask, other=0).to(tl.int64)
             r64 = (block * BR + rows % BR)[:, None]
         else:
             r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
-        keys = load_rows(kc_ptr + r64 * skc_n + kvh * skc_h, d[None, :], tile, levels_ptr, KT, KB)
+        keys = load_rows(kc_ptr + r64 * skc_n + kvh * skc_h, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D)
         keys = tl.where(fresh, k_new[None, :], keys)
         s = dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
         # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
@@ -292,7 +291,7 @@ def attention_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a visible key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        values = load_rows(vc_ptr + r64 * svc_n + kvh * svc_h, d[None, :], tile, levels_ptr, VT, VB)
+        values = load_rows(vc_ptr + r64 * svc_n + kvh * svc_h, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D)
         values = tl.where(fresh, v_new[None, :], values)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(p, values, DOT)

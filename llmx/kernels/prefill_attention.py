@@ -58,7 +58,7 @@ def prefill_attention(
     t, n_head, d = q.shape
     n_read, n_kv = k.shape[0], k.shape[1]
     group = n_head // n_kv
-    (kt, kb), (vt, vb) = cache_rows.codes(types)
+    (kt, kb), (vt, vb) = cache_rows.codes(types, k, v)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache's do
     dot_type = tl.float32 if not q.is_cuda else tl.float16 if k.dtype == torch.uint8 else TL_DTYPE[k.dtype]
     bm, bn, warps, stages = _tiles(d, q.is_cuda, torch.float32 in (k.dtype, v.dtype))
@@ -124,8 +124,8 @@ def prefill_kernel(
     if RING:  # rows in no position order: all of them, masked by the positions they hold
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, qpos, 0, n_read, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
-            sv_h, n_read, window, scale, softcap, d, dmask,
-            True, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
+            sv_h, n_read, window, scale, softcap,
+            True, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D,
         )  # fmt: skip
     else:
         # Keys [lo, hi) are visible to some query of the tile, [full_lo, full_hi) to all of them:
@@ -140,19 +140,19 @@ def prefill_kernel(
             a = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), hi)
             acc, m_i, l_i = _attend(
                 acc, m_i, l_i, q, qpos, start, a, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h,
-                sv_n, sv_h, n_read, window, scale, softcap, d, dmask,
-                True, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
+                sv_n, sv_h, n_read, window, scale, softcap,
+                True, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D,
             )  # fmt: skip
         b = tl.maximum(full_hi // BLOCK_N * BLOCK_N, a)
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, qpos, a, b, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
-            sv_h, n_read, window, scale, softcap, d, dmask,
-            False, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
+            sv_h, n_read, window, scale, softcap,
+            False, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, qpos, b, hi, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
-            sv_h, n_read, window, scale, softcap, d, dmask,
-            True, WINDOW, SOFTCAP, RING, DOT, KT, KB, VT, VB, BLOCK_N,
+            sv_h, n_read, window, scale, softcap,
+            True, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D,
         )  # fmt: skip
 
     # every query sees at least its own key, so l_i > 0 for every row stored
@@ -165,9 +165,10 @@ def prefill_kernel(
 @triton.jit
 def _attend(
     acc, m_i, l_i, q, qpos, start, end, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n, sv_h,
-    n_read, window, scale, softcap, d, dmask,
+    n_read, window, scale, softcap,
     MASK: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, RING: tl.constexpr, DOT: tl.constexpr,
-    KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr, VB: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr, VB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Key blocks [start, end) (multiples of BLOCK_N) into the running (acc, max, sum) of the queries
     q [BLOCK_M, BLOCK_D] at `qpos`; with MASK each key is checked against each query (and rows past
@@ -175,9 +176,8 @@ def _attend(
     for n in range(start, end, BLOCK_N):
         rows = n + tl.arange(0, BLOCK_N)
         rmask = rows < n_read
-        tile = rmask[:, None] & dmask[None, :]
         r64 = rows.to(tl.int64)[:, None]
-        keys = load_rows(k_ptr + r64 * sk_n + kvh * sk_h, d[None, :], tile, levels_ptr, KT, KB)
+        keys = load_rows(k_ptr + r64 * sk_n + kvh * sk_h, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D)
         s = dot(q, tl.trans(keys.to(DOT)), DOT)  # [BLOCK_M, BLOCK_N]
         # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
         # (in log2 units, for exp2)
@@ -200,7 +200,7 @@ def _attend(
             m_use = m_new
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
-        values = load_rows(v_ptr + r64 * sv_n + kvh * sv_h, d[None, :], tile, levels_ptr, VT, VB)
+        values = load_rows(v_ptr + r64 * sv_n + kvh * sv_h, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(p, values.to(DOT), DOT)
         m_i = m_new
