@@ -337,12 +337,18 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
     return list(y.reshape(*x.shape[:-1], -1).split(group.sizes, dim=-1))
 
 
-def swiglu(
-    x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight, residual: torch.Tensor | None = None
+def gated_ffn(
+    x: torch.Tensor,
+    gate: QWeight,
+    up: QWeight,
+    down: QWeight,
+    activation: str,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """down(silu(gate(x)) * up(x)), plus `residual` where given, in one native call for a decode step's
-    x [M, K] (M <= NATIVE_MAX_ROWS) when gate and up were prepared as one native call (`prepare_shared`)
-    and down takes the native kernels too (`cpu_native.Gemv.swiglu`); None otherwise."""
+    """down(act(gate(x)) * up(x)) (`activation`: one of `cpu_native.ACTIVATIONS`), plus `residual` where
+    given, in one native call for a decode step's x [M, K] (M <= NATIVE_MAX_ROWS) when gate and up were
+    prepared as one native call (`prepare_shared`) and down takes the native kernels too
+    (`cpu_native.Gemv.gated_ffn`); None otherwise."""
     if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > C.NATIVE_MAX_ROWS or not x.is_cpu:
         return None
     group, down_call = gate.shared, down.native
@@ -350,7 +356,7 @@ def swiglu(
         return None
     if gate.shape[0] != up.shape[0] or down.shape[1] != gate.shape[0]:
         return None
-    return group.native.swiglu(x, down_call, residual)
+    return group.native.gated_ffn(x, down_call, activation, residual)
 
 
 def moe_swiglu(
@@ -374,17 +380,20 @@ def moe_swiglu(
     return N.moe_swiglu(x, [(w.raw, w.qtype) for w in stacks], (n_expert, f, e), ids, weights)
 
 
-def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """Rows `ids` (integer, any shape) of the table W [rows, cols] -> float32 [*ids.shape, cols]."""
+def embedding(ids: torch.Tensor, w: QWeight, scale: float = 1.0) -> torch.Tensor:
+    """Rows `ids` (integer, any shape) of the table W [rows, cols] times `scale` -> float32
+    [*ids.shape, cols]."""
     cols = w.shape[-1]
     if w.raw.is_floating_point():
-        return w.raw[ids.to(w.raw.device)].float()
-    if _triton_layout(w):
-        return G.embedding(ids.to(w.raw.device), w)
-    if _native_blocks(w):  # a repacked tied table keeps its raw rows for lookups
+        rows = w.raw[ids.to(w.raw.device)].float()
+    elif _triton_layout(w):
+        rows = G.embedding(ids.to(w.raw.device), w)
+    elif _native_blocks(w):  # a repacked tied table keeps its raw rows for lookups; scaled in the call
         flat = ids.reshape(-1).to(device="cpu", dtype=torch.long)
-        return N.embedding_rows(w.raw, w.qtype, flat, cols).reshape(*ids.shape, cols)
-    return T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
+        return N.embedding_rows(w.raw, w.qtype, flat, cols, scale).reshape(*ids.shape, cols)
+    else:
+        rows = T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
+    return rows if scale == 1.0 else rows * scale
 
 
 def dequantize(w: QWeight) -> torch.Tensor:
