@@ -16,10 +16,13 @@ from llmx.quant import cpu_native
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native kernels")
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [1, H, D] over k, v [N, Hk, D], every key visible, in float64 -> [1, H * D]."""
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q [1, H, D] over k, v [N, Hk, D], every key visible (or those `mask` [1, N] shows), in float64
+    -> [1, H * D]."""
     qh, kh, vh = (t.double().transpose(0, 1)[None] for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(1, -1)
 
 
@@ -123,6 +126,40 @@ def test_one_call_step_matches_rope_then_write_then_attention(
     for fused, ref in ((fused_cache.k, torch_cache.k), (fused_cache.v, torch_cache.v)):
         torch.testing.assert_close(fused[pos].float(), ref[pos].float(), rtol=1e-2, atol=1e-6)
         assert torch.equal(torch.cat((fused[:pos], fused[pos + 1 :])), torch.cat((ref[:pos], ref[pos + 1 :])))
+
+
+@pytest.mark.parametrize(("pos", "window"), [(29, 8), (5, 8), (11, 12), (29, None)], ids=str)
+def test_one_call_step_slides_a_window_over_a_ring(pos, window, native_kernels) -> None:
+    """A sliding-window layer's ring of 12 rows (position p in row p mod 12, as the prompt batches
+    store it): the step attends its window's last keys wherever the ring has wrapped them to, as the
+    torch path does by each row's position (`ring_mask`). Without a window, a position past the rows
+    (whose keys the ring lost) is refused, nothing written."""
+    from llmx.ops.masks import ring_mask
+    from llmx.runtime.cache import LayerWriter
+
+    g = torch.Generator().manual_seed(pos)
+    rows, n_head, n_kv, dim = 12, 4, 2, 64
+    past_k, past_v = (torch.randn(rows, n_kv, dim, generator=g).to(torch.float16) for _ in range(2))
+    q = torch.randn(1, n_head, dim, generator=g) * 3
+    k, v = torch.randn(1, n_kv, dim, generator=g), torch.randn(1, n_kv, dim, generator=g)
+    rope = ops.Rope(dim, 10000.0, True)
+    positions = torch.tensor([pos])
+    cos, sin = rope.tables(positions, pos + 1)
+    fused_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
+    out = fused_cache.rope_store_attend(q, k, v, rope, cos, sin, None, window, 0.1, None)
+    if window is None and pos >= rows:
+        assert out is None and torch.equal(fused_cache.k, past_k)
+        return
+    torch_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
+    qr, kr = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    keys, values = torch_cache(kr, v)
+    ring = torch_cache.key_positions()
+    if ring is None:  # not wrapped: row r holds position r, the rows past pos not yet written
+        ring = torch.arange(len(keys))
+    want = reference(qr, keys, values, 0.1, ring_mask(positions, ring, window))
+    assert out is not None and relative_error(out, want) < 1e-5
+    row = pos % rows  # the step's key, rotated and stored in its position's row
+    torch.testing.assert_close(fused_cache.k[row].float(), torch_cache.k[row].float(), rtol=1e-2, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

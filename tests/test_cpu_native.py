@@ -41,6 +41,9 @@ def test_rows_dequantize_to_gguf_py_values(name):
     assert_bits_equal(out.numpy(), ref[11:31])
     ids = torch.tensor([36, 0, 11, 11])
     assert_bits_equal(cpu_native.embedding_rows(raw, qt, ids, ref.shape[1]).numpy(), ref[ids.numpy()])
+    scale = 640**0.5  # Gemma 3 270M's sqrt(n_embd): the rows times it as torch's float32 multiply rounds
+    scaled = cpu_native.embedding_rows(raw, qt, ids, ref.shape[1], scale)
+    assert_bits_equal(scaled.numpy(), (torch.from_numpy(ref[ids.numpy()]) * scale).numpy())
     with pytest.raises(LlmxError, match="token id 37 is outside the embedding table's 37 rows"):
         cpu_native.embedding_rows(raw, qt, torch.tensor([3, 37]), ref.shape[1])
 
@@ -268,12 +271,17 @@ def test_a_prepared_gemv_follows_a_replaced_raw():
     assert group.native is not first_group and group.native.raws[0] is w.raw
 
 
+def gelu_tanh(v: np.ndarray) -> np.ndarray:
+    return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3)))
+
+
 @pytest.mark.parametrize("m", [1, 3])
-def test_swiglu_is_one_call_matching_a_float64_ffn(m, native_kernels):
-    """A decode step's gated FFN in one native call (`ops.swiglu` takes it for CPU GGUF blocks):
-    down(silu(gate(x)) * up(x)) within float32 error of the float64 FFN, x and the activation read
-    as the kernels quantize them."""
-    from llmx.ops import swiglu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_ffn_is_one_call_matching_a_float64_ffn(m, activation, native_kernels):
+    """A decode step's gated FFN in one native call (`ops.swiglu` and `ops.geglu` take it for CPU GGUF
+    blocks): down(act(gate(x)) * up(x)) within float32 error of the float64 FFN, x and the activation
+    read as the kernels quantize them."""
+    from llmx.ops import geglu, swiglu
 
     k, f, e = 256, 512, 96
     (gate_raw, gate), (up_raw, up), (down_raw, down) = (
@@ -286,16 +294,16 @@ def test_swiglu_is_one_call_matching_a_float64_ffn(m, native_kernels):
     ]
     assert prepare_shared(ws[:2]) is not None  # as the loader does for gate and up
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    y = swiglu(x, *ws)
+    y = (swiglu if activation == "silu" else geglu)(x, *ws)
     xq = quantized(x.numpy()).astype(np.float64)
     g, u = xq @ gate.astype(np.float64).T, xq @ up.astype(np.float64).T
-    act = g * 0.5 * (1 + np.tanh(g / 2)) * u  # silu, without exp overflowing for large -g
+    act = (silu(g) if activation == "silu" else gelu_tanh(g)) * u
     want = quantized(act.astype(np.float32)).astype(np.float64) @ down.astype(np.float64).T
     scale = np.abs(quantized(act.astype(np.float32))) @ np.abs(down.astype(np.float64)).T
     assert y.shape == (m, e)
     assert np.all(np.abs(y.numpy() - want) <= 1e-4 * scale)
     gate_up = cpu_native.Gemv([(gate_raw, qtype("Q4_K")), (up_raw, qtype("Q4_K"))])
-    assert torch.equal(y, gate_up.swiglu(x, cpu_native.Gemv([(down_raw, qtype("Q6_K"))])))
+    assert torch.equal(y, gate_up.gated_ffn(x, cpu_native.Gemv([(down_raw, qtype("Q6_K"))]), activation))
 
 
 def silu(v: np.ndarray) -> np.ndarray:

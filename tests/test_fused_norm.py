@@ -159,6 +159,8 @@ def test_auto_takes_triton_only_on_cuda_and_prompts_stay_eager(monkeypatch) -> N
         assert close(ops.rms_norm(x, weight, EPS), F.rms_norm(x, (64,), weight, EPS))
         h, hy = ops.add_rms_norm(x, delta, weight, EPS)
         assert torch.equal(h, x + delta) and close(hy, F.rms_norm(x + delta, (64,), weight, EPS))
+        # Gemma's norm after a sublayer, then the residual add
+        assert close(ops.rms_norm(x, weight, EPS, residual=delta), delta + F.rms_norm(x, (64,), weight, EPS))
 
 
 # --- a tiny model, decoded greedily with and without the fused path ------------------------------

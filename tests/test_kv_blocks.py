@@ -203,15 +203,19 @@ def test_triton_decode_over_blocks(kt, vt, pos, n_read, rows, window) -> None:
 
 
 @pytest.mark.parametrize(("kt", "vt"), PAIRS, ids=lambda p: p)
-@pytest.mark.parametrize("pos", [0, 130])
-def test_native_cpu_decode_over_blocks(kt, vt, pos, native_kernels) -> None:
+@pytest.mark.parametrize(
+    ("pos", "rows", "window"),
+    [(0, 160, None), (130, 160, None), (130, 160, 50), (200, 64, 64)],
+    ids=["first", "past", "window", "wrapped-ring"],
+)
+def test_native_cpu_decode_over_blocks(kt, vt, pos, rows, window, native_kernels) -> None:
     from llmx.quant import cpu_native
 
     if not cpu_native.available():
         pytest.skip("no native CPU kernels")
     if DEVICE != "cpu":
         pytest.skip("the native kernel is the CPU's")
-    check_fused(kt, vt, "auto", pos, pos + 1, 160, None)
+    check_fused(kt, vt, "auto", pos, pos + 1, rows, window)
 
 
 # --- memory: what the plan says ----------------------------------------------------------------------

@@ -78,17 +78,18 @@ def prepare(
 
 def rope_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neox: bool, cos: torch.Tensor, sin: torch.Tensor,
-    native: cpu_native.Attention, slot: int, n_read: int, scale: float,
+    native: cpu_native.Attention, position: int, window: int | None, scale: float,
 ) -> torch.Tensor | None:  # fmt: skip
     """`ops.rope_attention` for one float32 token on the CPU over the cache `native` was prepared for
-    (`prepare`), not a wrapped ring, seeing every key of it: q [1, H, D], k and v [1, Hk, D] this
-    step's, cos and sin [1, n_dims / 2] its RoPE angles (NeoX halves or adjacent pairs), `slot` its
-    position -> [1, H * D], k rotated and stored with v in row `slot`; None (nothing written) where
-    the kernel does not take it. Only the cache (`runtime.cache.LayerWriter`) calls it; its caller has
-    checked that the head widths of q, k, v and the cache agree."""
-    if q.shape[1] % native.n_kv != 0 or not slot < n_read <= native.rows:
+    (`prepare`; a sliding-window layer's ring too), seeing every key up to its `position` (the last
+    `window` of them, for a sliding window): q [1, H, D], k and v [1, Hk, D] this step's, cos and sin
+    [1, n_dims / 2] its RoPE angles (NeoX halves or adjacent pairs) -> [1, H * D], k rotated and stored
+    with v in the row of `position`; None (nothing written) where the kernel does not take it. Only the
+    cache (`runtime.cache.LayerWriter`) calls it; its caller has checked that the head widths of q, k,
+    v and the cache agree."""
+    if q.shape[1] % native.n_kv != 0 or not native.takes(position, window):
         return None
-    return native(q, k, v, cos, sin, neox, slot, n_read, scale)
+    return native(q, k, v, cos, sin, neox, position, window, scale)
 
 
 def paged_rope_decode_attention(

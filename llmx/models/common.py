@@ -163,10 +163,8 @@ class Model:
         (a GPU of a `-sm row` split holds some of them)."""
         c, t = self.config, h.shape[0]
         names = ("attn_q", "attn_k", "attn_v")
-        q, k, v = (
-            y if (b := w.optional(f"{n}_bias")) is None else y + b.to(y.device)
-            for n, y in zip(names, linear_many(h, [getattr(w, n) for n in names]), strict=True)
-        )
+        ws, biases = [getattr(w, n) for n in names], [w.optional(f"{n}_bias") for n in names]
+        q, k, v = linear_many(h, ws, biases)
         n_kv = k.shape[-1] // c.head_dim
         return q.view(t, -1, c.head_dim), k.view(t, n_kv, c.head_dim), v.view(t, n_kv, -1)
 

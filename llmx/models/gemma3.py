@@ -20,7 +20,7 @@ import torch
 
 from llmx.model_config import ModelConfig
 from llmx.models.common import Model, Step, TensorGroup
-from llmx.ops import LayerKV, add_rms_norm, gelu_tanh, linear, linear_many, rms_norm
+from llmx.ops import LayerKV, add_rms_norm, embedding, geglu, linear, rms_norm
 
 LOCAL_ROPE_BASE = 10000.0
 GEMMA3_27B_LAYERS = 62
@@ -50,7 +50,7 @@ class Gemma3(Model):
         self.query_scale = query_scale(config)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().embed(ids) * math.sqrt(self.config.n_embd)
+        return embedding(ids, self.top.token_embd, scale=math.sqrt(self.config.n_embd))
 
     def block(self, i: int, w: TensorGroup, x: torch.Tensor, step: Step, cache_kv: LayerKV) -> torch.Tensor:
         eps, c = self.config.norm_eps, self.config
@@ -60,9 +60,8 @@ class Gemma3(Model):
         attn = self.self_attention(w, h, step, cache_kv, rope=rope, window=window, scale=self.query_scale)
         attn = rms_norm(linear(attn, w.attn_output), w.post_attention_norm, eps)
         x, h = add_rms_norm(x, attn, w.ffn_norm, eps)  # x + attn, and its norm
-        gate, up = linear_many(h, [w.ffn_gate, w.ffn_up])
-        ffn = linear(gelu_tanh(gate) * up, w.ffn_down)
-        return x + rms_norm(ffn, w.post_ffw_norm, eps)
+        ffn = geglu(h, w.ffn_gate, w.ffn_up, w.ffn_down)
+        return rms_norm(ffn, w.post_ffw_norm, eps, residual=x)  # x + post_ffw_norm(ffn)
 
 
 MODEL = Gemma3

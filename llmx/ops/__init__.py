@@ -8,7 +8,7 @@ One concern a module:
 - `split`: weights spread over GPUs (`-sm row`: RowSplit, PartialSum) and `current_device`;
 - `matmul`: matrix products where the weight lives (`linear`, `linear_many`, `embedding`);
 - `norms`: RMSNorm and residual add + RMSNorm (fused kernels for small steps);
-- `ffn`: the gated FFN (`swiglu`) and activations;
+- `ffn`: the gated FFNs (`swiglu`, `geglu`);
 - `moe`: mixture-of-experts routing (`route`) and the routed experts' FFN (`moe_ffn`);
 - `rope`: rotary position embedding (`Rope`);
 - `masks`: which cached keys a query sees;
@@ -16,7 +16,7 @@ One concern a module:
 """
 
 from llmx.ops.cached_attention import LayerKV, attention, causal_prompt_attention, rope_attention
-from llmx.ops.ffn import gelu_tanh, swiglu
+from llmx.ops.ffn import geglu, swiglu
 from llmx.ops.masks import causal_mask, ring_mask
 from llmx.ops.matmul import embedding, linear, linear_many
 from llmx.ops.moe import moe_ffn, route
@@ -36,7 +36,7 @@ __all__ = [
     "causal_prompt_attention",
     "current_device",
     "embedding",
-    "gelu_tanh",
+    "geglu",
     "linear",
     "linear_many",
     "moe_ffn",

@@ -1,4 +1,4 @@
-"""The feed-forward halves of a block: the gated FFN (SwiGLU) and activations."""
+"""The feed-forward halves of a block: the gated FFNs (SwiGLU, GeGLU)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def swiglu(
     given (the block's residual stream, added by the down projection's GEMV)."""
     if (
         all(isinstance(w, QWeight) for w in (gate, up, down))
-        and (y := qw.swiglu(x, gate, up, down, residual)) is not None
+        and (y := qw.gated_ffn(x, gate, up, down, "silu", residual)) is not None
     ):
         return y  # a CPU decode step: one native call, the residual added in it
     g, u = linear_many(x, [gate, up])
@@ -30,5 +30,12 @@ def swiglu(
     return linear(F.silu(g, inplace=True).mul_(u), down, residual)
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+def geglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor:
+    """The gated FFN of Gemma: down(gelu_tanh(gate(x)) * up(x))."""
+    if (
+        all(isinstance(w, QWeight) for w in (gate, up, down))
+        and (y := qw.gated_ffn(x, gate, up, down, "gelu_tanh")) is not None
+    ):
+        return y  # a CPU decode step: one native call
+    g, u = linear_many(x, [gate, up])
+    return linear(F.gelu(g, approximate="tanh") * u, down)

@@ -6,7 +6,7 @@ import torch
 
 from llmx.ops.split import PartialSum, RowSplit
 from llmx.quant import weight as qw
-from llmx.quant.weight import QWeight, embedding
+from llmx.quant.weight import QWeight, embedding, with_biases
 
 __all__ = ["embedding", "linear", "linear_many"]
 
@@ -27,12 +27,15 @@ def linear(
     return y if residual is None else y + residual
 
 
-def linear_many(x: torch.Tensor, ws: list[QWeight | RowSplit]) -> list[torch.Tensor]:
+def linear_many(
+    x: torch.Tensor, ws: list[QWeight | RowSplit], biases: list[torch.Tensor | None] | None = None
+) -> list[torch.Tensor]:
     """[linear(x, w) for w in ws] for weights sharing an input (q/k/v, gate/up): one joined kernel
-    call where they live together on x's device, separate calls otherwise."""
+    call where they live together on x's device, separate calls otherwise; plus biases[j] (a vector,
+    or None) on output j where `biases` is given (in the joined CPU call, as a residual)."""
     device = x.device
     if all(isinstance(w, QWeight) and w.raw.device == device for w in ws):
-        return qw.linear_many(x, ws)
+        return qw.linear_many(x, ws, biases=biases)
     if all(isinstance(w, RowSplit) for w in ws) and len({w.devices for w in ws}) == 1:
-        return [y.to(x.device) for y in RowSplit.linear_many(x, ws)]
-    return [linear(x, w) for w in ws]
+        return with_biases([y.to(x.device) for y in RowSplit.linear_many(x, ws)], biases)
+    return with_biases([linear(x, w) for w in ws], biases)

@@ -20,15 +20,20 @@ FUSED_NORM_MAX_TOKENS = 16
 FUSED_NORM_MAX_WIDTH = 16384  # the widest row the norm kernels hold in registers (norm.MAX_WIDTH)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, ..., E] scaled to unit root-mean-square, then by `weight` [E] (brought to x: a few KB)."""
-    if _native_cpu_rows(x, weight):
-        return cpu_native.rms_norm(x, weight, eps)[1]
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, ..., E] scaled to unit root-mean-square, then by `weight` [E] (brought to x: a few KB);
+    plus `residual` (x's shape) where given: a norm after a sublayer, then the residual add (Gemma)."""
+    if _native_cpu_rows(x, weight) and (residual is None or _same(residual, x)):
+        return cpu_native.rms_norm(x, weight, eps, residual=residual)[1]
     if fused_rows(x) and x.shape[-1] <= FUSED_NORM_MAX_WIDTH:
         from llmx.kernels import norm
 
-        return norm.rms_norm(x, weight.to(x.device), eps)
-    return F.rms_norm(x, (x.shape[-1],), weight.to(x.device), eps)
+        y = norm.rms_norm(x, weight.to(x.device), eps)
+    else:
+        y = F.rms_norm(x, (x.shape[-1],), weight.to(x.device), eps)
+    return y if residual is None else residual + y
 
 
 def add_rms_norm(
@@ -36,7 +41,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream's next value and its norm: h = x + delta, (h, rms_norm(h, weight, eps)).
     One launch for decode steps on a GPU (see FUSED_NORM)."""
-    same = delta.shape == x.shape and delta.dtype == x.dtype and delta.device == x.device
+    same = _same(delta, x)
     if same and _native_cpu_rows(x, weight):
         return cpu_native.rms_norm(x, weight, eps, delta)
     if same and fused_rows(x) and x.shape[-1] <= FUSED_NORM_MAX_WIDTH:
@@ -45,6 +50,11 @@ def add_rms_norm(
         return norm.add_rms_norm(x, delta, weight.to(x.device), eps)
     h = x + delta
     return h, rms_norm(h, weight, eps)
+
+
+def _same(a: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a is of x's shape, dtype and device (a fused kernel adds the two)."""
+    return a.shape == x.shape and a.dtype == x.dtype and a.device == x.device
 
 
 def _native_cpu_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -1094,8 +1094,16 @@ typedef struct {
     int64_t row_bytes;
 } experts_t;
 
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* a gated FFN's activation (cpu_native.ACTIVATIONS) */
+
+/* act(g) * u for a gated FFN's gate g and up u: SiLU (Llama's SwiGLU) or GELU's tanh form (Gemma's). */
+static inline float gated(int act, float g, float u) {
+    if (act == ACT_GELU_TANH) return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * u;
+    return g / (1.0f + expf(-g)) * u;
+}
+
 /* For m tokens x [m, K] and each token's k_used experts ids [m, k_used] with weights w [m, k_used]:
- * y[t] = sum over j of w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j], in one parallel
+ * y[t] = sum over j of w[t, j] * down_e(act(gate_e x_t) * up_e x_t), e = ids[t, j], in one parallel
  * region of three passes: the gate and up rows of every chosen expert (each expert's rows read once
  * for all the tokens that chose it, the rows of all the chosen experts shared out evenly), then each
  * (token, expert) pair's activation quantized as x is, then the chosen experts' down rows the same
@@ -1107,9 +1115,9 @@ typedef struct {
  * torch.mm past 8 tokens) it was faster at 16 to 256 tokens and as fast at 512 on one thread of the
  * 2-core machine. Returns 0, or -1 for an unknown type, sizes not whole blocks, an id outside
  * 0..n_expert-1, or no memory. */
-static int experts_swiglu(const experts_t *gate, const experts_t *up, const experts_t *down, int64_t n_expert,
-                          int64_t k, int64_t n_ff, int64_t n_out, const float *x, int64_t m, int64_t k_used,
-                          const int64_t *ids, const float *w, const float *res, float *y, int threads) {
+static int experts_ffn(const experts_t *gate, const experts_t *up, const experts_t *down, int64_t n_expert,
+                       int64_t k, int64_t n_ff, int64_t n_out, const float *x, int64_t m, int64_t k_used,
+                       const int64_t *ids, const float *w, int act, const float *res, float *y, int threads) {
     const int64_t pairs = m * k_used, f = n_ff, e = n_out;
     if (m < 1 || k_used < 1 || n_expert < 1 || k % 32 != 0 || f % 32 != 0) return -1;
     for (int64_t p = 0; p < pairs; p++)
@@ -1166,9 +1174,9 @@ static int experts_swiglu(const experts_t *gate, const experts_t *up, const expe
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < pairs * groups; g++) {
                 const float *gs = gu + (g / groups) * 2 * f + 32 * (g % groups), *us = gs + f;
-                float act[32];
-                for (int l = 0; l < 32; l++) act[l] = gs[l] / (1.0f + expf(-gs[l])) * us[l];
-                qx_set(&qa, g, act);
+                float a[32];
+                for (int l = 0; l < 32; l++) a[l] = gated(act, gs[l], us[l]);
+                qx_set(&qa, g, a);
             }
             gemv_pass(downs, used, rows_down, &qa, chunk_down);
 #pragma omp for schedule(static) nowait
@@ -1185,7 +1193,7 @@ static int experts_swiglu(const experts_t *gate, const experts_t *up, const expe
     return ok ? 0 : -1;
 }
 
-/* The routed experts' FFNs of a MoE layer (experts_swiglu), the stacks given as type, base and row
+/* The routed experts' SwiGLU FFNs of a MoE layer (experts_ffn), the stacks given as type, base and row
  * bytes each. */
 int llmx_moe_swiglu(int gate_type, const uint8_t *gate, int64_t gate_row_bytes, int up_type, const uint8_t *up,
                     int64_t up_row_bytes, int down_type, const uint8_t *down, int64_t down_row_bytes,
@@ -1193,35 +1201,36 @@ int llmx_moe_swiglu(int gate_type, const uint8_t *gate, int64_t gate_row_bytes, 
                     const int64_t *ids, const float *w, float *y, int threads) {
     const experts_t g = {gate_type, gate, gate_row_bytes}, u = {up_type, up, up_row_bytes},
                     d = {down_type, down, down_row_bytes};
-    return experts_swiglu(&g, &u, &d, n_expert, n_embd, n_ff, n_embd, x, m, k_used, ids, w, NULL, y, threads);
+    return experts_ffn(&g, &u, &d, n_expert, n_embd, n_ff, n_embd, x, m, k_used, ids, w, ACT_SILU, NULL, y, threads);
 }
 
-/* The gated FFN of a few tokens, down(silu(gate(x)) * up(x)), in one call: gate and up (a joined
- * pair, as llmx_gemv_many takes them: count 2, equal heights F), down (count 1, F weights a row) into
- * y [m, nd]: experts_swiglu with one expert that every token takes at weight 1 (the same products: a
+/* The gated FFN of a few tokens, down(act(gate(x)) * up(x)) (act: ACT_SILU, or ACT_GELU_TANH), in one
+ * call: gate and up (a joined pair, as llmx_gemv_many takes them: count 2, equal heights F), down
+ * (count 1, F weights a row) into y [m, nd]: experts_ffn with one expert that every token takes at weight 1 (the same products: a
  * sum of one term times 1 is exact). A decode step's FFN thus costs one call where it took five torch
  * ops and two GEMV calls (~70 us a layer of Python and dispatch on the H200 host); with res [m, nd] not
  * NULL, y also gets the block's residual stream added (as torch's add_ would) where a sixth op did. The
  * down matrix must take F weights a row (the caller checks: its rows' bytes do not say). Returns 0, or
  * -1 as llmx_gemv_many does, or for unequal heights. */
-int llmx_swiglu(int count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *row_bytes,
-                int64_t k, const float *x, int64_t m, int down_count, const int *down_type,
-                const uint8_t *const *down, const int64_t *nd, const int64_t *down_row_bytes, const float *res,
-                float *y, int threads) {
+int llmx_gated_ffn(int count, const int *types, const uint8_t *const *ws, const int64_t *ns,
+                   const int64_t *row_bytes, int64_t k, const float *x, int64_t m, int down_count, const int *down_type,
+                   const uint8_t *const *down, const int64_t *nd, const int64_t *down_row_bytes, int act,
+                   const float *res, float *y, int threads) {
     int64_t expert0[MAX_ROWS];
     float one[MAX_ROWS];
-    if (count != 2 || ns[0] != ns[1] || down_count != 1 || m < 1 || m > MAX_ROWS) return -1;
+    if (count != 2 || ns[0] != ns[1] || down_count != 1 || m < 1 || m > MAX_ROWS || act < 0 || act > 1) return -1;
     for (int64_t t = 0; t < m; t++) expert0[t] = 0, one[t] = 1.0f;
     const experts_t g = {types[0], ws[0], row_bytes[0]}, u = {types[1], ws[1], row_bytes[1]},
                     d = {down_type[0], down[0], down_row_bytes[0]};
-    return experts_swiglu(&g, &u, &d, 1, k, ns[0], nd[0], x, m, 1, expert0, one, res, y, threads);
+    return experts_ffn(&g, &u, &d, 1, k, ns[0], nd[0], x, m, 1, expert0, one, act, res, y, threads);
 }
 
-/* out[i, :] = W[r, :] in float32 for n rows r: ids[i] (an embedding lookup), or r0 + i where ids is
- * NULL (a chunk of a matrix). A few rows take one thread: a parallel region costs more than they do.
+/* out[i, :] = W[r, :] in float32, times `scale` unless it is 1 (Gemma's embedding scale, as torch's
+ * float32 multiply rounds it), for n rows r: ids[i] (an embedding lookup), or r0 + i where ids is NULL
+ * (a chunk of a matrix). A few rows take one thread: a parallel region costs more than they do.
  * Returns 0, or -1 for an unknown type. */
 int llmx_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t r0, int64_t n, int64_t row_bytes,
-                         int64_t k, float *out, int threads) {
+                         int64_t k, float scale, float *out, int threads) {
     dot_fn dot;
     void (*decode)(const uint8_t *, float *);
     int qk, bytes;
@@ -1231,6 +1240,8 @@ int llmx_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = w + (ids != NULL ? ids[i] : r0 + i) * row_bytes;
         for (int64_t blk = 0; blk < blocks; blk++) decode(row + bytes * blk, out + i * k + qk * blk);
+        if (scale != 1.0f)
+            for (int64_t j = 0; j < k; j++) out[i * k + j] *= scale;
     }
     return 0;
 }
@@ -1238,11 +1249,12 @@ int llmx_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t
 /* --- RMSNorm of a few rows --------------------------------------------------------------------- */
 
 /* out[r] = h[r] / sqrt(mean(h[r]^2) + eps) * w for `rows` rows of n floats, h = x, or with `delta`
- * h = x + delta, also written to `sum`: a decode step's norms (two a layer, and the per-head q/k norms
- * of some models), each one call on one thread where torch took ~14 us of dispatch and helpers. The
- * squares are summed in double. */
-void llmx_rms_norm(const float *x, const float *delta, const float *w, float *sum, float *out, int64_t rows,
-                   int64_t n, float eps) {
+ * h = x + delta, also written to `sum`; with `res`, out[r] = res[r] + that (Gemma's norm after the FFN,
+ * then its residual add): a decode step's norms (two a layer, and the per-head q/k norms of some
+ * models), each one call on one thread where torch took ~14 us of dispatch and helpers. The squares
+ * are summed in double. */
+void llmx_rms_norm(const float *x, const float *delta, const float *w, const float *res, float *sum, float *out,
+                   int64_t rows, int64_t n, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *hr = out + r * n;
@@ -1255,6 +1267,8 @@ void llmx_rms_norm(const float *x, const float *delta, const float *w, float *su
         for (int64_t i = 0; i < n; i++) squares += (double)xr[i] * xr[i];
         const float scale = (float)(1.0 / sqrt(squares / (double)n + (double)eps));
         for (int64_t i = 0; i < n; i++) hr[i] = xr[i] * scale * w[i];
+        if (res != NULL)
+            for (int64_t i = 0; i < n; i++) hr[i] += res[r * n + i];
     }
 }
 
@@ -1404,7 +1418,7 @@ static inline float exp_shifted(float *s, int64_t n, float top) {
  * paged cache: blocks of block_rows rows handed out to sequences), or row j where table is NULL (one
  * sequence's contiguous cache). */
 static inline int64_t pool_row(const int32_t *table, int64_t block_rows, int64_t j) {
-    return table == NULL ? j : (int64_t)table[j / block_rows] * block_rows + j % block_rows;
+    return table == NULL ? j % block_rows : (int64_t)table[j / block_rows] * block_rows + j % block_rows;
 }
 
 /* A sequence's keys j..j+t-1 (t <= KEY_TILE) of one KV head, its rows row_bytes apart in the pool
@@ -1467,7 +1481,7 @@ static inline void tile_values(float *og, int64_t og_stride, int64_t group, int6
 /* One sequence of an attention call. */
 typedef struct {
     const float *q;       /* [H, D] its query, rotated and scaled */
-    const int32_t *table; /* its block table (pool_row); NULL: a contiguous cache */
+    const int32_t *table; /* its block table (pool_row); NULL: a contiguous cache, or a ring of block_rows rows */
     int64_t first, n;     /* it sees keys first..n-1 (a sliding window starts past 0) */
     float *out;           /* [H, D] */
 } seq_attn_t;
@@ -1578,7 +1592,7 @@ int llmx_decode_attention(const float *q, const void *k, const void *v, int type
                           int64_t n_head, int64_t n_kv, int64_t d, float *out, int threads) {
     if (!takes_shapes(type_k, type_v, n_head, n_kv, d) || n < 1) return -1;
     const seq_attn_t one = {q, NULL, 0, n, out};
-    return attend(&one, 1, k, v, type_k, type_v, 1, n_head, n_kv, d, threads);
+    return attend(&one, 1, k, v, type_k, type_v, n, n_head, n_kv, d, threads);
 }
 
 /* A float as a cache element of `type` at `out`, rounded to nearest even as torch's .to() does. */
@@ -1755,20 +1769,27 @@ static void rope_store(const float *k, const float *v, const float *cos, const f
 }
 
 /* One token's attention step on the CPU, whole: q [H, D] and k [Hk, D] (float32, this step's) rotated
- * by RoPE, q scaled, k and v [Hk, D] stored as cache row `slot` of kc and vc (type_k, type_v), then
- * llmx_decode_attention over the cache's first n rows (every key visible). q and k stay as they are.
- * The step costs one call instead of some twenty torch ops. Returns as llmx_decode_attention. */
+ * by RoPE, q scaled, k and v [Hk, D] stored as the cache row of `position` in kc and vc (type_k, type_v;
+ * `rows` rows, position p in row p mod rows: a sliding-window layer's ring), then its attention over
+ * positions 0..position (with a sliding `window` > 0 only the last `window` of them, which the rows
+ * must hold). q and k stay as they are. The step costs one call instead of some twenty torch ops.
+ * Returns as llmx_decode_attention, or -1 for a position whose visible keys the rows do not hold. */
 int llmx_rope_store_attend(const float *q, const float *k, const float *v, const float *cos, const float *sin,
-                           int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v, int64_t slot, int64_t n,
-                           int64_t n_head, int64_t n_kv, int64_t d, float scale, float *out, int threads) {
-    if (!takes_shapes(type_k, type_v, n_head, n_kv, d) || n_dims > d || n_dims % 2 != 0 || slot < 0 || slot >= n)
+                           int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v, int64_t position,
+                           int64_t rows, int64_t window, int64_t n_head, int64_t n_kv, int64_t d, float scale, float *out,
+                           int threads) {
+    const int64_t first = window > 0 && position + 1 > window ? position + 1 - window : 0;
+    if (!takes_shapes(type_k, type_v, n_head, n_kv, d) || n_dims > d || n_dims % 2 != 0 || position < 0 ||
+        position + 1 - first > rows)
         return -1;
     float *qs = malloc(sizeof(float) * (size_t)(n_head * d));
     if (qs == NULL) return -1;
     rope_query(q, cos, sin, n_dims, neox, scale, n_head, d, qs);
+    const int64_t slot = position % rows;
     char *krow = (char *)kc + slot * n_kv * kv_head_bytes(type_k, d), *vrow = (char *)vc + slot * n_kv * kv_head_bytes(type_v, d);
     rope_store(k, v, cos, sin, n_dims, neox, krow, vrow, type_k, type_v, n_kv, d);
-    const int err = llmx_decode_attention(qs, kc, vc, type_k, type_v, n, n_head, n_kv, d, out, threads);
+    const seq_attn_t one = {qs, NULL, first, position + 1, out};
+    const int err = attend(&one, 1, kc, vc, type_k, type_v, rows, n_head, n_kv, d, threads);
     free(qs);
     return err;
 }

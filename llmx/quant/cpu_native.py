@@ -56,6 +56,7 @@ TYPES = {
 }  # the C file's type numbers
 MAX_ROWS = 64  # rows of x a `gemv` call takes (cpu_blocks.c's MAX_ROWS)
 MAX_WEIGHTS = 4  # matrices one `gemv` call takes (cpu_blocks.c's MAX_WEIGHTS)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # a gated FFN's activation: cpu_blocks.c's ACT_* numbers
 # tokens a native MoE call takes: its scratch is tokens * k * (2 * F + E) floats, 29 MB at 256 for
 # Qwen3-30B-A3B, and each call reads its chosen experts once (nearly all of them past ~64 tokens)
 MOE_TOKENS = 256
@@ -87,20 +88,20 @@ def bind(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
-    lib.llmx_swiglu.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr]
-    lib.llmx_swiglu.argtypes += [ptr, ptr, i32]
+    lib.llmx_gated_ffn.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr]
+    lib.llmx_gated_ffn.argtypes += [i32, ptr, ptr, i32]
     lib.llmx_moe_swiglu.argtypes = [i32, ptr, i64] * 3 + [i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32]
-    lib.llmx_dequantize_rows.argtypes = [i32, ptr, ptr, i64, i64, i64, i64, ptr, i32]
+    lib.llmx_dequantize_rows.argtypes = [i32, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, i32]
     lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, ptr, i32]
     lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i64, i64]
-    lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, ctypes.c_float, ptr, i32]
+    lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, i64, ctypes.c_float, ptr, i32]
     lib.llmx_rope_store_attend.restype = i32
     lib.llmx_paged_rope_store_attend.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i32, ptr, ptr]
     lib.llmx_paged_rope_store_attend.argtypes += [i32, i32]
     lib.llmx_paged_rope_store_attend.argtypes += [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
     lib.llmx_paged_rope_store_attend.argtypes += [ptr, i32]
     lib.llmx_paged_rope_store_attend.restype = i32
-    lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.llmx_rms_norm.restype = None
     lib.llmx_top_k.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.llmx_top_k.restype = None
@@ -108,7 +109,7 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_set_prefetch.argtypes = [i64]
     lib.llmx_set_prefetch.restype = None
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
-    lib.llmx_swiglu.restype = lib.llmx_moe_swiglu.restype = i32
+    lib.llmx_gated_ffn.restype = lib.llmx_moe_swiglu.restype = i32
     lib.llmx_pin_threads.restype = i32
     return lib
 
@@ -304,11 +305,14 @@ class Gemv:
         """x2 [M, K] times the matrices, plus `residual` [M, N] where given (added in the same call)."""
         return self._run(x2, self.n, residual, self._lib.llmx_gemv_many)
 
-    def swiglu(self, x2: torch.Tensor, down: Gemv, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """down(silu(gate(x2)) * up(x2)) in one native call, this call being the joined gate and up
-        matrices (equal heights F) and `down` one matrix of F columns: [M, down.n], plus `residual`
-        [M, down.n] where given (a block's residual stream, added in the same call)."""
-        return self._run(x2, down.n, residual, self._lib.llmx_swiglu, *down._weights)
+    def gated_ffn(
+        self, x2: torch.Tensor, down: Gemv, activation: str, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """down(act(gate(x2)) * up(x2)) in one native call (act: one of ACTIVATIONS), this call being
+        the joined gate and up matrices (equal heights F) and `down` one matrix of F columns: [M, down.n],
+        plus `residual` [M, down.n] where given (a block's residual stream, added in the same call)."""
+        act = ACTIVATIONS[activation]
+        return self._run(x2, down.n, residual, self._lib.llmx_gated_ffn, *down._weights, act)
 
     def _run(
         self,
@@ -381,25 +385,45 @@ def dequantize_rows(
     return _dequantize(raw, qt, None, r0, r1 - r0, k, out)
 
 
-def embedding_rows(raw: torch.Tensor, qt: QType, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows `ids` (int64, 1-D, each checked to be a row of `raw`) of W in float32, [len(ids), K],
-    equal to gguf-py's values: one call where the torch decoding took ~30 small ops (~80 µs a
-    decode step's token, which a GPU decode waits for)."""
+def embedding_rows(
+    raw: torch.Tensor, qt: QType, ids: torch.Tensor, k: int, scale: float = 1.0
+) -> torch.Tensor:
+    """Rows `ids` (int64, 1-D, each checked to be a row of `raw`) of W in float32 times `scale`,
+    [len(ids), K], equal to gguf-py's values (times `scale` in float32): one call where the torch
+    decoding took ~30 small ops (~80 µs a decode step's token, which a GPU decode waits for)."""
     ids = ids.contiguous()
     bad = [i for i in ids.tolist() if not 0 <= i < raw.shape[0]]
     if bad:
         raise LlmxError(f"token id {bad[0]} is outside the embedding table's {raw.shape[0]} rows")
     out = torch.empty((ids.numel(), k), dtype=torch.float32)
-    return _dequantize(raw, qt, ids, 0, ids.numel(), k, out)
+    return _dequantize(raw, qt, ids, 0, ids.numel(), k, out, scale)
 
 
 def _dequantize(
-    raw: torch.Tensor, qt: QType, ids: torch.Tensor | None, r0: int, n: int, k: int, out: torch.Tensor
+    raw: torch.Tensor,
+    qt: QType,
+    ids: torch.Tensor | None,
+    r0: int,
+    n: int,
+    k: int,
+    out: torch.Tensor,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     lib = _library()
     assert lib is not None and raw.is_contiguous() and out.is_contiguous() and out.shape == (n, k)
     id_ptr = None if ids is None else ids.data_ptr()
-    args = (TYPES[qt.name], raw.data_ptr(), id_ptr, r0, n, raw.shape[1], k, out.data_ptr(), _threads(lib))
+    args = (
+        TYPES[qt.name],
+        raw.data_ptr(),
+        id_ptr,
+        r0,
+        n,
+        raw.shape[1],
+        k,
+        scale,
+        out.data_ptr(),
+        _threads(lib),
+    )
     err = _issue(lib.llmx_dequantize_rows, args, (raw, ids, out))
     assert err == 0, qt.name
     return out
@@ -448,13 +472,14 @@ def decode_attention(
     return out
 
 
-ATTENTION_SLOT, ATTENTION_ROWS = 11, 12  # `llmx_rope_store_attend`'s arguments slot and n
+ATTENTION_POSITION = 11  # `llmx_rope_store_attend`'s argument position
 
 
 class Attention:
     """One layer's cache on the CPU, kc and vc [rows, Hk, row] (contiguous, of the KV_TYPES `types`, equal
-    head widths D), made ready once for `llmx_rope_store_attend`: a decode step makes one call a layer,
-    so the cache's pointers and types are bound here rather than looked up at every call."""
+    head widths D; position p in row p mod rows), made ready once for `llmx_rope_store_attend`: a decode
+    step makes one call a layer, so the cache's pointers and types are bound here rather than looked up
+    at every call."""
 
     def __init__(self, kc: torch.Tensor, vc: torch.Tensor, types: tuple[str, str], d: int) -> None:
         lib = _library()
@@ -463,28 +488,33 @@ class Attention:
         self.rows, self.n_kv, self.d = kc.shape[0], kc.shape[1], d
         self._cache = (kc.data_ptr(), vc.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]])
 
+    def takes(self, position: int, window: int | None) -> bool:
+        """Whether the rows hold every key a token at `position` sees (the last `window`, for a
+        sliding window)."""
+        return position >= 0 and min(position + 1, window or position + 1) <= self.rows
+
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        neox: bool, slot: int, n: int, scale: float,
+        neox: bool, position: int, window: int | None, scale: float,
     ) -> torch.Tensor:  # fmt: skip
-        """One token's attention step in one call: q [1, H, D] and k [1, Hk, D] float32 rotated by RoPE
-        (cos, sin [1, n_dims / 2] float32), k and v [1, Hk, D] stored (quantized, for a block type) as
-        row `slot` of the caches, then attention over their first n rows (every key visible) -> [1, H * D]
-        float32."""
+        """One token's attention step in one call (where `takes`): q [1, H, D] and k [1, Hk, D] float32
+        rotated by RoPE (cos, sin [1, n_dims / 2] float32), k and v [1, Hk, D] stored (quantized, for a
+        block type) in the caches' row of `position`, then attention over positions 0..position (the
+        last `window` of them, for a sliding window) -> [1, H * D] float32."""
         n_head = q.shape[1]
         qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
         cos, sin = cos.contiguous(), sin.contiguous()
         out = torch.empty(1, n_head * self.d, dtype=torch.float32)
         err = _issue(self._lib.llmx_rope_store_attend, (
             qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
-            int(neox), *self._cache, slot, n, n_head, self.n_kv, self.d, scale, out.data_ptr(),
-            _threads(self._lib),
+            int(neox), *self._cache, position, self.rows, window or 0, n_head, self.n_kv, self.d, scale,
+            out.data_ptr(), _threads(self._lib),
         ), (qs, ks, vs, cos, sin, out, self))  # fmt: skip
-        assert err == 0, (n_head, self.n_kv, self.d, slot, n)
+        assert err == 0, (n_head, self.n_kv, self.d, position, window)
         if recording is not None and recording.thread == threading.get_ident():
-            # a replay writes row `slot` and reads `n` rows at its own position
-            recording.per_step(ATTENTION_SLOT, slot, self.rows - 1)
-            recording.per_step(ATTENTION_ROWS, n, self.rows)
+            # a replay writes and reads at its own position: any, in a ring that holds the window
+            ring = window is not None and window <= self.rows
+            recording.per_step(ATTENTION_POSITION, position, sys.maxsize if ring else self.rows - 1)
         return out
 
 
@@ -535,17 +565,23 @@ def paged_rope_store_attend(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    delta: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, RMSNorm(h) * weight) for x [..., E] float32 (contiguous) and weight [E] float32, where
-    h = x, or x + delta (same shape) when given."""
+    h = x, or x + delta (same shape) when given; plus `residual` (same shape) where given."""
     lib = _library()
     assert lib is not None and x.dtype == weight.dtype == torch.float32 and x.is_contiguous()
     n = x.shape[-1]
     out = torch.empty_like(x)
     h = x if delta is None else torch.empty_like(x)
     add = None if delta is None else delta.contiguous().data_ptr()
+    res = None if residual is None else residual.contiguous()
     w = weight.contiguous().data_ptr()
-    args = (x.data_ptr(), add, w, h.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
-    _issue(lib.llmx_rms_norm, args, (x, delta, weight, h, out), False)
+    res_ptr = None if res is None else res.data_ptr()
+    args = (x.data_ptr(), add, w, res_ptr, h.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    _issue(lib.llmx_rms_norm, args, (x, delta, weight, res, h, out), False)
     return h, out

@@ -128,12 +128,15 @@ class SharedInput:
     packed:  their packed forms concatenated along N (each member's `packed` is a row view of it),
              or None
     sizes:   their output features, to split the joined result
+    bias:    their biases joined (absent ones zero), made at the first native call given them (a
+             layer's biases never change), or None
     """
 
     members: tuple[QWeight, ...]
     native: N.Gemv | None = None
     packed: P.PackedCodes | None = None
     sizes: list[int] = field(default_factory=list)
+    bias: torch.Tensor | None = None
 
     def derive(self) -> None:
         """The one native call for the members' current raws, where they all take it."""
@@ -144,6 +147,18 @@ class SharedInput:
     def serves(self, ws: Sequence[QWeight]) -> bool:
         """Whether these are exactly the members, in order."""
         return len(self.members) == len(ws) and all(map(operator.is_, self.members, ws))
+
+    def bias_rows(self, biases: Sequence[torch.Tensor | None] | None, m: int) -> torch.Tensor | None:
+        """The members' `biases` joined as the native call's residual for m rows [m, sum of outputs],
+        or None where none is given."""
+        if biases is None or all(b is None for b in biases):
+            return None
+        if self.bias is None:
+            parts = zip(self.members, biases, strict=True)
+            self.bias = torch.cat(
+                [torch.zeros(w.shape[0]) if b is None else b.float().cpu() for w, b in parts]
+            )
+        return self.bias.expand(m, -1)
 
 
 def _expert_views(stack: QWeight) -> tuple[QWeight, ...]:
@@ -305,12 +320,19 @@ def _forced(w: QWeight, m: int, kernel: str) -> str:
     return C.choose(w.qtype, "cpu", _layout(w), m, kernel)
 
 
-def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = None) -> list[torch.Tensor]:
-    """[linear(x, w) for w in ws] (e.g. q/k/v, or gate/up), in one kernel call where possible.
+def linear_many(
+    x: torch.Tensor,
+    ws: Sequence[QWeight],
+    kernel: str | None = None,
+    biases: Sequence[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """[linear(x, w) for w in ws] (e.g. q/k/v, or gate/up), in one kernel call where possible; plus
+    biases[j] (a vector, or None) on output j where `biases` is given.
 
     On a GPU, x is quantized once for all the integer-dot GEMVs among them, and those of one type
-    share launches. On the CPU, weights `prepare_shared` joined at load run as one call; the results
-    are then views of one [..., sum(out)] tensor.
+    share launches. On the CPU, weights `prepare_shared` joined at load run as one call (which adds
+    the biases too: a decode step with no torch op between its native calls, `runtime.cpu_replay`);
+    the results are then views of one [..., sum(out)] tensor.
     """
     if kernel is None and ws[0].raw.is_cuda:
         x2 = G.unit_rows(x)
@@ -318,31 +340,43 @@ def linear_many(x: torch.Tensor, ws: Sequence[QWeight], kernel: str | None = Non
         b = _BUCKET_OF[m] if m < 16 else _LAST_BUCKET
         chosen = [w.kernels[b] for w in ws]
         if _ON_GPU.issuperset(chosen):
-            return G.run_many(x, x2, list(ws), chosen)
+            return with_biases(G.run_many(x, x2, list(ws), chosen), biases)
     group = ws[0].shared
     if group is None or (kernel or KERNEL) not in ("auto", "packed") or not group.serves(ws):
-        return [linear(x, w, kernel) for w in ws]
+        return with_biases([linear(x, w, kernel) for w in ws], biases)
     k = ws[0].shape[1]
     if x.shape[-1] != k:
         raise LlmxError(f"{ws[0].name or 'weight'} {ws[0].shape} cannot multiply x of shape {tuple(x.shape)}")
     rows = x.numel() // max(k, 1)
     if group.native is not None and rows <= C.NATIVE_MAX_ROWS:
-        outs = group.native(x if x.dim() == 2 else x.reshape(-1, k)).split_with_sizes(
-            group.native.sizes, dim=1
-        )
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        outs = group.native(x2, group.bias_rows(biases, rows)).split_with_sizes(group.native.sizes, dim=1)
         return list(outs) if x.dim() == 2 else [y.reshape(*x.shape[:-1], -1) for y in outs]
     if group.packed is None:
-        return [linear(x, w, kernel) for w in ws]
+        return with_biases([linear(x, w, kernel) for w in ws], biases)
     y = _packed_matmul(x.reshape(-1, k).contiguous(), group.packed)
-    return list(y.reshape(*x.shape[:-1], -1).split(group.sizes, dim=-1))
+    return with_biases(list(y.reshape(*x.shape[:-1], -1).split(group.sizes, dim=-1)), biases)
 
 
-def swiglu(
-    x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight, residual: torch.Tensor | None = None
+def with_biases(outs: list[torch.Tensor], biases: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor]:
+    """outs[j] + biases[j] (brought to its device) where a bias is given."""
+    if biases is None:
+        return outs
+    return [y if b is None else y + b.to(y.device) for y, b in zip(outs, biases, strict=True)]
+
+
+def gated_ffn(
+    x: torch.Tensor,
+    gate: QWeight,
+    up: QWeight,
+    down: QWeight,
+    activation: str,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """down(silu(gate(x)) * up(x)), plus `residual` where given, in one native call for a decode step's
-    x [M, K] (M <= NATIVE_MAX_ROWS) when gate and up were prepared as one native call (`prepare_shared`)
-    and down takes the native kernels too (`cpu_native.Gemv.swiglu`); None otherwise."""
+    """down(act(gate(x)) * up(x)) (`activation`: one of `cpu_native.ACTIVATIONS`), plus `residual` where
+    given, in one native call for a decode step's x [M, K] (M <= NATIVE_MAX_ROWS) when gate and up were
+    prepared as one native call (`prepare_shared`) and down takes the native kernels too
+    (`cpu_native.Gemv.gated_ffn`); None otherwise."""
     if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > C.NATIVE_MAX_ROWS or not x.is_cpu:
         return None
     group, down_call = gate.shared, down.native
@@ -350,7 +384,7 @@ def swiglu(
         return None
     if gate.shape[0] != up.shape[0] or down.shape[1] != gate.shape[0]:
         return None
-    return group.native.swiglu(x, down_call, residual)
+    return group.native.gated_ffn(x, down_call, activation, residual)
 
 
 def moe_swiglu(
@@ -374,17 +408,20 @@ def moe_swiglu(
     return N.moe_swiglu(x, [(w.raw, w.qtype) for w in stacks], (n_expert, f, e), ids, weights)
 
 
-def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """Rows `ids` (integer, any shape) of the table W [rows, cols] -> float32 [*ids.shape, cols]."""
+def embedding(ids: torch.Tensor, w: QWeight, scale: float = 1.0) -> torch.Tensor:
+    """Rows `ids` (integer, any shape) of the table W [rows, cols] times `scale` -> float32
+    [*ids.shape, cols]."""
     cols = w.shape[-1]
     if w.raw.is_floating_point():
-        return w.raw[ids.to(w.raw.device)].float()
-    if _triton_layout(w):
-        return G.embedding(ids.to(w.raw.device), w)
-    if _native_blocks(w):  # a repacked tied table keeps its raw rows for lookups
+        rows = w.raw[ids.to(w.raw.device)].float()
+    elif _triton_layout(w):
+        rows = G.embedding(ids.to(w.raw.device), w)
+    elif _native_blocks(w):  # a repacked tied table keeps its raw rows for lookups; scaled in the call
         flat = ids.reshape(-1).to(device="cpu", dtype=torch.long)
-        return N.embedding_rows(w.raw, w.qtype, flat, cols).reshape(*ids.shape, cols)
-    return T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
+        return N.embedding_rows(w.raw, w.qtype, flat, cols, scale).reshape(*ids.shape, cols)
+    else:
+        rows = T.embedding_rows(w.raw, w.qtype, cols, ids).reshape(*ids.shape, cols)
+    return rows if scale == 1.0 else rows * scale
 
 
 def dequantize(w: QWeight) -> torch.Tensor:

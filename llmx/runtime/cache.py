@@ -174,8 +174,9 @@ class LayerWriter:
         """`ops.rope_attention` of one token in one fused kernel: q [1, H, D] and this step's k, v
         [1, Hk, D] -> [1, H * D], k rotated and stored (quantized, for a block type) with v at
         `positions`. Triton's kernel (`kernels.decode_attention`) where everything lives on one GPU,
-        the native one (`kernels.cpu_attention`) for a float32 CPU step over its whole cache; None,
-        nothing written, where neither takes the step or `kernels.decode` is "off"."""
+        the native one (`kernels.cpu_attention`) for a float32 CPU step over its past (a ring's, or a
+        sliding window's, included); None, nothing written, where neither takes the step or
+        `kernels.decode` is "off"."""
         if self._triton_takes(q, v):
             from llmx.kernels.decode_attention import decode_attention
 
@@ -184,12 +185,14 @@ class LayerWriter:
                 n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
             )  # fmt: skip
         native = self.native
-        if isinstance(native, NativeAttention) and self._native_takes(q, v, mask, softcap, native):
+        if isinstance(native, NativeAttention) and self._native_takes(q, v, softcap, native):
             from llmx.kernels import cpu_attention
 
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-            slot, n = int(self.positions[0]), self.n_read
-            return cpu_attention.rope_decode_attention(q, k, v, rope.neox, cos, sin, native, slot, n, scale)
+            position = self.n_read - 1
+            return cpu_attention.rope_decode_attention(
+                q, k, v, rope.neox, cos, sin, native, position, window, scale
+            )
         return None
 
     def _triton_takes(self, q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -211,15 +214,15 @@ class LayerWriter:
         return head_dim(self.k, self.types[0]), head_dim(self.v, self.types[1])
 
     def _native_takes(
-        self, q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, softcap: float | None,
-        native: NativeAttention,
+        self, q: torch.Tensor, v: torch.Tensor, softcap: float | None, native: NativeAttention
     ) -> bool:  # fmt: skip
         """Whether the native CPU kernel bound to this layer's buffers may run this step: as
-        `ops.attention`'s native decode, q and v of the cache's head width."""
-        if softcap is not None:
+        `ops.attention`'s native decode, q and v of the cache's head width, but the token seeing its
+        past by the kernel's own window (its position n_read - 1: the step's mask says no more)."""
+        if softcap is not None or self.positions.device.type != "cpu":
             return False
         widths = q.shape[-1] == v.shape[-1] == native.d
-        return widths and native_cpu_decode(q, self.k, mask) and self.positions.device.type == "cpu"
+        return widths and native_cpu_decode(q, self.k, None) and int(self.positions[0]) == self.n_read - 1
 
 
 @dataclass(frozen=True)

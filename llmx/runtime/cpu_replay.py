@@ -4,22 +4,25 @@ On the CPU a one-token step of SmolLM2 is some 180 calls into `cpu_blocks.c` (`q
 GEMVs, the gated FFNs, norms, one attention call a layer) and ~3 ms of Python around them: the
 model's functions, the ops' choices, views and allocations, where the calls themselves take 7-11 ms.
 Between two steps only a few values change: the token, the attention calls' position (the cache row
-written, the rows read) and the RoPE angles. So the first such step of an executor is recorded
-(`cpu_native.Recording`: each call with its arguments, the tensors behind its pointers kept alive)
-and each later one is replayed: the token written into the recorded ids, the angles copied into the
-recorded tables, then the calls made in order with the attention calls' position fields moved to
-the step's. The calls are deterministic at a given thread count, so a replayed step's logits are
-the eager step's, bit for bit; the thread count is read again at each replay.
+written and the rows read, in a sliding-window layer's ring and window too) and the RoPE angles. So
+the first such step of an executor is recorded (`cpu_native.Recording`: each call with its arguments,
+the tensors behind its pointers kept alive) and each later one is replayed: the token written into
+the recorded ids, the angles copied into the recorded tables, then the calls made in order with the
+attention calls' position fields moved to the step's. The calls are deterministic at a given thread
+count, so a replayed step's logits are the eager step's, bit for bit; the thread count is read again
+at each replay.
 
 A recording holds only if nothing but the native calls computed anything: a torch op between two
-calls (Gemma 3's GELU gate, its post-norm adds, a bias) would leave its recorded output for the next
-call to read again. So the next step after the recording is run both ways, eagerly and replayed over
-it, and the replay is kept only if its logits equal the eager step's bit for bit (a stale value, which
-differs from token to token and position to position, shows); otherwise the step is run eagerly once
-more (rewriting the cache row the replay wrote) and the executor stops trying. (Watching the recorded
-step's ops with a TorchDispatchMode instead imports ~900 modules, ~140 MB, at its first use.) A replay
-is made only where the recorded calls hold: a one-token step at a position the attention calls'
-caches hold and below every sliding window (no mask, no ring).
+calls (a MoE router's softmax and top-k) would leave its recorded output for the next call to read
+again. (Gemma 3's step is native throughout: its scaled embedding, its GELU-gated FFN and its norm
+after the FFN with the residual add each have their call; Qwen2's q/k/v biases are added in the
+joined GEMV call.) So the next step after the recording is run both ways, eagerly and replayed over
+it, and the replay is kept only if its logits equal the eager step's bit for bit (a stale value,
+which differs from token to token and position to position, shows); otherwise the step is run
+eagerly once more (rewriting the cache row the replay wrote) and the executor stops trying.
+(Watching the recorded step's ops with a TorchDispatchMode instead imports ~900 modules, ~140 MB, at
+its first use.) A replay is made only where the recorded calls hold: a one-token step at a position
+the attention calls' caches hold (any, in a sliding-window layer's ring that holds its window).
 
 The logits a replay returns are its last call's output buffer, written again by the next replay.
 """
@@ -27,6 +30,7 @@ The logits a replay returns are its last call's output buffer, written again by 
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -38,11 +42,11 @@ from llmx.quant import cpu_native
 
 class CpuReplay:
     """The one-token decode steps of a CPU-only executor: recorded at the first, replayed after.
-    `ropes`: the model's RoPEs (their tables are the step's inputs), `vocab`: the embedding's rows,
-    `last_position`: the last position a replay may take (below every sliding window)."""
+    `ropes`: the model's RoPEs (their tables are the step's inputs), `vocab`: the embedding's rows."""
 
-    def __init__(self, ropes: Sequence[Rope], vocab: int, last_position: int) -> None:
-        self.ropes, self.vocab, self.last_position = tuple(ropes), vocab, last_position
+    def __init__(self, ropes: Sequence[Rope], vocab: int) -> None:
+        self.ropes, self.vocab = tuple(ropes), vocab
+        self.last_position = sys.maxsize  # the last position a replay may take: the recording's
         self.refused: str | None = None  # why this executor's step cannot be replayed
         self._replay: _Replay | None = None
         self._checked = False  # whether a replay has given an eager step's logits
@@ -89,7 +93,7 @@ class CpuReplay:
         self.refused = _unusable(recording, ids, logits)
         if self.refused is None:
             self._replay = _Replay(recording, ids, tables, logits)
-            self.last_position = min(self.last_position, recording.last_position)
+            self.last_position = recording.last_position
         return logits.clone()  # the recorded buffer: the check's replay writes it again
 
 

@@ -103,11 +103,9 @@ class Executor:
         self._cpu_reads = [host_reads(seg, self.model, self.cache) for seg in self.segments]
         devices = {*self.layer_devices, self.embed_device, self.head_device}
         if self.split is None and {d.type for d in devices} == {"cpu"}:
-            c = self.model.config
-            windows = [w for i in range(c.n_layer) if (w := c.window(i)) is not None]
             ropes = [r for r in vars(self.model).values() if isinstance(r, Rope)]
             vocab = self.model.top.token_embd.shape[0]
-            self._cpu_replay = CpuReplay(ropes, vocab, min(windows, default=self.cache.n_ctx) - 1)
+            self._cpu_replay = CpuReplay(ropes, vocab)
         if self.op_offload is not None and any(d.type == "cpu" for d in self.layer_devices):
             self._streamer = WeightStreamer(self.op_offload, self.model.layers)
         if self.stage_experts and any(self._host_experts):
