@@ -2,7 +2,8 @@
 Hugging Face transformers.
 
 - `route` against a direct reference of each model's definition (softmax over all, top-k, renormalised
-  or not; Mixtral's top-k of the logits then softmax over those k).
+  or not; Mixtral's top-k of the logits then softmax over those k); the native router of a CPU decode
+  step against `route` of its logits.
 - `moe_ffn` on random expert stacks of several types against a loop over the tokens on dequantized
   weights, with tokens sharing experts and experts left unused.
 - Tiny random models (`tiny_models.TINY_MOE_SHAPES`: 2 layers, 4-8 experts, 2-4 a token) written as
@@ -53,14 +54,14 @@ from llmx.errors import LlmxError
 from llmx.gguf import open_gguf
 from llmx.measured import remembered
 from llmx.model_config import ModelConfig
-from llmx.models import common
 from llmx.models.common import TensorGroup
 from llmx.models.layout import check_tensors
 from llmx.models.qwen_moe import QwenMoe
-from llmx.ops import moe_ffn, route
+from llmx.ops import moe as moe_ops
+from llmx.ops import moe_ffn, route, router
 from llmx.ops.moe import crossing
 from llmx.plan.shapes import ModelShape
-from llmx.quant import qtype
+from llmx.quant import cpu_native, qtype
 from llmx.quant.triton import layout
 from llmx.quant.weight import QWeight, as_matrix, dequantize, prepare_cpu
 from llmx.runtime import expert_staging
@@ -103,6 +104,39 @@ def test_route_renormalised_equals_mixtral_softmax_over_the_top_k_logits():
     top, top_ids = logits.topk(2, dim=-1)
     assert torch.equal(ids, top_ids)
     torch.testing.assert_close(weights, torch.softmax(top, dim=-1), rtol=1e-6, atol=1e-6)
+
+
+native_cpu = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels did not build")
+
+
+def float_router(rows: torch.Tensor) -> QWeight:
+    return QWeight(rows.contiguous(), qtype("F32"), tuple(rows.shape), "ffn_gate_inp")
+
+
+@native_cpu
+@pytest.mark.parametrize(("n_expert", "k", "normalize"), [(8, 2, True), (60, 4, False), (128, 8, True)])
+def test_the_native_router_is_route_of_the_router_logits(n_expert, k, normalize):
+    """A decode step's tokens (up to 15) take the native router: one-hot x gives it logits that are
+    the router's columns exactly, and it picks route's experts with route's weights; random x, whose
+    dots it sums in another order than torch's matmul, the same experts and weights within rounding."""
+    g = torch.Generator().manual_seed(n_expert)
+    rows = torch.randn(n_expert, 256, generator=g) * 3
+    w = float_router(rows)
+    columns = torch.randint(0, 256, (15,), generator=g)
+    one_hot = torch.nn.functional.one_hot(columns, 256).float()
+    for x, tolerance in ((one_hot, 0.0), (torch.randn(15, 256, generator=g), 1e-4)):
+        weights, ids = router(x, w, k, normalize)
+        want_weights, want_ids = route(x.double() @ rows.double().t(), k, normalize)
+        assert ids.dtype == torch.int64 and torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_weights.float(), rtol=tolerance + 1e-6, atol=1e-7)
+
+
+@native_cpu
+def test_the_native_router_puts_the_lower_id_first_of_equal_logits():
+    rows = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    rows[9] = rows[2] = rows.abs().sum(0)  # experts 2 and 9: equal logits, the largest for x >= 0
+    weights, ids = router(torch.rand(3, 64), float_router(rows), 4, True)
+    assert ids[:, :2].tolist() == [[2, 9]] * 3 and torch.equal(weights[:, 0], weights[:, 1])
 
 
 # --- the experts' FFN ---------------------------------------------------------------------------
@@ -536,7 +570,7 @@ def test_a_prompt_copies_exactly_the_experts_its_routing_chose(tiny, monkeypatch
         chosen.append(ids.unique().numel())
         return weights, ids
 
-    monkeypatch.setattr(common, "route", recorded)  # after the load: its decode graph has no host read
+    monkeypatch.setattr(moe_ops, "route", recorded)  # after the load: its decode graph has no host read
 
     def prefill(ids: list[int]) -> tuple[torch.Tensor, int]:
         model.engine.reset()

@@ -25,7 +25,7 @@ from llmx.ops import (
     moe_ffn,
     rms_norm,
     rope_attention,
-    route,
+    router,
 )
 
 # What every layer's block reads (biases and q/k norms are optional): attention, then a dense FFN or,
@@ -194,9 +194,10 @@ class Model:
             k = rms_norm(k, kn, self.config.norm_eps)
         return q, k
 
-    def routed_experts(self, w: TensorGroup, h: torch.Tensor) -> torch.Tensor:
-        """The routed experts' FFN of the normed h [T, E]: each token's top-k experts by the router
-        `ffn_gate_inp`, their SwiGLU outputs weighted by the router and summed."""
+    def routed_experts(self, w: TensorGroup, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual plus the routed experts' FFN of the normed h [T, E]: each token's top-k experts by
+        the router `ffn_gate_inp`, their SwiGLU outputs weighted by the router and summed."""
         c = self.config
-        weights, ids = route(linear(h, w.ffn_gate_inp), c.n_expert_used, c.expert_weights_norm)
-        return moe_ffn(h, w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps, weights, ids, self.fused_moe)
+        weights, ids = router(h, w.ffn_gate_inp, c.n_expert_used, c.expert_weights_norm)
+        stacks = (w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps)
+        return moe_ffn(h, *stacks, weights, ids, self.fused_moe, residual)

@@ -21,7 +21,7 @@ class Llama(Model):
     def block(self, i: int, w: TensorGroup, x: torch.Tensor, step: Step, cache_kv: LayerKV) -> torch.Tensor:
         h, normed = self.attend(w, x, step, cache_kv)
         if self.config.n_expert:  # Mixtral's GGUFs say "llama" and hold stacked experts
-            return h + self.routed_experts(w, normed)
+            return self.routed_experts(w, normed, h)
         return swiglu(normed, w.ffn_gate, w.ffn_up, w.ffn_down, residual=h)
 
     def attend(

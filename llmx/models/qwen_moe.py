@@ -28,7 +28,7 @@ class QwenMoe(Qwen):
 
     def block(self, i: int, w: TensorGroup, x: torch.Tensor, step: Step, cache_kv: LayerKV) -> torch.Tensor:
         h, normed = self.attend(w, x, step, cache_kv)
-        y = h + self.routed_experts(w, normed)
+        y = self.routed_experts(w, normed, h)
         if self.config.n_ff_shexp:
             gate = torch.sigmoid(linear(normed, w.ffn_gate_inp_shexp))  # [T, 1]: one scalar a token
             y += gate * swiglu(normed, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)

@@ -9,7 +9,7 @@ One concern a module:
 - `matmul`: matrix products where the weight lives (`linear`, `linear_many`, `embedding`);
 - `norms`: RMSNorm and residual add + RMSNorm (fused kernels for small steps);
 - `ffn`: the gated FFNs (`swiglu`, `geglu`);
-- `moe`: mixture-of-experts routing (`route`) and the routed experts' FFN (`moe_ffn`);
+- `moe`: mixture-of-experts routing (`route`, `router`) and the routed experts' FFN (`moe_ffn`);
 - `rope`: rotary position embedding (`Rope`);
 - `masks`: which cached keys a query sees;
 - `cached_attention`: attention over a layer's KV cache (`rope_attention`) and its kernels.
@@ -19,7 +19,7 @@ from llmx.ops.cached_attention import LayerKV, attention, causal_prompt_attentio
 from llmx.ops.ffn import geglu, swiglu
 from llmx.ops.masks import causal_mask, ring_mask
 from llmx.ops.matmul import embedding, linear, linear_many
-from llmx.ops.moe import moe_ffn, route
+from llmx.ops.moe import moe_ffn, route, router
 from llmx.ops.norms import add_rms_norm, rms_norm
 from llmx.ops.rope import Rope, Yarn
 from llmx.ops.split import PartialSum, RowSplit, current_device
@@ -44,5 +44,6 @@ __all__ = [
     "rms_norm",
     "rope_attention",
     "route",
+    "router",
     "swiglu",
 ]

@@ -65,6 +65,14 @@ def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, 
     return weights, ids
 
 
+def router(x: torch.Tensor, w: QWeight, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` of the router w's logits for x [T, E] (w [X, E]): for a CPU decode step one native call
+    (`quant.weight.moe_route`), so that the step has no torch op between its native calls
+    (`runtime.cpu_replay`)."""
+    native = qw.moe_route(x, w, k, normalize)
+    return native if native is not None else route(qw.linear(x, w), k, normalize)
+
+
 def moe_ffn(
     x: torch.Tensor,
     gate_exps: QWeight,
@@ -73,22 +81,27 @@ def moe_ffn(
     weights: torch.Tensor,
     ids: torch.Tensor,
     fused: bool = True,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, E] -> sum over j of weights[t, j] * expert ids[t, j]'s SwiGLU FFN of x_t: [T, E] float32,
-    on x's device, computed on the stacks' (gate/up [X, F, E], down [X, E, F]). `fused`: the grouped
-    kernels compute gate and up in one launch (ik_llama.cpp's -fmoe; -no-fmoe: two)."""
+    on x's device, computed on the stacks' (gate/up [X, F, E], down [X, E, F]); plus `residual` [T, E]
+    where given (in the native call, where it is one). `fused`: the grouped kernels compute gate and
+    up in one launch (ik_llama.cpp's -fmoe; -no-fmoe: two)."""
     device = gate_exps.raw.device
     if x.device != device:
         if (cross := _crossing.get()) is not None:
-            return cross(x, gate_exps, up_exps, down_exps, weights, ids, fused)
-        y = moe_ffn(x.to(device), gate_exps, up_exps, down_exps, weights.to(device), ids.to(device), fused)
-        return y.to(x.device)
-    if on_grouped_kernels(gate_exps, up_exps, down_exps):
-        return grouped.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, fused)
-    y = qw.moe_swiglu(x, gate_exps, up_exps, down_exps, weights, ids)
-    if y is not None:  # CPU GGUF blocks: one native call for the layer's experts
-        return y
-    return grouped_ffn(x, gate_exps, up_exps, down_exps, weights, ids)
+            y = cross(x, gate_exps, up_exps, down_exps, weights, ids, fused)
+        else:
+            moved = (x.to(device), gate_exps, up_exps, down_exps, weights.to(device), ids.to(device))
+            y = moe_ffn(*moved, fused).to(x.device)
+    elif on_grouped_kernels(gate_exps, up_exps, down_exps):
+        y = grouped.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, fused)
+    else:
+        native = qw.moe_swiglu(x, gate_exps, up_exps, down_exps, weights, ids, residual)
+        if native is not None:  # CPU GGUF blocks: one native call for the layer's experts (and the add)
+            return native
+        y = grouped_ffn(x, gate_exps, up_exps, down_exps, weights, ids)
+    return y if residual is None else y + residual
 
 
 def grouped_ffn(

@@ -1194,14 +1194,14 @@ static int experts_ffn(const experts_t *gate, const experts_t *up, const experts
 }
 
 /* The routed experts' SwiGLU FFNs of a MoE layer (experts_ffn), the stacks given as type, base and row
- * bytes each. */
+ * bytes each; plus the block's residual stream res where not NULL (a decode step's add, in the call). */
 int llmx_moe_swiglu(int gate_type, const uint8_t *gate, int64_t gate_row_bytes, int up_type, const uint8_t *up,
                     int64_t up_row_bytes, int down_type, const uint8_t *down, int64_t down_row_bytes,
                     int64_t n_expert, int64_t n_ff, int64_t n_embd, const float *x, int64_t m, int64_t k_used,
-                    const int64_t *ids, const float *w, float *y, int threads) {
+                    const int64_t *ids, const float *w, const float *res, float *y, int threads) {
     const experts_t g = {gate_type, gate, gate_row_bytes}, u = {up_type, up, up_row_bytes},
                     d = {down_type, down, down_row_bytes};
-    return experts_ffn(&g, &u, &d, n_expert, n_embd, n_ff, n_embd, x, m, k_used, ids, w, ACT_SILU, NULL, y, threads);
+    return experts_ffn(&g, &u, &d, n_expert, n_embd, n_ff, n_embd, x, m, k_used, ids, w, ACT_SILU, res, y, threads);
 }
 
 /* The gated FFN of a few tokens, down(act(gate(x)) * up(x)) (act: ACT_SILU, or ACT_GELU_TANH), in one
@@ -1901,4 +1901,50 @@ int llmx_pin_threads(const int *cpus, int threads) {
         }
     }
     return failed;
+}
+
+/* --- a MoE layer's router ---------------------------------------------------------------------- */
+
+enum { ROUTE_LANES = 16 };
+
+/* Each of m tokens' k_used experts by the router w [n_expert, n_embd] (float32 rows, as GGUF keeps
+ * routers): p = softmax(w x_t), its k_used largest best first (of equal p the lower id first, as
+ * torch.topk on distinct values; llmx_top_k), rescaled to sum to 1 where `normalize`, into weights
+ * [m, k_used] float32 and ids [m, k_used]. The router in one call a layer, where torch took a matmul,
+ * a softmax and a top-k: a decode step with no torch op between its native calls, which a replay makes
+ * again (runtime.cpu_replay). Each dot keeps ROUTE_LANES running sums (vectorized, and in one order at
+ * any thread count), the experts' rows shared out among the threads. Returns 0, or -1 for k_used
+ * outside 1..n_expert, n_embd not a multiple of ROUTE_LANES, or no memory. */
+int llmx_moe_route(const float *x, int64_t m, int64_t n_embd, const float *w, int64_t n_expert, int64_t k_used,
+                   int normalize, float *weights, int64_t *ids, int threads) {
+    if (m < 1 || k_used < 1 || k_used > n_expert || n_embd % ROUTE_LANES != 0) return -1;
+    float *p = malloc(sizeof(float) * (size_t)(m * n_expert));
+    if (p == NULL) return -1;
+#pragma omp parallel for num_threads(n_expert * n_embd < (1 << 16) ? 1 : threads) schedule(static)
+    for (int64_t e = 0; e < n_expert; e++) {
+        const float *row = w + e * n_embd;
+        for (int64_t t = 0; t < m; t++) {
+            const float *xt = x + t * n_embd;
+            float lanes[ROUTE_LANES] = {0};
+            for (int64_t i = 0; i < n_embd; i += ROUTE_LANES)
+                for (int l = 0; l < ROUTE_LANES; l++) lanes[l] += row[i + l] * xt[i + l];
+            float dot = 0.0f;
+            for (int l = 0; l < ROUTE_LANES; l++) dot += lanes[l];
+            p[t * n_expert + e] = dot;
+        }
+    }
+    for (int64_t t = 0; t < m; t++) {
+        float *pt = p + t * n_expert, *wt = weights + t * k_used, top = pt[0], sum = 0.0f;
+        for (int64_t e = 1; e < n_expert; e++) top = pt[e] > top ? pt[e] : top;
+        for (int64_t e = 0; e < n_expert; e++) sum += pt[e] = expf(pt[e] - top);
+        for (int64_t e = 0; e < n_expert; e++) pt[e] /= sum;
+        llmx_top_k(pt, n_expert, k_used, wt, ids + t * k_used);
+        if (normalize) {
+            float chosen = 0.0f;
+            for (int64_t j = 0; j < k_used; j++) chosen += wt[j];
+            for (int64_t j = 0; j < k_used; j++) wt[j] /= chosen;
+        }
+    }
+    free(p);
+    return 0;
 }

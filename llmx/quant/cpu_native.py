@@ -90,7 +90,9 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
     lib.llmx_gated_ffn.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr]
     lib.llmx_gated_ffn.argtypes += [i32, ptr, ptr, i32]
-    lib.llmx_moe_swiglu.argtypes = [i32, ptr, i64] * 3 + [i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32]
+    lib.llmx_moe_swiglu.argtypes = [i32, ptr, i64] * 3 + [i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr]
+    lib.llmx_moe_swiglu.argtypes += [i32]
+    lib.llmx_moe_route.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr, i32]
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, i32]
     lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, ptr, i32]
     lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i64, i64]
@@ -109,7 +111,7 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_set_prefetch.argtypes = [i64]
     lib.llmx_set_prefetch.restype = None
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
-    lib.llmx_gated_ffn.restype = lib.llmx_moe_swiglu.restype = i32
+    lib.llmx_gated_ffn.restype = lib.llmx_moe_swiglu.restype = lib.llmx_moe_route.restype = i32
     lib.llmx_pin_threads.restype = i32
     return lib
 
@@ -350,13 +352,15 @@ def moe_swiglu(
     shape: tuple[int, int, int],
     ids: torch.Tensor,
     weights: torch.Tensor,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts' FFNs of a MoE layer in one native call a MOE_TOKENS tokens: x2 [T, E]
     float32, the gate, up and down stacks as their GGUF rows `raw` [X * rows, row_bytes] and type, of
     `shape` (X, F, E) for gate and up (down: (X, E, F)), each token's expert ids [T, k] (in 0..X-1)
     and routing weights [T, k] -> [T, E] float32: sum over j of weights[t, j] * down_e(silu(gate_e
     x_t) * up_e x_t), e = ids[t, j]. A call reads each chosen expert's blocks once, for all the
-    tokens that chose it; x and the activations are read as 16-bit codes, as `gemv` reads x."""
+    tokens that chose it; x and the activations are read as 16-bit codes, as `gemv` reads x. Plus
+    `residual` [T, E] float32 where given (the block's residual stream, added in the same call)."""
     lib = _library()
     n_expert, n_ff, n_embd = shape
     assert lib is not None and x2.dtype == torch.float32 and x2.shape[1] == n_embd and len(stacks) == 3
@@ -366,16 +370,45 @@ def moe_swiglu(
     weights = weights.to(torch.float32).contiguous()
     m, k_used = ids.shape
     y = torch.empty((m, n_embd), dtype=torch.float32)
+    res = None
+    if residual is not None:
+        assert residual.dtype == torch.float32 and residual.shape == y.shape
+        res = residual.contiguous()
     args = [a for raw, qt in stacks for a in (TYPES[qt.name], raw.data_ptr(), raw.shape[1])]
     threads = _threads(lib)
     for t0 in range(0, m, MOE_TOKENS):
         n = min(MOE_TOKENS, m - t0)
         err = _issue(lib.llmx_moe_swiglu, (
             *args, n_expert, n_ff, n_embd, x2[t0].data_ptr(), n, k_used, ids[t0].data_ptr(),
-            weights[t0].data_ptr(), y[t0].data_ptr(), threads,
-        ), (x2, ids, weights, y))  # fmt: skip
+            weights[t0].data_ptr(), None if res is None else res[t0].data_ptr(), y[t0].data_ptr(), threads,
+        ), (x2, ids, weights, res, y))  # fmt: skip
         assert err == 0, (shape, n, k_used)
     return y
+
+
+ROUTE_LANES = 16  # cpu_blocks.c's ROUTE_LANES: a router's width must be a multiple of it
+
+
+def moe_route(
+    x2: torch.Tensor, router: torch.Tensor, k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer's routing in one native call: x2 [T, E] float32 and the router's rows [X, E] float32
+    (E a multiple of ROUTE_LANES, 1 <= k <= X) -> (weights [T, k] float32, expert ids [T, k] int64), best
+    first: the k largest of softmax(router x_t), of equal ones the lower id first, rescaled to sum to 1
+    where `normalize` (`ops.moe.route` of the router's logits)."""
+    lib = _library()
+    n_expert, n_embd = router.shape
+    assert lib is not None and x2.dtype == router.dtype == torch.float32 and x2.shape[1] == n_embd
+    assert router.is_contiguous() and n_embd % ROUTE_LANES == 0 and 1 <= k <= n_expert
+    x2 = x2.contiguous()
+    m = x2.shape[0]
+    weights, ids = torch.empty((m, k), dtype=torch.float32), torch.empty((m, k), dtype=torch.int64)
+    err = _issue(lib.llmx_moe_route, (
+        x2.data_ptr(), m, n_embd, router.data_ptr(), n_expert, k, int(normalize), weights.data_ptr(),
+        ids.data_ptr(), _threads(lib),
+    ), (x2, router, weights, ids))  # fmt: skip
+    assert err == 0, (m, n_expert, n_embd, k)
+    return weights, ids
 
 
 def dequantize_rows(

@@ -394,9 +394,10 @@ def moe_swiglu(
     down_exps: QWeight,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The routed experts' FFNs (`ops.moe_ffn`) of x [T, K] in native calls (`cpu_native.moe_swiglu`)
-    when the three stacks take the native kernels; None otherwise."""
+    """The routed experts' FFNs (`ops.moe_ffn`) of x [T, K] in native calls (`cpu_native.moe_swiglu`),
+    plus `residual` where given, when the three stacks take the native kernels; None otherwise."""
     if KERNEL not in ("auto", "packed") or x.dim() != 2 or not x.is_cpu or x.dtype != torch.float32:
         return None
     stacks = (gate_exps, up_exps, down_exps)
@@ -405,7 +406,25 @@ def moe_swiglu(
     n_expert, f, e = gate_exps.shape
     if up_exps.shape != gate_exps.shape or down_exps.shape != (n_expert, e, f):
         return None
-    return N.moe_swiglu(x, [(w.raw, w.qtype) for w in stacks], (n_expert, f, e), ids, weights)
+    return N.moe_swiglu(x, [(w.raw, w.qtype) for w in stacks], (n_expert, f, e), ids, weights, residual)
+
+
+def moe_route(
+    x: torch.Tensor, router: QWeight, k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A MoE layer's routing (`ops.moe.router`) of x [T, E] in one native call (`cpu_native.moe_route`)
+    for a decode step's few tokens (T <= NATIVE_MAX_ROWS; a prompt's matmul is torch's) by a float32
+    router on the CPU, as GGUFs keep routers; None otherwise."""
+    raw = router.raw
+    if KERNEL not in ("auto", "packed") or not N.available():
+        return None
+    if x.dim() != 2 or x.shape[0] > C.NATIVE_MAX_ROWS:
+        return None
+    if not (x.is_cpu and raw.is_cpu and x.dtype == raw.dtype == torch.float32 and raw.is_contiguous()):
+        return None
+    if raw.shape != router.shape or raw.shape[1] % N.ROUTE_LANES != 0:
+        return None
+    return N.moe_route(x, raw, k, normalize)
 
 
 def embedding(ids: torch.Tensor, w: QWeight, scale: float = 1.0) -> torch.Tensor:
