@@ -15,7 +15,9 @@ pieces around expert stacks in RAM, or copy the experts a prompt uses to the GPU
 grouped Triton kernels (`llmx.quant.triton.moe`): the routing stays on the device, so no step waits
 for the host and a CUDA graph can hold the layer. CPU stacks of the native kernels' types take one
 native call for the layer (`quant.weight.moe_swiglu`), decode steps and prompts alike: every chosen
-expert's blocks read once, the rows of all of them shared out among the threads. Elsewhere (float
+expert's blocks read once, the rows of all of them shared out among the threads. A CPU decode step's
+router (float32, as GGUFs keep it) is one native call too (`router`), so that the step has no torch
+op between its native calls and replays (`runtime.cpu_replay`). Elsewhere (float
 stacks, other types) tokens are grouped by expert with a sort, and each expert that has tokens
 multiplies all of its rows at once (`grouped_ffn`).
 """
