@@ -31,6 +31,8 @@ from contextvars import ContextVar
 import torch
 
 from llmx.ops.ffn import swiglu
+from llmx.ops.matmul import linear
+from llmx.ops.split import PartialSum, RowSplit
 from llmx.quant import weight as qw
 from llmx.quant.triton import moe as grouped
 from llmx.quant.triton.launch import has_triton
@@ -67,12 +69,14 @@ def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, 
     return weights, ids
 
 
-def router(x: torch.Tensor, w: QWeight, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def router(
+    x: torch.Tensor, w: QWeight | RowSplit | PartialSum, k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` of the router w's logits for x [T, E] (w [X, E]): for a CPU decode step one native call
     (`quant.weight.moe_route`), so that the step has no torch op between its native calls
     (`runtime.cpu_replay`)."""
-    native = qw.moe_route(x, w, k, normalize)
-    return native if native is not None else route(qw.linear(x, w), k, normalize)
+    native = qw.moe_route(x, w, k, normalize) if isinstance(w, QWeight) else None  # -sm row: split
+    return native if native is not None else route(linear(x, w), k, normalize)  # any placement's
 
 
 def moe_ffn(
