@@ -17,6 +17,7 @@ import torch
 from llmx.cpu_info import cpu_features
 from llmx.errors import LlmxError
 from llmx.quant import choice, cpu_native, qtype, reference
+from llmx.quant import weight as qw
 from llmx.quant.weight import QWeight, linear, linear_many, prepare_cpu, prepare_shared
 from tests.test_quant import assert_bits_equal, gguf_py, random_blocks
 
@@ -275,6 +276,32 @@ def gelu_tanh(v: np.ndarray) -> np.ndarray:
     return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3)))
 
 
+def ffn_weights() -> tuple[list[tuple[torch.Tensor, np.ndarray]], list[QWeight]]:
+    """A gated FFN's gate, up (Q4_K, 512 x 256) and down (Q6_K, 96 x 512) matrices as their GGUF rows
+    and float values, and as QWeights prepared as the loader prepares them (gate and up as one call)."""
+    k, f, e = 256, 512, 96
+    matrices = [
+        random_weight(name, n, width, seed)
+        for name, n, width, seed in (("Q4_K", f, k, 11), ("Q4_K", f, k, 12), ("Q6_K", e, f, 13))
+    ]
+    ws = [
+        prepare_cpu(QWeight(raw, qtype(name), (raw.shape[0], width), name))
+        for (raw, _), name, width in zip(matrices, ("Q4_K", "Q4_K", "Q6_K"), (k, k, f), strict=True)
+    ]
+    assert prepare_shared(ws[:2]) is not None
+    return matrices, ws
+
+
+def float64_ffn(x: torch.Tensor, matrices, activation: str) -> tuple[np.ndarray, np.ndarray]:
+    """down(act(gate(x)) * up(x)) in float64, x and the activation read as the kernels quantize them,
+    and the sum of its products' magnitudes (the scale of float32's error)."""
+    (_, gate), (_, up), (_, down) = matrices
+    xq = quantized(x.numpy()).astype(np.float64)
+    g, u = xq @ gate.astype(np.float64).T, xq @ up.astype(np.float64).T
+    act = quantized(((silu(g) if activation == "silu" else gelu_tanh(g)) * u).astype(np.float32))
+    return act.astype(np.float64) @ down.astype(np.float64).T, np.abs(act) @ np.abs(down.astype(np.float64)).T
+
+
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_gated_ffn_is_one_call_matching_a_float64_ffn(m, activation, native_kernels):
@@ -283,27 +310,38 @@ def test_gated_ffn_is_one_call_matching_a_float64_ffn(m, activation, native_kern
     read as the kernels quantize them."""
     from llmx.ops import geglu, swiglu
 
-    k, f, e = 256, 512, 96
-    (gate_raw, gate), (up_raw, up), (down_raw, down) = (
-        random_weight(name, n, width, seed)
-        for name, n, width, seed in (("Q4_K", f, k, 11), ("Q4_K", f, k, 12), ("Q6_K", e, f, 13))
-    )
-    ws = [
-        prepare_cpu(QWeight(raw, qtype(name), (raw.shape[0], width), name))
-        for raw, name, width in ((gate_raw, "Q4_K", k), (up_raw, "Q4_K", k), (down_raw, "Q6_K", f))
-    ]
-    assert prepare_shared(ws[:2]) is not None  # as the loader does for gate and up
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    matrices, ws = ffn_weights()
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
     y = (swiglu if activation == "silu" else geglu)(x, *ws)
-    xq = quantized(x.numpy()).astype(np.float64)
-    g, u = xq @ gate.astype(np.float64).T, xq @ up.astype(np.float64).T
-    act = (silu(g) if activation == "silu" else gelu_tanh(g)) * u
-    want = quantized(act.astype(np.float32)).astype(np.float64) @ down.astype(np.float64).T
-    scale = np.abs(quantized(act.astype(np.float32))) @ np.abs(down.astype(np.float64)).T
-    assert y.shape == (m, e)
+    want, scale = float64_ffn(x, matrices, activation)
+    assert y.shape == (m, 96)
     assert np.all(np.abs(y.numpy() - want) <= 1e-4 * scale)
+    (gate_raw, _), (up_raw, _), (down_raw, _) = matrices
     gate_up = cpu_native.Gemv([(gate_raw, qtype("Q4_K")), (up_raw, qtype("Q4_K"))])
     assert torch.equal(y, gate_up.gated_ffn(x, cpu_native.Gemv([(down_raw, qtype("Q6_K"))]), activation))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_a_shared_expert_is_one_call_with_its_sigmoid_gate_and_the_residual(m, native_kernels, monkeypatch):
+    """Qwen2-MoE's shared expert for a decode step (`ops.shared_expert`): residual + sigmoid(w . x) *
+    swiglu(x) in one native call, within float32 error of float64 (the gate's float32 dot product
+    exactly so), and torch's ops on the same FFN where the native path is off."""
+    from llmx.ops import shared_expert
+
+    matrices, ws = ffn_weights()
+    generator = torch.Generator().manual_seed(m)
+    x, residual = torch.randn(m, 256, generator=generator), torch.randn(m, 96, generator=generator)
+    gate_inp = torch.randn(1, 256, generator=generator) / 16
+    shared_gate = QWeight(gate_inp, qtype("F32"), (1, 256), "ffn_gate_inp_shexp")
+    y = shared_expert(x, shared_gate, *ws, residual=residual)
+    ffn, scale = float64_ffn(x, matrices, "silu")
+    s = 1 / (1 + np.exp(-(x.double().numpy() @ gate_inp.double().numpy().T)))  # [m, 1]
+    want = residual.double().numpy() + s * ffn
+    assert y.shape == (m, 96)
+    assert np.all(np.abs(y.numpy() - want) <= 1e-4 * s * scale + 1e-6 * np.abs(want))
+    monkeypatch.setattr(qw, "KERNEL", "dequant")  # torch's ops: the same products, its own rounding
+    eager = shared_expert(x, shared_gate, *ws, residual=residual)
+    assert torch.allclose(y, eager, rtol=1e-4, atol=1e-4)
 
 
 def silu(v: np.ndarray) -> np.ndarray:

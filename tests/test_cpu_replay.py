@@ -74,23 +74,27 @@ def test_smollm2_decode_replays_bit_for_bit(smollm2_path) -> None:
     ("arch", "type_name"),
     [
         ("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_K_M"), ("gemma3", "Q8_0"), ("gemma3", "Q4_K_M"),
-        ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K_M"), ("mixtral", "Q8_0"),
+        ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K_M"), ("mixtral", "Q8_0"), ("qwen2moe", "Q8_0"),
+        ("qwen2moe", "Q4_K_M"),
     ],
 )  # fmt: skip
 def test_tiny_decode_replays_bit_for_bit(arch, type_name, tmp_path) -> None:
     """Qwen2's q/k/v biases are added in its joined GEMV call; Gemma 3's steps cross its sliding window
     (SLIDING_WINDOW = 8 tokens) and, with -ub 8, wrap its local layers' rings (window + -ub = 16 rows)
     over and over. A MoE layer's router and routed experts are a native call each, the experts' call
-    reading the ids and weights the router's wrote."""
+    reading the ids and weights the router's wrote; Qwen2-MoE's shared expert is one call that
+    computes its sigmoid gate and adds its FFN to the routed experts' output."""
     model = llmx.load(write_tiny(arch, type_name, tmp_path), ctx_size=64, ubatch_size=8)
     check_replays(model, random_prompt(6, 1))
 
 
 def test_a_step_with_a_torch_op_runs_eagerly(tmp_path) -> None:
-    """Qwen2-MoE's step has torch ops between its native calls (its shared expert's sigmoid gate): the
-    replay checked against the step after the recording differs, is dropped, and every step (that one
+    """A Qwen2-MoE file whose shared expert's gate is float16 (the native call takes a float32 one, as
+    GGUFs keep it) leaves that gate's product and sigmoid to torch between native calls: the replay
+    checked against the step after the recording differs, is dropped, and every step (that one
     included, its cache row written again) gives the eager logits, as with replays off."""
-    model = llmx.load(write_tiny("qwen2moe", "Q8_0", tmp_path), ctx_size=64)
+    path = write_tiny("qwen2moe", "Q8_0", tmp_path, retyped={"ffn_gate_inp_shexp": "F16"})
+    model = llmx.load(path, ctx_size=64)
     prompt = random_prompt(4, 2)
     replayed = decode_run(model, True, prompt)
     replay = model.engine.executor._cpu_replay

@@ -110,17 +110,28 @@ def _fill(shape: ModelShape, seed: int):
 
 
 def write_tiny(
-    arch: str, type_name: str, directory: Path, seed: int = 0, chat_template: str | None = None
+    arch: str,
+    type_name: str,
+    directory: Path,
+    seed: int = 0,
+    chat_template: str | None = None,
+    retyped: dict[str, str] | None = None,
 ) -> Path:
     """Write the tiny `arch` model (a key of TINY_SHAPES, TINY_MOE_SHAPES or TINY_ROPE_SHAPES) in
-    `type_name` (F32, Q8_0, Q4_K_M, ...) under `directory`, with `chat_template` if given; its path."""
+    `type_name` (F32, Q8_0, Q4_K_M, ...) under `directory`, with `chat_template` if given, each layer's
+    tensor named in `retyped` (e.g. "ffn_gate_inp_shexp") in the type it gives; its path."""
     shape = TINY_SHAPES.get(arch) or TINY_MOE_SHAPES.get(arch) or TINY_ROPE_SHAPES[arch]
     metadata = synth_metadata(shape, type_name, seed)
     metadata["tokenizer.ggml.pre"] = shape.tokenizer[1]  # the synthetic vocabulary says "default"
     if chat_template is not None:
         metadata["tokenizer.chat_template"] = chat_template
     path = Path(directory) / f"tiny-{arch}-{type_name}.gguf"
-    tensors = tiny_tensors(shape, type_name)
+    tensors = [
+        replace(t, qtype=kept, nbytes=qtype(kept).nbytes(t.shape))
+        if t.layer is not None and (kept := (retyped or {}).get(t.name.split(".")[2])) is not None
+        else t
+        for t in tiny_tensors(shape, type_name)
+    ]
     write_gguf(path, shape.arch, metadata, tensors, _fill(shape, seed), threads=1, progress=False)
     return path
 

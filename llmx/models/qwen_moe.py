@@ -15,7 +15,7 @@ import torch
 from llmx.model_config import ModelConfig
 from llmx.models.common import Step, TensorGroup
 from llmx.models.qwen import Qwen
-from llmx.ops import LayerKV, linear, swiglu
+from llmx.ops import LayerKV, shared_expert
 
 SHARED_EXPERT = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
@@ -30,8 +30,8 @@ class QwenMoe(Qwen):
         h, normed = self.attend(w, x, step, cache_kv)
         y = self.routed_experts(w, normed, h)
         if self.config.n_ff_shexp:
-            gate = torch.sigmoid(linear(normed, w.ffn_gate_inp_shexp))  # [T, 1]: one scalar a token
-            y += gate * swiglu(normed, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)
+            shared = (w.ffn_gate_inp_shexp, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)
+            y = shared_expert(normed, *shared, residual=y)
         return y
 
 

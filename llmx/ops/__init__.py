@@ -8,7 +8,7 @@ One concern a module:
 - `split`: weights spread over GPUs (`-sm row`: RowSplit, PartialSum) and `current_device`;
 - `matmul`: matrix products where the weight lives (`linear`, `linear_many`, `embedding`);
 - `norms`: RMSNorm and residual add + RMSNorm (fused kernels for small steps);
-- `ffn`: the gated FFNs (`swiglu`, `geglu`);
+- `ffn`: the gated FFNs (`swiglu`, `geglu`) and a MoE layer's gated shared expert (`shared_expert`);
 - `moe`: mixture-of-experts routing (`route`, `router`) and the routed experts' FFN (`moe_ffn`);
 - `rope`: rotary position embedding (`Rope`);
 - `masks`: which cached keys a query sees;
@@ -16,7 +16,7 @@ One concern a module:
 """
 
 from llmx.ops.cached_attention import LayerKV, attention, causal_prompt_attention, rope_attention
-from llmx.ops.ffn import geglu, swiglu
+from llmx.ops.ffn import geglu, shared_expert, swiglu
 from llmx.ops.masks import causal_mask, ring_mask
 from llmx.ops.matmul import embedding, linear, linear_many
 from llmx.ops.moe import moe_ffn, route, router
@@ -45,5 +45,6 @@ __all__ = [
     "rope_attention",
     "route",
     "router",
+    "shared_expert",
     "swiglu",
 ]

@@ -1,4 +1,5 @@
-"""The feed-forward halves of a block: the gated FFNs (SwiGLU, GeGLU)."""
+"""The feed-forward halves of a block: the gated FFNs (SwiGLU, GeGLU), and a MoE layer's gated shared
+expert."""
 
 from __future__ import annotations
 
@@ -28,6 +29,27 @@ def swiglu(
         return linear(norm.silu_mul(g, u), down, residual)
     # in place: g is this call's own, and a prompt's gate is -ub x n_ff floats (twice saved)
     return linear(F.silu(g, inplace=True).mul_(u), down, residual)
+
+
+def shared_expert(
+    x: torch.Tensor,
+    gate_inp: QWeight,
+    gate: QWeight,
+    up: QWeight,
+    down: QWeight,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Qwen2-MoE's shared expert, which every token takes at its own weight: sigmoid(gate_inp(x)) *
+    swiglu(x) ([T, 1] times [T, E]), plus `residual` where given. For a CPU decode step one native call
+    computes the gate and the add with the FFN (`quant.weight.gated_ffn`), so that the step has no torch
+    op between its native calls and replays (`runtime.cpu_replay`)."""
+    if (
+        all(isinstance(w, QWeight) for w in (gate_inp, gate, up, down))
+        and (y := qw.gated_ffn(x, gate, up, down, "silu", residual, gate_inp)) is not None
+    ):
+        return y
+    y = torch.sigmoid(linear(x, gate_inp)) * swiglu(x, gate, up, down)
+    return y if residual is None else residual + y
 
 
 def geglu(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight) -> torch.Tensor:

@@ -1087,6 +1087,20 @@ int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const 
 
 /* --- gated FFNs: a dense one, and the routed experts of a MoE layer -------------------------------- */
 
+enum { ROUTE_LANES = 16 };
+
+/* The dot product of two float32 vectors of n values (n a multiple of ROUTE_LANES) in ROUTE_LANES
+ * running sums: vectorized, and in one order whatever the caller's threads (a router's logits, a
+ * shared expert's gate). */
+static inline float lanes_dot(const float *a, const float *b, int64_t n) {
+    float lanes[ROUTE_LANES] = {0};
+    for (int64_t i = 0; i < n; i += ROUTE_LANES)
+        for (int l = 0; l < ROUTE_LANES; l++) lanes[l] += a[i + l] * b[i + l];
+    float dot = 0.0f;
+    for (int l = 0; l < ROUTE_LANES; l++) dot += lanes[l];
+    return dot;
+}
+
 /* An expert stack as the GGUF stores it: n_expert matrices one after another, rows row_bytes apart. */
 typedef struct {
     int type;
@@ -1209,20 +1223,25 @@ int llmx_moe_swiglu(int gate_type, const uint8_t *gate, int64_t gate_row_bytes, 
  * (count 1, F weights a row) into y [m, nd]: experts_ffn with one expert that every token takes at weight 1 (the same products: a
  * sum of one term times 1 is exact). A decode step's FFN thus costs one call where it took five torch
  * ops and two GEMV calls (~70 us a layer of Python and dispatch on the H200 host); with res [m, nd] not
- * NULL, y also gets the block's residual stream added (as torch's add_ would) where a sixth op did. The
- * down matrix must take F weights a row (the caller checks: its rows' bytes do not say). Returns 0, or
- * -1 as llmx_gemv_many does, or for unequal heights. */
+ * NULL, y also gets the block's residual stream added (as torch's add_ would) where a sixth op did. With
+ * scale [k] float32 not NULL, token t's weight is sigmoid(scale . x_t) instead of 1 (Qwen2-MoE's shared
+ * expert, gated per token: y_t = res_t + s_t * ffn(x_t), each product and the add rounded once, as torch's
+ * y += s * ffn rounds them), so that its step keeps no torch op between native calls (runtime.cpu_replay).
+ * The down matrix must take F weights a row (the caller checks: its rows' bytes do not say). Returns 0,
+ * or -1 as llmx_gemv_many does, or for unequal heights. */
 int llmx_gated_ffn(int count, const int *types, const uint8_t *const *ws, const int64_t *ns,
                    const int64_t *row_bytes, int64_t k, const float *x, int64_t m, int down_count, const int *down_type,
                    const uint8_t *const *down, const int64_t *nd, const int64_t *down_row_bytes, int act,
-                   const float *res, float *y, int threads) {
+                   const float *scale, const float *res, float *y, int threads) {
     int64_t expert0[MAX_ROWS];
-    float one[MAX_ROWS];
+    float weight[MAX_ROWS];
     if (count != 2 || ns[0] != ns[1] || down_count != 1 || m < 1 || m > MAX_ROWS || act < 0 || act > 1) return -1;
-    for (int64_t t = 0; t < m; t++) expert0[t] = 0, one[t] = 1.0f;
+    if (scale != NULL && k % ROUTE_LANES != 0) return -1;
+    for (int64_t t = 0; t < m; t++)
+        expert0[t] = 0, weight[t] = scale != NULL ? 1.0f / (1.0f + expf(-lanes_dot(scale, x + t * k, k))) : 1.0f;
     const experts_t g = {types[0], ws[0], row_bytes[0]}, u = {types[1], ws[1], row_bytes[1]},
                     d = {down_type[0], down[0], down_row_bytes[0]};
-    return experts_ffn(&g, &u, &d, 1, k, ns[0], nd[0], x, m, 1, expert0, one, act, res, y, threads);
+    return experts_ffn(&g, &u, &d, 1, k, ns[0], nd[0], x, m, 1, expert0, weight, act, res, y, threads);
 }
 
 /* out[i, :] = W[r, :] in float32, times `scale` unless it is 1 (Gemma's embedding scale, as torch's
@@ -1905,8 +1924,6 @@ int llmx_pin_threads(const int *cpus, int threads) {
 
 /* --- a MoE layer's router ---------------------------------------------------------------------- */
 
-enum { ROUTE_LANES = 16 };
-
 /* Each of m tokens' k_used experts by the router w [n_expert, n_embd] (float32 rows, as GGUF keeps
  * routers): p = softmax(w x_t), its k_used largest best first (of equal p the lower id first, as
  * torch.topk on distinct values; llmx_top_k), rescaled to sum to 1 where `normalize`, into weights
@@ -1924,13 +1941,7 @@ int llmx_moe_route(const float *x, int64_t m, int64_t n_embd, const float *w, in
     for (int64_t e = 0; e < n_expert; e++) {
         const float *row = w + e * n_embd;
         for (int64_t t = 0; t < m; t++) {
-            const float *xt = x + t * n_embd;
-            float lanes[ROUTE_LANES] = {0};
-            for (int64_t i = 0; i < n_embd; i += ROUTE_LANES)
-                for (int l = 0; l < ROUTE_LANES; l++) lanes[l] += row[i + l] * xt[i + l];
-            float dot = 0.0f;
-            for (int l = 0; l < ROUTE_LANES; l++) dot += lanes[l];
-            p[t * n_expert + e] = dot;
+            p[t * n_expert + e] = lanes_dot(row, x + t * n_embd, n_embd);
         }
     }
     for (int64_t t = 0; t < m; t++) {

@@ -89,7 +89,7 @@ def bind(path: Path) -> ctypes.CDLL:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.llmx_gemv_many.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
     lib.llmx_gated_ffn.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr]
-    lib.llmx_gated_ffn.argtypes += [i32, ptr, ptr, i32]
+    lib.llmx_gated_ffn.argtypes += [i32, ptr, ptr, ptr, i32]
     lib.llmx_moe_swiglu.argtypes = [i32, ptr, i64] * 3 + [i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr]
     lib.llmx_moe_swiglu.argtypes += [i32]
     lib.llmx_moe_route.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr, i32]
@@ -308,13 +308,22 @@ class Gemv:
         return self._run(x2, self.n, residual, self._lib.llmx_gemv_many)
 
     def gated_ffn(
-        self, x2: torch.Tensor, down: Gemv, activation: str, residual: torch.Tensor | None = None
+        self,
+        x2: torch.Tensor,
+        down: Gemv,
+        activation: str,
+        residual: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """down(act(gate(x2)) * up(x2)) in one native call (act: one of ACTIVATIONS), this call being
         the joined gate and up matrices (equal heights F) and `down` one matrix of F columns: [M, down.n],
-        plus `residual` [M, down.n] where given (a block's residual stream, added in the same call)."""
-        act = ACTIVATIONS[activation]
-        return self._run(x2, down.n, residual, self._lib.llmx_gated_ffn, *down._weights, act)
+        each row t times sigmoid(scale . x2[t]) where `scale` [K] float32 is given (a shared expert's
+        gate), plus `residual` [M, down.n] where given (a block's residual stream, added in the same call)."""
+        kept = () if scale is None else (scale,)
+        if scale is not None:
+            assert scale.dtype == torch.float32 and scale.is_contiguous() and scale.numel() == x2.shape[1]
+        gated = (*down._weights, ACTIVATIONS[activation], None if scale is None else scale.data_ptr())
+        return self._run(x2, down.n, residual, self._lib.llmx_gated_ffn, gated, kept)
 
     def _run(
         self,
@@ -322,9 +331,11 @@ class Gemv:
         n: int,
         residual: torch.Tensor | None,
         entry: Callable[..., int],
-        *weights_after_x: object,
+        weights_after_x: tuple[object, ...] = (),
+        kept: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
-        """`entry`(this call's weights, K, x2, M, `weights_after_x`, residual, y, threads) into y [M, n]."""
+        """`entry`(this call's weights, K, x2, M, `weights_after_x`, residual, y, threads) into y [M, n]
+        (`kept`: tensors that `weights_after_x` points into)."""
         assert x2.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
         x2 = x2.contiguous()
         m, k = x2.shape
@@ -336,7 +347,7 @@ class Gemv:
         res_ptr = None if res is None else res.data_ptr()
         threads = _threads(self._lib)
         args = (*self._weights, k, x2.data_ptr(), m, *weights_after_x, res_ptr, y.data_ptr(), threads)
-        err = _issue(entry, args, (x2, res, y))
+        err = _issue(entry, args, (x2, res, y, *kept))
         assert err == 0, (self.sizes, m)
         return y
 

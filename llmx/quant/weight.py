@@ -372,11 +372,13 @@ def gated_ffn(
     down: QWeight,
     activation: str,
     residual: torch.Tensor | None = None,
+    gate_inp: QWeight | None = None,
 ) -> torch.Tensor | None:
-    """down(act(gate(x)) * up(x)) (`activation`: one of `cpu_native.ACTIVATIONS`), plus `residual` where
-    given, in one native call for a decode step's x [M, K] (M <= NATIVE_MAX_ROWS) when gate and up were
-    prepared as one native call (`prepare_shared`) and down takes the native kernels too
-    (`cpu_native.Gemv.gated_ffn`); None otherwise."""
+    """down(act(gate(x)) * up(x)) (`activation`: one of `cpu_native.ACTIVATIONS`), each token's row times
+    sigmoid(gate_inp . x_t) where `gate_inp` [1, K] is given (a shared expert's gate: float32, as GGUFs
+    keep it), plus `residual` where given, in one native call for a decode step's x [M, K] (M <=
+    NATIVE_MAX_ROWS) when gate and up were prepared as one native call (`prepare_shared`) and down takes
+    the native kernels too (`cpu_native.Gemv.gated_ffn`); None otherwise."""
     if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > C.NATIVE_MAX_ROWS or not x.is_cpu:
         return None
     group, down_call = gate.shared, down.native
@@ -384,7 +386,15 @@ def gated_ffn(
         return None
     if gate.shape[0] != up.shape[0] or down.shape[1] != gate.shape[0]:
         return None
-    return group.native.gated_ffn(x, down_call, activation, residual)
+    scale = None
+    if gate_inp is not None:
+        scale = gate_inp.raw
+        if not (scale.is_cpu and scale.dtype == torch.float32 and scale.is_contiguous()):
+            return None
+        if scale.numel() != x.shape[1] or x.shape[1] % N.ROUTE_LANES != 0:
+            return None
+        scale = scale.reshape(-1)
+    return group.native.gated_ffn(x, down_call, activation, residual, scale)
 
 
 def moe_swiglu(
