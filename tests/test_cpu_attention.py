@@ -83,6 +83,17 @@ def test_shapes_it_does_not_take_keep_the_flash_path() -> None:
 # --- the whole step: RoPE, cache write and attention in one call, run by the cache ----------------
 
 
+def rope_step(g, rows, n_head, n_kv, dim, dtype, rope, pos):
+    """A decode step's random inputs: the cache's past rows (of `dtype`), q, k, v of one token at
+    `pos`, and its position and RoPE angles."""
+    past_k, past_v = (torch.randn(rows, n_kv, dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(1, n_head, dim, generator=g) * 3
+    k, v = torch.randn(1, n_kv, dim, generator=g), torch.randn(1, n_kv, dim, generator=g)
+    positions = torch.tensor([pos])
+    cos, sin = rope.tables(positions, pos + 1)
+    return past_k, past_v, q, k, v, positions, cos, sin
+
+
 def unfused_step(q, k, v, rope, cos, sin, cache, scale):
     """`ops.rope_attention`'s torch path for the same step: the reference for the fused one."""
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
@@ -107,12 +118,8 @@ def test_one_call_step_matches_rope_then_write_then_attention(
 
     g = torch.Generator().manual_seed(dim + n_dims)
     rows, pos = 48, 29
-    past_k, past_v = (torch.randn(rows, n_kv, dim, generator=g).to(dtype) for _ in range(2))
-    q = torch.randn(1, n_head, dim, generator=g) * 3
-    k, v = torch.randn(1, n_kv, dim, generator=g), torch.randn(1, n_kv, dim, generator=g)
     rope = ops.Rope(n_dims, 10000.0, neox)
-    positions = torch.tensor([pos])
-    cos, sin = rope.tables(positions, pos + 1)
+    past_k, past_v, q, k, v, positions, cos, sin = rope_step(g, rows, n_head, n_kv, dim, dtype, rope, pos)
     fused_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
     torch_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
     q_before, k_before = q.clone(), k.clone()
@@ -138,13 +145,9 @@ def test_one_call_step_slides_a_window_over_a_ring(pos, window, native_kernels) 
     from llmx.runtime.cache import LayerWriter
 
     g = torch.Generator().manual_seed(pos)
-    rows, n_head, n_kv, dim = 12, 4, 2, 64
-    past_k, past_v = (torch.randn(rows, n_kv, dim, generator=g).to(torch.float16) for _ in range(2))
-    q = torch.randn(1, n_head, dim, generator=g) * 3
-    k, v = torch.randn(1, n_kv, dim, generator=g), torch.randn(1, n_kv, dim, generator=g)
+    rows, n_head, n_kv, dim, dtype = 12, 4, 2, 64, torch.float16
     rope = ops.Rope(dim, 10000.0, True)
-    positions = torch.tensor([pos])
-    cos, sin = rope.tables(positions, pos + 1)
+    past_k, past_v, q, k, v, positions, cos, sin = rope_step(g, rows, n_head, n_kv, dim, dtype, rope, pos)
     fused_cache = LayerWriter(past_k.clone(), past_v.clone(), positions, pos + 1)
     out = fused_cache.rope_store_attend(q, k, v, rope, cos, sin, None, window, 0.1, None)
     if window is None and pos >= rows:

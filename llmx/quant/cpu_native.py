@@ -340,10 +340,7 @@ class Gemv:
         x2 = x2.contiguous()
         m, k = x2.shape
         y = torch.empty((m, n), dtype=torch.float32)
-        res = None
-        if residual is not None:
-            assert residual.dtype == torch.float32 and residual.shape == y.shape
-            res = residual.contiguous()
+        res = _residual(residual, y)
         res_ptr = None if res is None else res.data_ptr()
         threads = _threads(self._lib)
         args = (*self._weights, k, x2.data_ptr(), m, *weights_after_x, res_ptr, y.data_ptr(), threads)
@@ -381,10 +378,7 @@ def moe_swiglu(
     weights = weights.to(torch.float32).contiguous()
     m, k_used = ids.shape
     y = torch.empty((m, n_embd), dtype=torch.float32)
-    res = None
-    if residual is not None:
-        assert residual.dtype == torch.float32 and residual.shape == y.shape
-        res = residual.contiguous()
+    res = _residual(residual, y)
     args = [a for raw, qt in stacks for a in (TYPES[qt.name], raw.data_ptr(), raw.shape[1])]
     threads = _threads(lib)
     for t0 in range(0, m, MOE_TOKENS):
@@ -395,6 +389,15 @@ def moe_swiglu(
         ), (x2, ids, weights, res, y))  # fmt: skip
         assert err == 0, (shape, n, k_used)
     return y
+
+
+def _residual(residual: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor | None:
+    """A call's `residual` operand for its output y: float32 of y's shape, contiguous (kept alive with
+    the call: a replay reads it again), or None."""
+    if residual is None:
+        return None
+    assert residual.dtype == torch.float32 and residual.shape == y.shape
+    return residual.contiguous()
 
 
 ROUTE_LANES = 16  # cpu_blocks.c's ROUTE_LANES: a router's width must be a multiple of it
@@ -622,10 +625,12 @@ def rms_norm(
     n = x.shape[-1]
     out = torch.empty_like(x)
     h = x if delta is None else torch.empty_like(x)
-    add = None if delta is None else delta.contiguous().data_ptr()
+    # the operands as the call reads them, kept with a recording (a copy made here must outlive it)
+    add = None if delta is None else delta.contiguous()
     res = None if residual is None else residual.contiguous()
-    w = weight.contiguous().data_ptr()
-    res_ptr = None if res is None else res.data_ptr()
-    args = (x.data_ptr(), add, w, res_ptr, h.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
-    _issue(lib.llmx_rms_norm, args, (x, delta, weight, res, h, out), False)
+    w = weight.contiguous()
+    add_ptr, res_ptr = (None if t is None else t.data_ptr() for t in (add, res))
+    rows = x.numel() // n
+    args = (x.data_ptr(), add_ptr, w.data_ptr(), res_ptr, h.data_ptr(), out.data_ptr(), rows, n, eps)
+    _issue(lib.llmx_rms_norm, args, (x, add, w, res, h, out), False)
     return h, out
