@@ -1,6 +1,7 @@
 """Where a GPU decode step spends its time: kernel time by kernel name, and the step time per token.
 
     python bench/profile_decode.py MODEL.gguf [-ngl 99] [--steps 8] [--depth 64] [--prefill 512]
+                                   [-c 1024] [-ctk f16] [-ctv f16] [-fa auto]
 
 Prefills `--depth` tokens, then profiles `--steps` eager decode steps (no CUDA graph, so every kernel
 is visible) with torch.profiler and prints CUDA time per kernel name, summed and per token. Then it
@@ -101,11 +102,18 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="also profile decode steps' host time by operator")
     ap.add_argument("--python", action="store_true", help="also profile decode steps by Python function")
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("-c", "--ctx-size", type=int, default=1024, help="context (at least --depth + --steps)")
+    ap.add_argument("-ctk", "--cache-type-k", default="f16")
+    ap.add_argument("-ctv", "--cache-type-v", default="f16")
+    ap.add_argument("-fa", "--flash-attn", default="auto")
     args = ap.parse_args()
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = llmx.load(args.model, n_gpu_layers=args.ngl, ctx_size=1024)
+    model = llmx.load(
+        args.model, n_gpu_layers=args.ngl, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v, flash_attn=args.flash_attn,
+    )  # fmt: skip
     engine, executor = model.engine, model.engine.executor
     prompt = list(range(1, args.depth + 1))
 

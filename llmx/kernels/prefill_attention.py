@@ -61,7 +61,9 @@ def prefill_attention(
     (kt, kb), (vt, vb) = cache_rows.codes(types, k, v)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache's do
     dot_type = tl.float32 if not q.is_cuda else tl.float16 if k.dtype == torch.uint8 else TL_DTYPE[k.dtype]
-    bm, bn, warps, stages = _tiles(d, q.is_cuda, torch.float32 in (k.dtype, v.dtype))
+    bm, bn, warps, stages = _tiles(
+        d, q.is_cuda, torch.float32 in (k.dtype, v.dtype), torch.uint8 in (k.dtype, v.dtype)
+    )
     bm, bn = block_m or bm, block_n or bn
     q = q if q.stride(-1) == 1 else q.contiguous()
     positions = positions.to(q.device)
@@ -80,18 +82,22 @@ def prefill_attention(
     return out
 
 
-def _tiles(d: int, cuda: bool, wide: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head dim `d`; `wide`: a float32 cache.
+def _tiles(d: int, cuda: bool, wide: bool, blocks: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head dim `d`; `wide`: a float32 cache; `blocks`:
+    a cache of GGUF blocks.
 
     On a GPU: 128 query rows x 64 keys for D <= 128 (K and V tiles of 16 KB each a stage in f16);
     64 x 64 for D = 256 at two stages (64 KB of K and V a stage, 128 KB in all, under an H100's
-    227 KB of shared memory); float32 operands halve the keys and, at D = 256, go unpipelined. The
-    interpreter takes small tiles, so tests cross many tile edges on small shapes."""
+    227 KB of shared memory); float32 operands halve the keys and, at D = 256, go unpipelined.
+    Block tiles go unpipelined too: their codes staged over loop steps take more registers than a
+    thread has (a q8_0 cache of 32K rows, T = 512, on an H100: 4.24 ms at 3 stages, 2.86 at 1,
+    `bench/prefill_attention.py --sweep`). The interpreter takes small tiles, so tests cross many
+    tile edges on small shapes."""
     if not cuda:
         return 16, 16, 4, 1
     if d <= 128:
-        return (128, 32, 8, 2) if wide else (128, 64, 8 if d > 64 else 4, 3)
-    return (64, 32, 8, 1) if wide else (64, 64, 8, 2)
+        return (128, 32, 8, 2) if wide else (128, 64, 8 if d > 64 else 4, 1 if blocks else 3)
+    return (64, 32, 8, 1) if wide else (64, 64, 8, 1 if blocks else 2)
 
 
 # --- kernels ------------------------------------------------------------------------------------
