@@ -58,11 +58,17 @@ def crossing(cross: Crossing) -> Iterator[None]:
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, X] -> (weights [T, k] float32, expert ids [T, k] int64), best first.
+    """Router logits [T, X] -> (weights [T, k] float32, expert ids [T, k]), best first.
 
     Softmax over all X experts, then the k most probable; `normalize` rescales those k to sum to 1
     (Qwen3-MoE, Mixtral: whose top-k-then-softmax is the same), else they keep their share of all X
-    (Qwen2-MoE)."""
+    (Qwen2-MoE). On a GPU one Triton launch (`llmx.kernels.router`, ids int32, as the grouped
+    kernels read them) replaces torch's chain of about ten; elsewhere torch's ops (ids int64)."""
+    if logits.is_cuda and has_triton():
+        from llmx.kernels import router
+
+        if logits.shape[-1] <= router.MAX_EXPERTS and k <= router.MAX_K:
+            return router.route(logits, k, normalize)
     weights, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
