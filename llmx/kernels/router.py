@@ -3,9 +3,8 @@ logits, the k most probable experts, optionally renormalised (`llmx.ops.moe.rout
 
 In torch ops that chain is a softmax, a top-k (a gather and a bitonic sort), a sum and a division,
 and dtype copies: about ten launches, ~18 us of each layer of a Qwen3-30B-A3B decode token on an
-H100 (0.87 ms of its 4.6). Here one
-program holds a token's row of X <= MAX_EXPERTS logits in registers and takes k rounds of
-max-with-index, masking each winner out.
+H100 (0.87 ms of its 4.6). Here one program holds a token's row of X <= MAX_EXPERTS logits in
+registers and takes k rounds of max-with-index, masking each winner out.
 
 Order: experts are ranked by their logits, which is the order of their probabilities except where
 float32 rounding makes two probabilities equal (torch.topk's order among equal values is its own);
