@@ -7,7 +7,13 @@ the fused gate+up, of the weighted down projection and of the whole routed FFN (
 them, with GB/s of the chosen experts' blocks (each used expert's rows read once: the floor); prompt
 sizes with triton.testing.do_bench (L2 cleared before each call), with TFLOP/s.
 
+`--sweep` times the prompt path's grouped GEMM (fused gate+up, then the weighted down projection,
+on one route made for the tile) for each tile BM/BN/BK/warps/stages of `--tiles` (else SWEEP_TILES)
+at each T of `--sweep-t`, and ends with the tile of least total time over those T as the line to
+put in `llmx/quant/triton/launch_shapes.json` (the device kind's "moe_gemm").
+
     python bench/moe_kernels.py [--t 1,2,4,8,64,512,2048] [--gate Q4_K] [--down Q6_K] [--dtype float32]
+    python bench/moe_kernels.py --sweep [--sweep-t 512,2048] [--tiles 32/64/64/4/3,64/128/64/4/3]
 """
 
 from __future__ import annotations
@@ -17,13 +23,22 @@ from collections.abc import Callable
 
 import torch
 import triton.testing
+from triton.runtime.errors import OutOfResources
 
 from llmx.bench.blocks import chunk_rng, random_data
 from llmx.quant import choice, qtype
 from llmx.quant.triton import moe
 from llmx.quant.triton.layout import prepare
+from llmx.quant.triton.tuning import GemmConfig, for_device
 
 EXPERTS, N_EMBD, N_FF, TOP_K = 128, 2048, 768, 8
+# the sweep's tiles: BM near a prompt's pairs an expert (T * 8 / 128: 32 at T = 512), BN and BK of
+# the dense GEMM's candidates, and deeper pipelines, which bf16 tiles leave shared memory for
+SWEEP_TILES = (
+    "16/64/64/4/3,32/64/64/4/3,32/64/64/4/4,32/128/64/4/3,32/64/128/4/3,32/128/128/4/3,32/128/64/8/4,"
+    "64/64/64/4/3,64/128/64/4/3,64/128/64/8/3,64/64/128/4/3,64/128/128/8/3,64/128/64/4/4,64/256/64/8/3,"
+    "16/128/64/4/3,128/64/64/4/3,128/128/64/8/3"
+)
 
 
 class Experts:
@@ -46,16 +61,24 @@ class Experts:
         return self.raw.shape[1] * self.shape[1]
 
 
+Layer = tuple[Experts, Experts, Experts]  # gate, up, down
+
+
 def timed_ms(fn: Callable[[], object], graph: bool) -> float:
     return triton.testing.do_bench_cudagraph(fn) if graph else triton.testing.do_bench(fn)
 
 
-def row(t: int, gate: Experts, up: Experts, down: Experts, dtype: torch.dtype) -> str:
-    """The table's row for T = t tokens."""
+def routing(t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """T = t tokens' top-8 routing of 128 experts (ids int32, weights) and x [t, N_EMBD] in `dtype`."""
     g = torch.Generator().manual_seed(t)
     top, ids = torch.topk(torch.randn(t, EXPERTS, generator=g).cuda().softmax(-1), TOP_K)
-    ids, topw = ids.to(torch.int32), top / top.sum(-1, keepdim=True)
     x = torch.randn(t, N_EMBD, generator=g).cuda().to(dtype)
+    return ids.to(torch.int32), top / top.sum(-1, keepdim=True), x
+
+
+def row(t: int, gate: Experts, up: Experts, down: Experts, dtype: torch.dtype) -> str:
+    """The table's row for T = t tokens."""
+    ids, topw, x = routing(t, dtype)
     h = moe.moe_swiglu(x, gate, up, ids)
     graph = choice.moe(t) == "gemv"
     ms = [
@@ -71,16 +94,63 @@ def row(t: int, gate: Experts, up: Experts, down: Experts, dtype: torch.dtype) -
     return f"| {t} | {choice.moe(t)} | " + " | ".join(cells) + " |"
 
 
+def gemm_ms(
+    r: moe.Route, ids: torch.Tensor, topw: torch.Tensor, x: torch.Tensor, h: torch.Tensor, layer: Layer
+) -> list[float]:
+    """The grouped GEMM's median ms on route `r` of ids (and on its tile): the fused gate+up of x,
+    the weighted down projection of h."""
+    gate, up, down = layer
+    return [
+        triton.testing.do_bench(lambda: moe.moe_swiglu(x, gate, up, ids, r)),
+        triton.testing.do_bench(lambda: moe.moe_linear(h, down, ids, topw, r)),
+    ]
+
+
+def sweep(ts: list[int], tiles: list[GemmConfig], layer: Layer, dtype: torch.dtype) -> None:
+    """Print each tile's gate+up and down GEMM times at each T, then the fastest tile over all T."""
+    gate, up, _ = layer
+    print("| tile BM/BN/BK/warps/stages | T | gate+up ms | down ms | both ms | TFLOP/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    totals: dict[GemmConfig, float] = {}
+    for t in ts:
+        ids, topw, x = routing(t, dtype)
+        h = moe.moe_swiglu(x, gate, up, ids)
+        for tile in tiles:
+            try:
+                ms = gemm_ms(moe.route(ids, EXPERTS, tile), ids, topw, x, h, layer)
+            except OutOfResources as e:  # more shared memory or registers than the GPU has
+                print(f"| {tile} | {t} | {e.name}: {e.required} > {e.limit} | | | |", flush=True)
+                totals[tile] = float("inf")
+                continue
+            both = sum(ms)
+            totals[tile] = totals.get(tile, 0.0) + both
+            tflops = 2 * t * TOP_K * 3 * N_EMBD * N_FF / both / 1e9
+            print(f"| {tile} | {t} | {ms[0]:.4f} | {ms[1]:.4f} | {both:.4f} | {tflops:.1f} |", flush=True)
+    best = min(totals, key=totals.__getitem__)
+    tuning = for_device(torch.device("cuda"))
+    print(f"\nnow: {tuning.moe_gemm}; fastest over T = {ts}: {best} ({totals[best]:.4f} ms)")
+    print(f'launch_shapes.json, devices.{tuning.kind}: "moe_gemm": "{best}",')
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--t", default="1,2,4,8,64,512,2048")
     ap.add_argument("--gate", default="Q4_K")
     ap.add_argument("--down", default="Q6_K")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--sweep", action="store_true", help="time the prompt GEMM's tiles instead")
+    ap.add_argument("--sweep-t", default="512,2048", help="the sweep's prompt sizes")
+    ap.add_argument("--tiles", default=SWEEP_TILES, help="the sweep's tiles BM/BN/BK/warps/stages")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     gate, up = Experts(args.gate, EXPERTS, N_FF, N_EMBD, 1), Experts(args.gate, EXPERTS, N_FF, N_EMBD, 2)
     down = Experts(args.down, EXPERTS, N_EMBD, N_FF, 3)
+    if args.sweep:
+        ts = [int(v) for v in args.sweep_t.split(",")]
+        if any(choice.moe(t) != "gemm" for t in ts):
+            ap.error(f"--sweep-t: the grouped GEMM takes more than {choice.MOE_GEMV_MAX_TOKENS} tokens")
+        sweep(ts, [GemmConfig.parse(v) for v in args.tiles.split(",")], (gate, up, down), dtype)
+        return
     print("| T | kernel | gate+up ms | down ms | ffn ms | -no-fmoe ms | GB/s | TFLOP/s |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for t in (int(v) for v in args.t.split(",")):

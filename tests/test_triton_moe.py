@@ -5,8 +5,8 @@ reference. Without CUDA the kernels run in Triton's interpreter on small shapes:
 (unused experts, one expert taken by more pairs than a GEMM tile holds), T = 1, few tokens (the
 grouped GEMV) and more than a tile (the grouped GEMM). The `gpu`-marked tests add Qwen3-30B-A3B's
 shapes (2048 x 768 experts, 128 of them, top-8), with the reference dequantized on the GPU, and
-CUDA-graph capture. Tolerances are test_triton's: float32 sums for the GEMV, tf32 or fp16 tiles
-for the GEMM.
+CUDA-graph capture. Tolerances are test_triton's: float32 sums for the GEMV; for the GEMM, its
+tiles' type (`gemm_tol`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,17 @@ from llmx.quant import choice, qtype
 from llmx.quant.triton import autotune, moe
 from llmx.quant.triton import layout as lay
 from llmx.quant.triton import matmul as tops
+from llmx.quant.triton.tuning import GemmConfig
 from tests.test_triton import DEVICE, GEMM_TOL, TOL, Weight, laid_out, random_weight, rel_err, width
 
 GEMV_T = choice.MOE_GEMV_MAX_TOKENS  # the most tokens the grouped GEMV takes
 BM = autotune.INTERPRETED.bm if DEVICE == "cpu" else None  # the interpreter's GEMM tile
+
+
+def gemm_tol(dtype: torch.dtype) -> float:
+    """The grouped GEMM's tolerance for x of `dtype`: its tiles are bf16 on a GPU (fp16 for fp16 x),
+    float32 in the interpreter (the output still rounded to x's dtype)."""
+    return GEMM_TOL[dtype if DEVICE == "cpu" or dtype == torch.float16 else torch.bfloat16]
 
 
 def experts(name: str, e: int, n: int, k: int, seed: int, layout: str = "raw") -> tuple[Weight, np.ndarray]:
@@ -79,7 +86,7 @@ def ragged(t: int, k: int, e: int, seed: int) -> list[list[int]]:
     ids=["ragged", "one pair", "unpadded", "one expert"],
 )
 def test_route_groups_every_pair_once_by_expert(ids: list[list[int]], n_expert: int, block_m: int) -> None:
-    r = moe.route(torch.tensor(ids, dtype=torch.int32), n_expert, block_m)
+    r = moe.route(torch.tensor(ids, dtype=torch.int32), n_expert, GemmConfig(block_m, 32, 64, 4, 1))
     flat = np.array(ids).reshape(-1)
     n = flat.size
     pairs, block_expert = r.pairs.numpy(), r.block_expert.numpy()
@@ -165,7 +172,7 @@ def test_gemm_over_sorted_pairs(name: str) -> None:
     x = randn(20, 256, seed=15)
     y = moe.moe_linear(x.to(DEVICE), w, ids)
     assert choice.moe(20) == "gemm" and y.shape == (20, 2, 33)
-    assert rel_err(y, per_slot(x.double().numpy(), ref, ids)) < GEMM_TOL[torch.float32]
+    assert rel_err(y, per_slot(x.double().numpy(), ref, ids)) < gemm_tol(torch.float32)
 
 
 def test_gemm_fused_gate_up_then_weighted_down_share_one_route() -> None:
@@ -179,10 +186,10 @@ def test_gemm_fused_gate_up_then_weighted_down_share_one_route() -> None:
     h = moe.moe_swiglu(x.to(DEVICE), gate, up, ids, r)
     xd = x.double().numpy()
     h_ref = silu(per_slot(xd, ref_g, ids)) * per_slot(xd, ref_u, ids)
-    assert h.shape == (t, k, f) and rel_err(h, h_ref) < GEMM_TOL[torch.float32]
+    assert h.shape == (t, k, f) and rel_err(h, h_ref) < gemm_tol(torch.float32)
     y = moe.moe_linear(h, down, ids, topw.to(DEVICE), r)
     y_ref = np.einsum("tjn,tj->tn", per_slot(h.double().cpu().numpy(), ref_d, ids), topw.double().numpy())
-    assert y.shape == (t, d) and rel_err(y, y_ref) < GEMM_TOL[torch.float32]
+    assert y.shape == (t, d) and rel_err(y, y_ref) < gemm_tol(torch.float32)
 
 
 def test_gemm_fp16_and_a_mismatched_route() -> None:
@@ -190,12 +197,24 @@ def test_gemm_fp16_and_a_mismatched_route() -> None:
     ids = ids_tensor(ragged(10, 2, 4, seed=24))
     x = randn(10, 128, seed=25).half()
     y = moe.moe_linear(x.to(DEVICE), w, ids)
-    assert (
-        y.dtype == torch.float16
-        and rel_err(y, per_slot(x.double().numpy(), ref, ids)) < GEMM_TOL[torch.float16]
-    )
+    assert y.dtype == torch.float16
+    assert rel_err(y, per_slot(x.double().numpy(), ref, ids)) < gemm_tol(torch.float16)
     with pytest.raises(LlmxError, match="does not fit"):
         moe.moe_linear(x.to(DEVICE), w, ids, route=moe.route(ids[:9], 4))
+
+
+def test_gemm_runs_the_tile_its_route_was_made_for() -> None:
+    """A route sorted for another tile (the benchmark's sweep) runs that tile: BM 32 (one block for
+    all of expert 1's 12 pairs), BN 16 (N = 17: two column tiles), BK 32 (two steps of a row)."""
+    w, ref = experts("Q8_0", 4, 17, 64, seed=34)
+    ids = ids_tensor(ragged(12, 2, 4, seed=35))
+    x = randn(12, 64, seed=36)
+    tile = GemmConfig(32, 16, 32, 4, 1)
+    r = moe.route(ids, 4, tile)
+    assert r.block_m == 32 and r.tile == tile
+    assert choice.moe(12) == "gemm"
+    y = moe.moe_linear(x.to(DEVICE), w, ids, route=r)
+    assert rel_err(y, per_slot(x.double().numpy(), ref, ids)) < gemm_tol(torch.float32)
 
 
 # --- the whole routed FFN -----------------------------------------------------------------------------
@@ -215,7 +234,7 @@ def test_moe_ffn(t: int, fused: bool) -> None:
     h = silu(per_slot(xd, ref_g, ids)) * per_slot(xd, ref_u, ids)
     y_ref = np.einsum("tjn,tj->tn", per_slot(h, ref_d, ids), topw.double().numpy())
     assert y.shape == (t, d)
-    assert rel_err(y, y_ref) < (TOL if choice.moe(t) == "gemv" else GEMM_TOL)[torch.float32]
+    assert rel_err(y, y_ref) < (TOL[torch.float32] if choice.moe(t) == "gemv" else gemm_tol(torch.float32))
 
 
 def test_clear_errors_for_what_the_kernels_cannot_take() -> None:
@@ -283,8 +302,7 @@ def test_gpu_qwen3_30b_experts(t: int, dtype: torch.dtype) -> None:
     (gate, dg), (up, du), (down, dd) = qwen3_30b_layer()
     ids, topw = qwen3_30b_routing(t, seed=t)
     x = torch.randn(t, QWEN3_30B[1], generator=torch.Generator().manual_seed(t + 1)).to(DEVICE, dtype)
-    kernel_tol = TOL if choice.moe(t) == "gemv" else GEMM_TOL
-    tol = max(kernel_tol[dtype], 1e-4)  # a chain of three products
+    tol = max(TOL[dtype] if choice.moe(t) == "gemv" else gemm_tol(dtype), 1e-4)  # a chain of three products
     h = moe.moe_swiglu(x, gate, up, ids)
     h_ref = torch.nn.functional.silu(dense_per_slot(x, dg, ids)) * dense_per_slot(x, du, ids)
     assert h.dtype == dtype and rel_err(h, h_ref.double().cpu().numpy()) < tol

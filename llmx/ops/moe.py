@@ -13,13 +13,14 @@ unless the runtime takes that crossing over for a while (`crossing`): it may cap
 pieces around expert stacks in RAM, or copy the experts a prompt uses to the GPU.
 `moe_ffn` is the one entry point for the experts' compute. Stacks of GGUF blocks on a GPU take the
 grouped Triton kernels (`llmx.quant.triton.moe`): the routing stays on the device, so no step waits
-for the host and a CUDA graph can hold the layer. CPU stacks of the native kernels' types take one
+for the host and a CUDA graph can hold the layer; on a GPU the router's softmax and top-k are one
+Triton launch (`route`, `llmx.kernels.router`). CPU stacks of the native kernels' types take one
 native call for the layer (`quant.weight.moe_swiglu`), decode steps and prompts alike: every chosen
 expert's blocks read once, the rows of all of them shared out among the threads. A CPU decode step's
 router (float32, as GGUFs keep it) is one native call too (`router`), so that the step has no torch
-op between its native calls and replays (`runtime.cpu_replay`). Elsewhere (float
-stacks, other types) tokens are grouped by expert with a sort, and each expert that has tokens
-multiplies all of its rows at once (`grouped_ffn`).
+op between its native calls and replays (`runtime.cpu_replay`). Elsewhere (float stacks, other
+types) tokens are grouped by expert with a sort, and each expert that has tokens multiplies all of
+its rows at once (`grouped_ffn`).
 """
 
 from __future__ import annotations
@@ -58,11 +59,17 @@ def crossing(cross: Crossing) -> Iterator[None]:
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, X] -> (weights [T, k] float32, expert ids [T, k] int64), best first.
+    """Router logits [T, X] -> (weights [T, k] float32, expert ids [T, k]), best first.
 
     Softmax over all X experts, then the k most probable; `normalize` rescales those k to sum to 1
     (Qwen3-MoE, Mixtral: whose top-k-then-softmax is the same), else they keep their share of all X
-    (Qwen2-MoE)."""
+    (Qwen2-MoE). On a GPU one Triton launch (`llmx.kernels.router`, ids int32, as the grouped
+    kernels read them) replaces torch's chain of about ten; elsewhere torch's ops (ids int64)."""
+    if logits.is_cuda and has_triton():
+        from llmx.kernels import router
+
+        if logits.shape[-1] <= router.MAX_EXPERTS and k <= router.MAX_K:
+            return router.route(logits, k, normalize)
     weights, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -74,7 +81,7 @@ def router(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` of the router w's logits for x [T, E] (w [X, E]): for a CPU decode step one native call
     (`quant.weight.moe_route`), so that the step has no torch op between its native calls
-    (`runtime.cpu_replay`)."""
+    (`runtime.cpu_replay`); elsewhere the logits' matmul, then `route` (on a GPU its one Triton launch)."""
     native = qw.moe_route(x, w, k, normalize) if isinstance(w, QWeight) else None  # -sm row: split
     return native if native is not None else route(linear(x, w), k, normalize)  # any placement's
 

@@ -19,9 +19,10 @@ accumulated in float32.
     moe_swiglu(x, gate, up, expert_ids, route=None) -> Tensor
         x [T, K] -> [T, k, N]: silu(gate_e x[t]) * up_e x[t] in one launch (ik_llama.cpp's -fmoe);
         gate and up of one shape, their types may differ.
-    route(expert_ids, n_expert) -> Route
-        the (token, slot) pairs sorted by expert and padded to the grouped GEMM's tile, on the
-        device: made once a layer and passed to its projections (made by each call otherwise).
+    route(expert_ids, n_expert, tile=None) -> Route
+        the (token, slot) pairs sorted by expert and padded to the grouped GEMM's tile (None: the
+        device's, `tuning`'s moe_gemm), on the device: made once a layer and passed to its
+        projections (made by each call otherwise), which run that tile.
 
 Which kernel runs is `choice.moe`'s call on T:
 - few tokens ("gemv"): one program a (token, slot) pair and BN output rows, reading only the chosen
@@ -30,7 +31,9 @@ Which kernel runs is `choice.moe`'s call on T:
   and that buffer's write and read;
 - prompts ("gemm"): `route` sorts the pairs by expert (vLLM's moe_align_block_size, in torch ops),
   and one grouped GEMM launch multiplies every expert's blocks of pairs, dequantizing weight tiles
-  for tl.dot (`moe_kernels.moe_gemm_kernel`); its rows go back to their pairs, and the down
+  for tl.dot (`moe_kernels.moe_gemm_kernel`: on a GPU x and the weight tiles in bf16, f16 for f16 x,
+  as dense prompts meet dequantized weights in half precision; float32 under the interpreter,
+  whose numpy multiplies no bf16); its rows go back to their pairs, and the down
   projection's are weighted there and summed over the slots by one torch sum (deterministic,
   where atomic adds into [T, N] are not; next to the GEMM its traffic is small).
 """
@@ -60,13 +63,17 @@ class Route:
                   n_pairs to a whole number of blocks; the groups in expert order
     block_expert: int32 [blocks]: the expert of each block of block_m, E past the last group
     n_pairs:      T * k
-    block_m:      the GEMM's BM
+    tile:         the GEMM's tile, which the GEMMs given this route run; block_m is its BM
     """
 
     pairs: torch.Tensor
     block_expert: torch.Tensor
     n_pairs: int
-    block_m: int
+    tile: GemmConfig
+
+    @property
+    def block_m(self) -> int:
+        return self.tile.bm
 
 
 def moe_ffn(
@@ -114,16 +121,17 @@ def moe_swiglu(
     return _run(x, gate, up, expert_ids, None, route)
 
 
-def route(expert_ids: torch.Tensor, n_expert: int, block_m: int | None = None) -> Route:
-    """expert_ids [T, k]'s pairs sorted by expert, each expert's padded to whole blocks of block_m
-    (None: the grouped GEMM's BM on their device), by torch ops on the device.
+def route(expert_ids: torch.Tensor, n_expert: int, tile: GemmConfig | None = None) -> Route:
+    """expert_ids [T, k]'s pairs sorted by expert, each expert's padded to whole blocks of the
+    tile's BM (None: the grouped GEMM's tile on their device), by torch ops on the device.
 
     The buffers are sized for the most blocks any routing of T * k pairs over n_expert experts
     takes (each used expert wastes at most block_m - 1 rows), so their shapes do not depend on the
     ids."""
     ids = expert_ids.reshape(-1)
     device, n = ids.device, ids.numel()
-    bm = block_m or _gemm_config(device).bm
+    tile = tile or _gemm_config(device)
+    bm = tile.bm
     counts = torch.zeros(n_expert, dtype=torch.int64, device=device)
     counts.scatter_add_(0, ids.long(), torch.ones(n, dtype=torch.int64, device=device))
     ends = torch.cumsum((counts + bm - 1) // bm * bm, 0)  # each group's padded end
@@ -137,7 +145,7 @@ def route(expert_ids: torch.Tensor, n_expert: int, block_m: int | None = None) -
     pairs[dest] = order.to(torch.int32)
     first_rows = torch.arange(blocks, device=device) * bm
     block_expert = torch.searchsorted(ends, first_rows, right=True).to(torch.int32)
-    return Route(pairs, block_expert, n, bm)
+    return Route(pairs, block_expert, n, tile)
 
 
 # --- launches ---------------------------------------------------------------------------------------
@@ -192,12 +200,10 @@ def _run(
             )  # fmt: skip
         return out if topk_weights is not None else out.reshape(t, slots, n)
     r = r or route(ids, n_expert)
-    c = _gemm_config(raw.device)
-    if r.block_m != c.bm or r.n_pairs != t * slots:
-        raise LlmxError(
-            f"a route of {r.n_pairs} pairs in blocks of {r.block_m} does not fit {t * slots} pairs"
-            f" in blocks of {c.bm}"
-        )
+    if r.n_pairs != t * slots:
+        raise LlmxError(f"a route of {r.n_pairs} pairs does not fit {t * slots} pairs")
+    c = r.tile
+    dot = "fp32" if interpreting() else "fp16" if x.dtype == torch.float16 else "bf16"
     out = torch.empty((t * slots, n), dtype=x.dtype, device=x.device)
     blocks = r.block_expert.numel()
     if out.numel():
@@ -205,7 +211,7 @@ def _run(
             x2, raw, raw2, table, r.pairs, r.block_expert, weights, out, r.n_pairs, n, k, n_expert, blocks,
             x_div, x2.stride(0), raw.stride(0), raw2.stride(0), out.stride(0),
             QT=name, QT2=name2, PACKED=packed, PACKED2=packed2, G=g, G2=g2, BM=c.bm, BN=c.bn, BK=c.bk,
-            GROUP_M=GROUP_M, GATED=w2 is not None, SCALE=topk_weights is not None,
+            GROUP_M=GROUP_M, GATED=w2 is not None, SCALE=topk_weights is not None, DOT=dot,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
     if topk_weights is not None:

@@ -80,15 +80,29 @@ def moe_gemv_kernel(
 
 
 @triton.jit
+def _operand(v, DOT: tl.constexpr):
+    """A tile as tl.dot's operand type DOT: "bf16", "fp16" or "fp32"."""
+    if DOT == "bf16":
+        v = v.to(tl.bfloat16)
+    elif DOT == "fp16":
+        v = v.to(tl.float16)
+    else:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
 def moe_gemm_kernel(
     x_ptr, w_ptr, w2_ptr, lut_ptr, pairs_ptr, block_expert_ptr, topw_ptr, out_ptr,
     n_pairs, N, K, E, n_blocks, x_div, sxm, swn, swn2, som,
     QT: tl.constexpr, QT2: tl.constexpr, PACKED: tl.constexpr, PACKED2: tl.constexpr, G: tl.constexpr,
     G2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    GATED: tl.constexpr, SCALE: tl.constexpr,
+    GATED: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """One program: a BM x BN tile of one block of sorted pairs. Blocks past the last one in use
-    (their expert E) return at once: the grid is sized for the most blocks a routing can take."""
+    (their expert E) return at once: the grid is sized for the most blocks a routing can take.
+    x and the dequantized weight tiles meet in tl.dot as DOT ("bf16", "fp16", "fp32": `_operand`),
+    summed in float32."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_blocks, tl.cdiv(N, BN), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= E:
@@ -103,11 +117,11 @@ def moe_gemm_kernel(
     acc2 = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_rows + rk[None, :], mask=ok[:, None] & (rk[None, :] < K), other=0.0)
-        w = weight_tile(QT, w_ptr, row_off, k0, K, PACKED, lut_ptr, G, BK).to(x.dtype)
+        x = _operand(tl.load(x_rows + rk[None, :], mask=ok[:, None] & (rk[None, :] < K), other=0.0), DOT)
+        w = _operand(weight_tile(QT, w_ptr, row_off, k0, K, PACKED, lut_ptr, G, BK), DOT)
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
-            w2 = weight_tile(QT2, w2_ptr, row_off2, k0, K, PACKED2, lut_ptr, G2, BK).to(x.dtype)
+            w2 = _operand(weight_tile(QT2, w2_ptr, row_off2, k0, K, PACKED2, lut_ptr, G2, BK), DOT)
             acc2 = tl.dot(x, tl.trans(w2), acc2)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc2

@@ -12,7 +12,7 @@ An entry holds, per kernel:
   for the rest), for rows of exactly one step's weights, and for rows of `long_row` weights or more;
 - `gemm`: the GEMM autotuner's candidates (`autotune.py`);
 - `moe_gemm`: the grouped expert GEMM's tile (`moe.py`), whose BM is also the block its pairs are
-  sorted into.
+  sorted into (`bench/moe_kernels.py --sweep` times candidates and prints the line to put here).
 """
 
 from __future__ import annotations
