@@ -9,6 +9,8 @@
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
 #   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
+#   LLAMA_SRC=llama.tar.xz bash bench/gpu_session.sh llama  # llama-bench, llama-batched-bench with CUDA, ~4 min
+#   bash bench/gpu_session.sh beside    # issues #36-#38's tables, llmx then llama.cpp per row, ~9 min
 #   TREES="/tmp/A /tmp/B" bash bench/gpu_session.sh gemv-ab  # M = 1 GEMVs of other trees and this one, ~1.5 min a tree
 #   TREES="/tmp/A" bash bench/gpu_session.sh decode-ab  # decode steps (kernel and graph time) of other trees and this one
 #
@@ -23,6 +25,7 @@ export LLMX_CPU_GEMV=${LLMX_CPU_GEMV:-jit} PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 SYNTH=${SYNTH:-/tmp/llmx-synth}
 mkdir -p "$SYNTH"
+LLAMA=${LLAMA:-/tmp/llama-cuda}  # where `llama` builds llama.cpp (build/bin/ holds the tools)
 
 synth() {  # shape type -> path, written once
     local path="$SYNTH/$1-$2.gguf"
@@ -134,6 +137,51 @@ multi)
     $PY bench/e2e.py table "$OUT/multi.json" | tee "$OUT/multi.md"
     timeout 60 $PY bench/exchange.py | tee "$OUT/exchange.txt"  # one exchange inside a graph, us
     ;;
+llama)
+    # llama.cpp beside llmx: LLAMA_SRC is `../shared/tools/build-llama-bench.sh pack`'s tarball; run it in
+    # the background at a call's start (`... llama > $OUT/llama-build.txt 2>&1 &`), llmx's rows meanwhile
+    mkdir -p "$LLAMA" && tar -xJf "${LLAMA_SRC:?LLAMA_SRC names the packed llama.cpp source}" -C "$LLAMA"
+    cd "$LLAMA/llama.cpp" && cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null &&
+        nice cmake --build build --target llama-bench llama-batched-bench -j "$(($(nproc) - 2))"
+    ;;
+beside)
+    # The issues' tables, each row's llmx run then llama.cpp's (built by `llama` on this machine), so the
+    # ratios are same-machine; a fresh machine's first llmx run also compiles its kernels (give it time).
+    bin=$LLAMA/llama.cpp/build/bin
+    [ -x "$bin/llama-bench" ] || { echo "no llama-bench under $bin: run the llama part first" >&2; exit 1; }
+    q4=$(synth llama3-8b Q4_K_M) moe=$(synth qwen3-30b-a3b Q4_K_M)
+    row() {  # NAME LIMIT -- llmx bench options... -- llama-bench options...
+        local name=$1 limit=$2 ours=() theirs=()
+        shift 3
+        while [ "$1" != -- ]; do ours+=("$1"); shift; done
+        shift
+        timeout "$limit" $PY -m llmx.cli bench "${ours[@]}" -o json > "$OUT/$name-llmx.json"
+        timeout "$limit" "$bin/llama-bench" "$@" -o json > "$OUT/$name-llama.json" 2> /dev/null
+    }
+    # #37: cache types and depth (-fa on; -c holds the deepest test)
+    for ct in f16 q8_0; do
+        row "kv-$ct" 150 -- -m "$q4" -ngl 99 -p 512 -n 128 -d 0,8192,32768 -c 33792 -ctk $ct -ctv $ct -fa on -r 2 \
+            -- -m "$q4" -ngl 99 -fa 1 -p 512 -n 128 -d 0,8192,32768 -ctk $ct -ctv $ct -r 2
+    done
+    # #36: MoE placements (llama-bench spells --cpu-moe as -ncmoe with every layer)
+    t=${THREADS:-$(nproc)}
+    row moe-gpu 90 -- -m "$moe" -ngl 99 -p 512 -n 128 -r 2 -t "$t" -- -m "$moe" -ngl 99 -p 512 -n 128 -r 2 -t "$t"
+    row moe-ncmoe24 120 -- -m "$moe" -ngl 99 -ncmoe 24 -p 512 -n 128 -r 2 -t "$t" \
+        -- -m "$moe" -ngl 99 -ncmoe 24 -p 512 -n 128 -r 2 -t "$t"
+    row moe-cpumoe 150 -- -m "$moe" -ngl 99 --cpu-moe -p 512 -n 128 -r 2 -t "$t" \
+        -- -m "$moe" -ngl 99 -ncmoe 48 -p 512 -n 128 -r 2 -t "$t"
+    row moe-cpu 90 -- -m "$moe" -ngl 0 -p 0 -n 32 -r 1 -t "$t" -- -m "$moe" -ngl 0 -p 0 -n 32 -r 1 -t "$t"
+    # #38: batched decode, 1-64 sequences at a 520-token depth
+    timeout 150 $PY bench/batch_step.py -m "$q4" -ngl 99 -c 40960 --seqs 1,8,16,32,64 --depth 520 --warm 4 \
+        --steps 40 --rounds 2 > "$OUT/batch-llmx.txt"
+    timeout 90 "$bin/llama-batched-bench" -m "$q4" -ngl 99 -fa 1 -c 45056 -b 2048 -ub 512 -npp 512 -ntg 128 \
+        -npl 1,8,32,64 > "$OUT/batch-llama.txt" 2>&1
+    for f in "$OUT"/kv-*-llmx.json "$OUT"/moe-*-llmx.json; do  # a row cut off by its limit left no JSON
+        [ -s "$f" ] && $PY bench/e2e.py table "$f"
+    done | tee "$OUT/beside.md"
+    ;;
 ncu)
     command -v ncu >/dev/null || { echo "ncu is not installed here" >&2; exit 1; }
     # every section (memory throughput, pipe use, instruction mix, stall reasons) of each M = 1 GEMV
@@ -141,7 +189,7 @@ ncu)
     grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
-    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|e2e|hybrid|multi|ncu" >&2
+    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|e2e|hybrid|multi|llama|beside|ncu" >&2
     exit 2
     ;;
 esac
