@@ -153,7 +153,7 @@ beside)
     [ -x "$bin/llama-bench" ] || { echo "no llama-bench under $bin: run the llama part first" >&2; exit 1; }
     q4=$(synth llama3-8b Q4_K_M) moe=$(synth qwen3-30b-a3b Q4_K_M)
     row() {  # NAME LIMIT -- llmx bench options... -- llama-bench options...
-        local name=$1 limit=$2 ours=() theirs=()
+        local name=$1 limit=$2 ours=()
         shift 3
         while [ "$1" != -- ]; do ours+=("$1"); shift; done
         shift
