@@ -19,14 +19,19 @@ width bucket, or a capture lands in the timed steps). A synthetic Llama-3-8B:
     PYTHONPATH=. python bench/batch_step.py -m /tmp/l3.gguf -ngl 99 -c 32768 --seqs 1,8,32,64 --depth 400
 
 To compare two trees, run it with PYTHONPATH set to each in turn (the script uses only `forward_batch`).
+`--profile` then runs --steps eager steps (no graphs) of each --seqs under torch.profiler and prints
+the GPU's time a step by kernel name (`profile_decode.print_kernels`): which kernel a batch size takes.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from profile_decode import print_kernels  # this folder's: the script's own
 
 import llmx
 from llmx.api import LoadedModel
@@ -55,9 +60,16 @@ def engine_step(model: LoadedModel, depth: int, warm: int, steps: int) -> tuple[
 
 
 def batch_step(
-    model: LoadedModel, paged: PagedKVCache, seqs: int, depth: int, warm: int, steps: int
+    model: LoadedModel,
+    paged: PagedKVCache,
+    seqs: int,
+    depth: int,
+    warm: int,
+    steps: int,
+    around: Callable[[], AbstractContextManager] = nullcontext,
 ) -> tuple[float, float]:
-    """(CPU ms, wall ms) a decode step of `seqs` sequences at ~`depth` positions (ragged by a few)."""
+    """(CPU ms, wall ms) a decode step of `seqs` sequences at ~`depth` positions (ragged by a few);
+    the timed steps run inside `around()` (a profiler)."""
     executor = model.engine.executor
     tables = [BlockTable() for _ in range(seqs)]
     prompts = [list(range(100 + s, 100 + s + depth - s % 5)) for s in range(seqs)]
@@ -67,9 +79,10 @@ def batch_step(
         forward_batch(executor, paged, [Chunk(t, [42]) for t in tables], on_device=on_device)
     _done(model)
     c0, t0 = time.process_time(), time.perf_counter()
-    for _ in range(steps):
-        forward_batch(executor, paged, [Chunk(t, [42]) for t in tables], on_device=on_device)
-    _done(model)
+    with around():
+        for _ in range(steps):
+            forward_batch(executor, paged, [Chunk(t, [42]) for t in tables], on_device=on_device)
+        _done(model)
     cpu, wall = (time.process_time() - c0) / steps * 1e3, (time.perf_counter() - t0) / steps * 1e3
     for t in tables:
         paged.blocks.free(t)
@@ -92,6 +105,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="then each batch's kernels, eager (a GPU)")
     args = ap.parse_args()
     ngl = args.n_gpu_layers if args.n_gpu_layers == "all" else int(args.n_gpu_layers)
     model = llmx.load(args.model, threads=args.threads, n_gpu_layers=ngl, ctx_size=args.ctx_size)
@@ -110,6 +124,12 @@ def main() -> None:
     print(
         f"batched decode graphs: {graphs.batch_captures} captured, {graphs.batch_replays} replays", flush=True
     )
+    if args.profile and torch.cuda.is_available():
+        model.engine.executor.use_graphs = False
+        for n in counts:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            batch_step(model, paged, n, args.depth, args.warm, args.steps, lambda p=prof: p)
+            print_kernels(prof, args.steps, f"{n} sequences, eager", "step", 12)
 
 
 if __name__ == "__main__":
