@@ -18,6 +18,7 @@ from llmx.errors import LlmxError
 
 CPU_GEMV_PATHS = ("auto", "aot", "jit", "eager")
 CPU_KERNELS = ("auto", "packed", "dequant", "emulated")
+GPU_KERNELS = ("auto", "dot8", "gemv", "gemm", "dequant")  # `quant.choice.GPU_KERNELS`, and auto
 FUSED_MODES = ("auto", "on", "off")
 FLAG = ("1", "0")
 
@@ -91,6 +92,14 @@ SETTINGS = (
         "`0`: leave torch's OpenMP workers unpinned (by default each runs on a CPU of its own)",
     ),
     Setting(
+        "LLMX_GPU_KERNEL",
+        _listed(GPU_KERNELS),
+        "auto",
+        "force one GPU matmul kernel at every M, where it reads the weight (benchmarks: which kernel a "
+        "batch size should take)",
+        user=False,
+    ),
+    Setting(
         "LLMX_TRITON_AUTOTUNE",
         _listed(FLAG),
         "1",
@@ -131,6 +140,10 @@ def cpu_gemv() -> str:
 
 def cpu_kernel() -> str:
     return _choice("LLMX_KERNEL", CPU_KERNELS)
+
+
+def gpu_kernel() -> str:
+    return _choice("LLMX_GPU_KERNEL", GPU_KERNELS)
 
 
 def programmatic_launch() -> bool:

@@ -44,6 +44,22 @@ def test_the_cpu_table() -> None:
         choice.choose(q4k, "cuda", choice.WORDS, 1, "fast")
 
 
+def test_a_forced_gpu_kernel_takes_every_batch_size_it_reads(monkeypatch) -> None:
+    """LLMX_GPU_KERNEL (benchmarks) forces one GPU kernel at every M; the integer-dot GEMV, which reads
+    one row of x, leaves the rest to the float GEMV; a value outside the choices is one error line."""
+    from llmx import settings
+
+    q4k = qtype("Q4_K")
+    assert choice.kernels(q4k, "cuda", choice.WORDS, "gemm") == ("gemm",) * (choice.LAST_BUCKET + 1)
+    assert choice.kernels(q4k, "cuda", choice.WORDS, "dot8")[:2] == ("dot8", "gemv")
+    assert set(settings.GPU_KERNELS) - {"auto"} == set(choice.GPU_KERNELS)
+    monkeypatch.setenv("LLMX_GPU_KERNEL", "gemm")
+    assert settings.gpu_kernel() == "gemm"
+    monkeypatch.setenv("LLMX_GPU_KERNEL", "fast")
+    with pytest.raises(LlmxError, match="LLMX_GPU_KERNEL"):
+        settings.gpu_kernel()
+
+
 def test_a_weight_keeps_its_choice_and_follows_its_bytes(monkeypatch) -> None:
     """The kernels are chosen when the weight is made and again when its bytes or form change."""
     from llmx.quant import cpu_native

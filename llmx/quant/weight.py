@@ -42,6 +42,7 @@ from llmx.quant.triton.launch import has_triton
 
 KERNELS = settings.CPU_KERNELS
 KERNEL = settings.cpu_kernel()  # read once; `linear(..., kernel=)` overrides per call
+GPU_KERNEL = settings.gpu_kernel()  # read once: a GPU kernel forced at every M (benchmarks)
 GEMV_MAX_M = 8  # rows of x up to which the fused GEMV beats dequantize + dense matmul (bench/cpu_matmul.py)
 DEQUANT_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time: big enough for mm, small enough for L3
 _ON_GPU = frozenset(("dot8", "gemv", "gemm", "dequant", "float"))  # the kernels `G.run` takes
@@ -99,7 +100,7 @@ class QWeight:
         device = self.raw.device.type
         if device == "cuda":
             device = "cuda" if has_triton() else "cuda-emulated"
-            preference = "emulated" if KERNEL == "emulated" else "auto"
+            preference = "emulated" if KERNEL == "emulated" else GPU_KERNEL
         else:
             preference = KERNEL
         object.__setattr__(self, "kernels", C.kernels(self.qtype, device, layout, preference))
