@@ -362,20 +362,22 @@ static inline __m256 eight_floats(const uint8_t *bytes) { /* 8 unsigned bytes as
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes)));
 }
 
-/* k_scales in vector registers: the 8 scales and the 8 mins of a Q4_K or Q5_K block (its 12 bytes at
- * s) as floats, the same values, from the same masks and shifts on the four 32-bit words at once (s..s+15
- * lie inside the block). The scalar form went through memory (stores, then loads of 8 bytes): ~10% of
- * the Q4_K dot product's time on one Zen 4 core with the row in L2. */
-static inline void k_scales8(const uint8_t *s, __m256 *scale, __m256 *min) {
-    const __m128i u = _mm_loadu_si128((const __m128i *)s); /* u0, u1, u2 and 4 bytes past the scales */
+/* A Q4_K or Q5_K block's d * scale_j and dmin * min_j (j = 0..7) as floats, from one 16-byte load
+ * (d, dmin, then k_scales' 12 bytes): the same values and products as k_scales and half_to_float
+ * give, the masks and shifts on the four 32-bit words at once. The scalar form went through memory
+ * (stores, then loads of 8 bytes): ~7% of the Q4_K dot product's time on one Zen 4 core, row in L2. */
+static inline void k_scales8(const uint8_t *b, __m256 *dsc, __m256 *dmn) {
+    const __m128i u = _mm_loadu_si128((const __m128i *)b); /* d and dmin (f16), then words u0, u1, u2 */
     /* lanes: out0 = u0 & six, out1 = (u2 & four) | ((u0 >> 2) & 0x30), out2 = u1 & six,
      * out3 = ((u2 >> 4) & four) | ((u1 >> 2) & 0x30) (bytewise: (u >> 6) & 3, moved up 4) */
-    const __m128i a = _mm_srlv_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
-    const __m128i b = _mm_srli_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0)), 2);
+    const __m128i a = _mm_srlv_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(3, 2, 3, 1)), _mm_setr_epi32(0, 0, 0, 4));
+    const __m128i s = _mm_srli_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(2, 2, 1, 1)), 2);
     const __m128i out = _mm_or_si128(_mm_and_si128(a, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
-                                     _mm_and_si128(b, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
-    *scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(out));
-    *min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(out, 8)));
+                                     _mm_and_si128(s, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
+    const __m128 halves = _mm_cvtph_ps(u); /* d, dmin */
+    *dsc = _mm256_mul_ps(_mm256_broadcastss_ps(halves), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(out)));
+    *dmn = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(halves)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(out, 8))));
 }
 
 /* Q4_K and Q5_K (five: the fifth bits at byte 16 of each block, nibbles at 48). Group j's codes times
@@ -392,16 +394,14 @@ static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + bytes * blk;
         prefetch_block(b, bytes);
-        __m256 sc, mn;
-        k_scales8(b + 4, &sc, &mn);
-        const __m256 scales =
-            _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(b)), sc), _mm256_loadu_ps(x->d + 8 * blk));
+        __m256 dsc, dmn;
+        k_scales8(b, &dsc, &dmn);
+        const __m256 scales = _mm256_mul_ps(dsc, _mm256_loadu_ps(x->d + 8 * blk));
 #ifndef LLMX_AVX512
         float scale[8];
         _mm256_storeu_ps(scale, scales);
 #endif
-        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)), mn),
-                               _mm256_loadu_ps(x->s32 + 8 * blk), mins);
+        mins = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x->s32 + 8 * blk), mins);
         const __m256i hb = five ? load32(b + 16) : _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i v = load32(b + nibbles + 32 * c);
@@ -904,10 +904,8 @@ static inline void rows_k_nibbles(const uint8_t *row, int64_t blocks, const qx_r
         for (int64_t blk = 0; blk < blocks; blk++) {
             const uint8_t *b = row + bytes * blk;
             if (t0 == 0) prefetch_block(b, bytes);
-            __m256 sc, mn;
-            k_scales8(b + 4, &sc, &mn);
-            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(half_to_float(b)), sc);
-            const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)), mn);
+            __m256 dsc, dmn;
+            k_scales8(b, &dsc, &dmn);
             const __m256i hb = five ? load32(b + 16) : _mm256_setzero_si256();
             __m256i w[8][2]; /* group g's codes: w[g] */
             for (int c = 0; c < 4; c++) {
