@@ -178,7 +178,11 @@ static void decode_q5_k(const uint8_t *b, float *out) { decode_k_nibbles(b, out,
  * moves SmolLM2's greedy text away from float32's. Sixteen bits round by 1/65024.) s16 and s32 are
  * dx times the codes' sums per 16 and per 32, so that a group's offset (Q4_K's and Q5_K's minimums,
  * Q4_0's -8, Q4_1's m, Q6_K's -32) costs one multiply; f = dx * c, the same values in float32, only
- * for the portable loops (X_FLOATS: the AVX2 dot products never read them). */
+ * for the portable loops (X_FLOATS: the AVX2 dot products never read them). The same codes are also
+ * split c = 256 * hi8 + lo8 (hi8 in -127..127, lo8 in -128..127: lo8 is c's low byte read as signed),
+ * which joins the halves' sums with one shift where 255 takes a shift and a subtraction: the same
+ * exact integer sums, for every kernel whose weight codes are the unsigned operand (all but Q8_0,
+ * whose byte sign flips need both halves in -127..127). */
 #define X_CODES 32512 /* 255 * 127 + 127: both halves in -127..127 (byte sign flips stay exact) */
 #ifdef LLMX_AVX2
 #define X_FLOATS 0
@@ -189,6 +193,7 @@ typedef struct {
     const int8_t *hi, *lo;
     const float *d, *s16, *s32, *f;
     const int16_t *c; /* the codes whole, for the kernels of several rows (see rows_fn) */
+    const int8_t *hi8, *lo8; /* c = 256 * hi8 + lo8 */
 } qx_t;
 
 #ifdef LLMX_AVX2
@@ -210,7 +215,8 @@ static inline int hsum_epi32(__m256i v) {
  * stays far below the 1/510 that separates c / 255 from a half), lo = c - 255 hi in -127..127 as the
  * scalar loop's modulo gives. The scalar loop's roundf and fmaxf were calls into libm: ~3 us of fixed
  * cost for a 576-wide x, more than a small matrix's products. */
-static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, float *s16, float *s32, float *f) {
+static void quantize_group(const float *x, int8_t *hi, int8_t *lo, int8_t *hi8, int8_t *lo8, float *d, float *s16,
+                           float *s32, float *f) {
     (void)f;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 xs[4], top = _mm256_setzero_ps();
@@ -245,6 +251,18 @@ static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, flo
         const __m128i l8 = _mm_packs_epi16(_mm256_castsi256_si128(l16), _mm256_extracti128_si256(l16, 1));
         _mm_storeu_si128((__m128i *)(hi + 8 * q), h8);
         _mm_storeu_si128((__m128i *)(lo + 8 * q), l8);
+        /* the 256 split: lo8 the low byte, signed (shifts in 32-bit lanes), hi8 = (c - lo8) / 256 exactly */
+        __m256i h2[2], l2[2];
+        for (int r = 0; r < 2; r++) {
+            l2[r] = _mm256_srai_epi32(_mm256_slli_epi32(c[q + r], 24), 24);
+            h2[r] = _mm256_srai_epi32(_mm256_sub_epi32(c[q + r], l2[r]), 8);
+        }
+        const __m256i h16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(h2[0], h2[1]), 0xD8);
+        const __m256i l16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(l2[0], l2[1]), 0xD8);
+        _mm_storeu_si128((__m128i *)(hi8 + 8 * q),
+                         _mm_packs_epi16(_mm256_castsi256_si128(h16b), _mm256_extracti128_si256(h16b, 1)));
+        _mm_storeu_si128((__m128i *)(lo8 + 8 * q),
+                         _mm_packs_epi16(_mm256_castsi256_si128(l16b), _mm256_extracti128_si256(l16b, 1)));
     }
     const int sum0 = hsum_epi32(_mm256_add_epi32(c[0], c[1])), sum1 = hsum_epi32(_mm256_add_epi32(c[2], c[3]));
     *d = dx;
@@ -253,7 +271,8 @@ static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, flo
     *s32 = dx * (float)(sum0 + sum1);
 }
 #else
-static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, float *s16, float *s32, float *f) {
+static void quantize_group(const float *x, int8_t *hi, int8_t *lo, int8_t *hi8, int8_t *lo8, float *d, float *s16,
+                           float *s32, float *f) {
     float amax = 0.0f;
     for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(x[l]));
     const float inv = amax > 0.0f ? (float)X_CODES / amax : 0.0f, dx = amax / (float)X_CODES;
@@ -263,6 +282,8 @@ static void quantize_group(const float *x, int8_t *hi, int8_t *lo, float *d, flo
         const int c = (int)roundf(v), low = ((c + 127) % 255 + 255) % 255 - 127;
         hi[l] = (int8_t)((c - low) / 255);
         lo[l] = (int8_t)low;
+        lo8[l] = (int8_t)(uint8_t)(c & 255);
+        hi8[l] = (int8_t)((c - lo8[l]) / 256);
         if (X_FLOATS) f[l] = dx * (float)c;
         sums[l / 16] += c;
     }
@@ -312,6 +333,11 @@ static inline __m256i sum_u8s16(__m256i u, __m256i hi, __m256i lo) {
     return add_u8s8(times255(add_u8s8(_mm256_setzero_si256(), u, hi)), u, lo);
 }
 
+/* The same sums against the codes' 256 split (qx_t.hi8, lo8): (u . hi8) * 256 + u . lo8. */
+static inline __m256i sum_u8s16_256(__m256i u, __m256i hi8, __m256i lo8) {
+    return add_u8s8(_mm256_slli_epi32(add_u8s8(_mm256_setzero_si256(), u, hi8), 8), u, lo8);
+}
+
 /* acc + (integer lane sums) * scale */
 static inline __m256 add_scaled(__m256i sums, __m256 scale, __m256 acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
@@ -320,7 +346,7 @@ static inline __m256 add_scaled(__m256i sums, __m256 scale, __m256 acc) {
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
 static inline __m256i sum_x(__m256i u, const qx_t *x, int64_t at) { /* u times x's 32 codes from `at` */
-    return sum_u8s16(u, load32(x->hi + at), load32(x->lo + at));
+    return sum_u8s16_256(u, load32(x->hi8 + at), load32(x->lo8 + at));
 }
 
 #ifdef LLMX_AVX512
@@ -334,8 +360,9 @@ static inline __m512i sum_u8s16_512(__m512i u, __m512i hi, __m512i lo) { /* sum_
     return _mm512_dpbusd_epi32(times255_512(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, hi)), u, lo);
 }
 
-static inline __m512i sum_x64(__m512i u, const qx_t *x, int64_t at) {
-    return sum_u8s16_512(u, _mm512_loadu_si512(x->hi + at), _mm512_loadu_si512(x->lo + at));
+static inline __m512i sum_x64(__m512i u, const qx_t *x, int64_t at) { /* with the 256 split */
+    const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(x->hi8 + at));
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), u, _mm512_loadu_si512(x->lo8 + at));
 }
 
 /* scales[i] in lanes 0-7 and scales[i + 1] in lanes 8-15: the factors of two groups side by side */
@@ -616,9 +643,9 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
                 const __m256i factors =
                     _mm256_shuffle_epi8(scales, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(4 * j))));
                 const int64_t at = 256 * blk + 128 * h + 32 * j;
-                const __m256i high = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load32(x->hi + at)), factors),
-                              low_ = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load32(x->lo + at)), factors);
-                const __m256i sums = _mm256_add_epi32(times255(high), low_);
+                const __m256i high = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load32(x->hi8 + at)), factors),
+                              low_ = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load32(x->lo8 + at)), factors);
+                const __m256i sums = _mm256_add_epi32(_mm256_slli_epi32(high, 8), low_);
                 acc = add_scaled(sums, _mm256_broadcast_ss(scale + 4 * h + j), acc);
             }
 #endif
@@ -716,7 +743,7 @@ static int block_of(int type, dot_fn *dot, void (**decode)(const uint8_t *, floa
 /* m rows of x [m, k] as the dot products read them (qx_t), in one allocation: the code halves, the
  * whole codes (int16, see qx_set), then per group dx, s32, two s16, and (X_FLOATS) f, k floats a row. */
 typedef struct {
-    int8_t *hi, *lo;
+    int8_t *hi, *lo, *hi8, *lo8;
     int16_t *c;
     float *dx, *s32, *s16, *f;
     int64_t k, groups;
@@ -724,10 +751,12 @@ typedef struct {
 
 static int qx_alloc(qx_rows_t *q, int64_t m, int64_t k) {
     const int64_t groups = k / 32;
-    q->hi = malloc((size_t)(4 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k)));
+    q->hi = malloc((size_t)(6 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k)));
     if (q->hi == NULL) return 0;
     q->lo = q->hi + m * k;
-    q->c = (int16_t *)(q->lo + m * k);
+    q->hi8 = q->lo + m * k;
+    q->lo8 = q->hi8 + m * k;
+    q->c = (int16_t *)(q->lo8 + m * k);
     q->dx = (float *)(q->c + m * k);
     q->s32 = q->dx + m * groups;
     q->s16 = q->s32 + m * groups;
@@ -738,7 +767,8 @@ static int qx_alloc(qx_rows_t *q, int64_t m, int64_t k) {
 
 static inline qx_t qx_row(const qx_rows_t *q, int64_t i) {
     const qx_t xi = {q->hi + i * q->k, q->lo + i * q->k, q->dx + i * q->groups, q->s16 + 2 * i * q->groups,
-                     q->s32 + i * q->groups, q->f + X_FLOATS * i * q->k, q->c + i * q->k};
+                     q->s32 + i * q->groups, q->f + X_FLOATS * i * q->k, q->c + i * q->k, q->hi8 + i * q->k,
+                     q->lo8 + i * q->k};
     return xi;
 }
 
@@ -748,7 +778,8 @@ static inline qx_t qx_row(const qx_rows_t *q, int64_t i) {
  * the two halves sum each run of four positions into one lane, as the byte dot products do. */
 static inline void qx_set(const qx_rows_t *q, int64_t g, const float *values) {
     int8_t *hi = q->hi + 32 * g, *lo = q->lo + 32 * g;
-    quantize_group(values, hi, lo, q->dx + g, q->s16 + 2 * g, q->s32 + g, q->f + X_FLOATS * 32 * g);
+    quantize_group(values, hi, lo, q->hi8 + 32 * g, q->lo8 + 32 * g, q->dx + g, q->s16 + 2 * g, q->s32 + g,
+                   q->f + X_FLOATS * 32 * g);
     for (int l = 0; l < 32; l++) q->c[32 * g + l / 2 + 16 * (l & 1)] = (int16_t)(255 * hi[l] + lo[l]);
 }
 
