@@ -1169,6 +1169,19 @@ typedef struct {
 } experts_t;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* a gated FFN's activation (cpu_native.ACTIVATIONS) */
+#define SUM_TILE 256 /* outputs of a token summed at a time (experts_ffn's last loop) */
+
+/* sum[c] += wt * o[c], each product rounded before the add (no fused multiply-add): the roundings of
+ * the loop that summed one output at a time, whose products GCC formed in vectors apart from the adds */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static void add_weighted(float *sum, const float *o, float wt, int64_t n) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+    for (int64_t c = 0; c < n; c++) sum[c] += wt * o[c];
+}
 
 /* act(g) * u for a gated FFN's gate g and up u: SiLU (Llama's SwiGLU) or GELU's tanh form (Gemma's). */
 static inline float gated(int act, float g, float u) {
@@ -1253,14 +1266,21 @@ static int experts_ffn(const experts_t *gate, const experts_t *up, const experts
                 qx_set(&qa, g, a);
             }
             gemv_pass(downs, used, rows_down, &qa, chunk_down);
-#pragma omp for schedule(static) nowait
-            for (int64_t i = 0; i < m * e; i++) {
-                const int64_t t = i / e, c = i % e;
-                float sum = 0.0f;
-                for (int64_t j = 0; j < k_used; j++)
-                    sum += w[t * k_used + j] * out[place[t * k_used + j] * e + c];
-                y[i] = res != NULL ? sum + res[i] : sum;
-            }
+            /* a token's outputs SUM_TILE at a time, its k_used products added slot by slot (each
+             * output's sum in slot order, as before, now in vector lanes over contiguous rows of
+             * `out`): one output at a time, gathering its k_used products, took two 64-bit
+             * divisions an output (i / e, i % e) and strided loads */
+#pragma omp for collapse(2) schedule(static) nowait
+            for (int64_t t = 0; t < m; t++)
+                for (int64_t c0 = 0; c0 < e; c0 += SUM_TILE) {
+                    const int64_t n = e - c0 < SUM_TILE ? e - c0 : SUM_TILE;
+                    float sum[SUM_TILE] = {0};
+                    for (int64_t j = 0; j < k_used; j++)
+                        add_weighted(sum, out + place[t * k_used + j] * e + c0, w[t * k_used + j], n);
+                    float *yt = y + t * e + c0;
+                    const float *rt = res != NULL ? res + t * e + c0 : NULL;
+                    for (int64_t c = 0; c < n; c++) yt[c] = rt != NULL ? sum[c] + rt[c] : sum[c];
+                }
         }
     }
     free(count), free(sorted), free(mats), free(gu), free(qx.hi), free(qa.hi);
