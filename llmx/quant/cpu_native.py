@@ -583,12 +583,11 @@ def paged_rope_store_attend(
 ) -> torch.Tensor:
     """The decode step of B sequences over a paged cache in one call: sequence b's q [H, D] and k
     [Hk, D] (rows b of q [B, H, D], k and v [B, Hk, D], float32; the rows may lie apart, each one's
-    heads contiguous) rotated by RoPE (rows b of cos, sin
-    [B, n_dims / 2] float32), its k and v stored (quantized, for a block type) at its position
-    positions[b] (int64 [B]) in the pools [rows, Hk, row] (contiguous, of the KV_TYPES `types`), whose
-    blocks of `block_rows` rows it holds in order in tables[b] (int32 [B, max blocks]), then its
-    attention over its positions up to its own (the last `window` of them, for a sliding window) ->
-    [B, H * D] float32."""
+    heads contiguous) rotated by RoPE (rows b of cos, sin [B, n_dims / 2] float32), its k and v stored
+    (quantized, for a block type) at its position positions[b] (int64 [B]) in the pools [rows, Hk, row]
+    (contiguous, of the KV_TYPES `types`), whose blocks of `block_rows` rows it holds in order in
+    tables[b] (int32 [B, max blocks]), then its attention over its positions up to its own (the last
+    `window` of them, for a sliding window) -> [B, H * D] float32."""
     lib = _library()
     n_seq, n_head, d = q.shape
     n_kv = k.shape[1]

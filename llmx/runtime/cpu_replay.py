@@ -16,16 +16,16 @@ A recording holds only if nothing but the native calls computed anything: a torc
 (the sigmoid gate of a Qwen2-MoE shared expert kept in float16, which the native call does not take)
 would leave its recorded output for the next call to read again. (Gemma 3's step is native throughout:
 its scaled embedding, its GELU-gated FFN and its norm after the FFN with the residual add each have
-their call; Qwen2's q/k/v biases are added in the joined GEMV call; a MoE layer's router call writes
-the ids and weights that its experts' call reads, and that call adds the residual; Qwen2-MoE's shared
-expert is one gated FFN call that computes its float32 gate and adds the layer's output.) So the
-next step after the recording is run both ways, eagerly and replayed over it, and the replay is kept
-only if its logits equal the eager step's bit for bit (a stale value, which differs from token to
-token and position to position, shows); otherwise the step is run eagerly once more (rewriting the
-cache row the replay wrote) and the executor stops trying. (Watching the
-recorded step's ops with a TorchDispatchMode instead imports ~900 modules, ~140 MB, at its first use.) A
-replay is made only where the recorded calls hold: a one-token step at a position the attention calls'
-caches hold (any, in a sliding-window layer's ring that holds its window).
+their call; Qwen2's q/k/v biases are added in the joined GEMV call; a MoE layer's router call writes the
+ids and weights that its experts' call reads, and that call adds the residual; Qwen2-MoE's shared expert
+is one gated FFN call that computes its float32 gate and adds the layer's output.) So the next step
+after the recording is run both ways, eagerly and replayed over it, and the replay is kept only if its
+logits equal the eager step's bit for bit (a stale value, which differs from token to token and position
+to position, shows); otherwise the step is run eagerly once more (rewriting the cache row the replay
+wrote) and the executor stops trying. (Watching the recorded step's ops with a TorchDispatchMode instead
+imports ~900 modules, ~140 MB, at its first use.) A replay is made only where the recorded calls hold: a
+one-token step at a position the attention calls' caches hold (any, in a sliding-window layer's ring
+that holds its window).
 
 The logits a replay returns are its last call's output buffer, written again by the next replay.
 """
