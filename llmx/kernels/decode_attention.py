@@ -161,8 +161,8 @@ def _launch(
     # their codes staged over 2-3 loop steps need more registers than a thread has, and the spills
     # made a q8_0 read 2.4x slower on an H100 (32K rows: 384 us at 3 stages, 157 at 1,
     # `bench/decode_attention.py --stages`).
-    blocks = k_cache.dtype == torch.uint8 or v_cache.dtype == torch.uint8
-    stages = 1 if blocks or torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
+    dtypes = (k_cache.dtype, v_cache.dtype)
+    stages = 1 if torch.uint8 in dtypes or torch.float32 in dtypes else 3
     (kt, kb), (vt, vb) = cache_rows.codes(types, k_cache, v_cache)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache does
     dot_type = (
