@@ -47,7 +47,7 @@ def caches(name: str, n_read: int, n_kv: int, d: int) -> tuple[torch.Tensor, tor
         return k, k.clone(), 2 * n_kv * d * 2
     head = d // 32 * block
     k = torch.randint(0, 256, (n_read, n_kv, head), dtype=torch.uint8, device="cuda")
-    k[:, :, 1::block] = 0x20  # each block's f16 scale's high byte: small and finite
+    k[:, :, 1 : 2 * (d // 32) : 2] = 0x20  # the f16 scales' high bytes (the grouped layout's first)
     return k, k.clone(), 2 * n_kv * head
 
 

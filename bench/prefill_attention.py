@@ -23,7 +23,7 @@ from llmx.kernels.prefill_attention import prefill_attention
 from llmx.ops.block_attention import block_attention
 from llmx.ops.cached_attention import causal_prompt_attention
 from llmx.ops.masks import causal_mask
-from llmx.quant import qtype
+from llmx.quant import kv_layout, qtype
 from llmx.quant.quantize import quantize
 
 FLOATS = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -54,7 +54,8 @@ def inputs(name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int):
     if name in FLOATS:
         return q, k.to(FLOATS[name]), v.to(FLOATS[name]), positions, None
     qt = qtype(name.upper())
-    return q, quantize(k, qt), quantize(v, qt), positions, (qt, qt)
+    k, v = (kv_layout.stored(quantize(x, qt), qt, x.device) for x in (k, v))  # as a GPU cache holds them
+    return q, k, v, positions, (qt, qt)
 
 
 def case(name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int) -> tuple[float, float, float]:

@@ -131,3 +131,12 @@ def craft_gguf(
     raw = header + data
     path.write_bytes(raw[: len(raw) - truncate] if truncate else raw)
     return path
+
+
+@pytest.fixture
+def grouped_caches(monkeypatch):
+    """CPU block caches in the GPU's grouped layout (`llmx.quant.kv_layout`), the one the Triton
+    kernels read and write: for tests that run them on CPU tensors under TRITON_INTERPRET=1."""
+    from llmx.quant import kv_layout
+
+    monkeypatch.setattr(kv_layout, "GROUPED_ON_CPU", True)

@@ -89,6 +89,7 @@ def _rows(paged: PagedKVCache, blocks: set[int]) -> torch.Tensor:
     return rows
 
 
+@pytest.mark.usefixtures("grouped_caches")  # a q8_0 cache for the Triton kernels on the CPU
 def test_a_padded_decode_step_gives_each_sequence_the_unpadded_logits_and_rows(tmp_path):
     """Sequences join (a prompt, eagerly) and leave between decode steps of 3, 5 and 3 sequences
     (buckets 4, 8, 4): each step runs unpadded, then again from the same cache padded, and gives

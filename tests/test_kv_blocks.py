@@ -31,7 +31,7 @@ from llmx.ops import Rope, causal_mask  # noqa: E402
 from llmx.ops.block_attention import block_attention  # noqa: E402
 from llmx.ops.cached_attention import AttentionKernels, math_attention  # noqa: E402
 from llmx.ops.masks import ring_mask  # noqa: E402
-from llmx.quant import qtype  # noqa: E402
+from llmx.quant import kv_layout, qtype  # noqa: E402
 from llmx.quant.quantize import KV_BLOCK_TYPES, quantize  # noqa: E402
 from llmx.quant.reference import IQ4_LEVELS  # noqa: E402
 from llmx.quant.torch_ops import dequantize  # noqa: E402
@@ -149,7 +149,7 @@ def fused_step(
     kt: str, vt: str, mode: str, pos: int, n_read: int, rows: int, window: int | None, seed: int = 0
 ):
     """One decode step through `ops.rope_attention` over a BlockWriter with decode kernels `mode`:
-    (output, the caches after it, the caches before it)."""
+    (output, the caches after it, the caches before it; blocks in GGUF order)."""
     n_head, n_kv, d = 4, 2, 64
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, h, d, generator=g) for h in (n_head, n_kv, n_kv))
@@ -157,7 +157,7 @@ def fused_step(
         cache_of(kt, values((rows, n_kv, d), seed + 1)),
         cache_of(vt, values((rows, n_kv, d), seed + 2)),
     )
-    kc, vc = kc0.clone().to(DEVICE), vc0.clone().to(DEVICE)
+    kc, vc = (kv_layout.stored(c.to(DEVICE), qtype(t), DEVICE) for c, t in ((kc0, kt), (vc0, vt)))
     rope = Rope(d, 10000.0, False)
     positions = torch.tensor([pos], device=DEVICE)
     cos, sin = rope.tables(positions, n_read)
@@ -171,7 +171,8 @@ def fused_step(
     else:  # the fused kernel itself, so that a step it refused cannot pass for it
         out = cache.rope_store_attend(q, k, v, rope, cos, sin, mask, window, None, None)
         assert out is not None, "the fused kernel did not take the step"
-    return out.cpu(), (kc.cpu(), vc.cpu()), (kc0, vc0)
+    after = (kv_layout.gguf_rows(c, qtype(t)).cpu() for c, t in ((kc, kt), (vc, vt)))
+    return out.cpu(), tuple(after), (kc0, vc0)
 
 
 def check_fused(kt: str, vt: str, mode: str, pos: int, n_read: int, rows: int, window: int | None) -> None:
@@ -195,6 +196,7 @@ def check_fused(kt: str, vt: str, mode: str, pos: int, n_read: int, rows: int, w
     [(37, 38, 160, None), (100, 160, 160, None), (130, 160, 160, 50), (200, 201, 64, 64)],
     ids=["past", "bucket", "window", "wrapped-ring"],
 )
+@pytest.mark.usefixtures("grouped_caches")  # the caches as the kernel reads them
 def test_triton_decode_over_blocks(kt, vt, pos, n_read, rows, window) -> None:
     pytest.importorskip("triton")
     if DEVICE == "cpu" and (pos, window) != (37, None) and (kt, vt) not in PAIRS[:1] + PAIRS[-3:]:

@@ -37,7 +37,7 @@ from llmx.kernels import decode_attention  # noqa: E402
 from llmx.ops import Rope  # noqa: E402
 from llmx.ops.cached_attention import AttentionKernels, cached_attention  # noqa: E402
 from llmx.ops.masks import causal_mask  # noqa: E402
-from llmx.quant import qtype  # noqa: E402
+from llmx.quant import kv_layout, qtype  # noqa: E402
 from llmx.quant.quantize import quantize  # noqa: E402
 from llmx.quant.torch_ops import dequantize  # noqa: E402
 from llmx.runtime.batch import Chunk, forward_batch  # noqa: E402
@@ -48,6 +48,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS, N_BLOCKS, SEQ_BLOCKS = 16, 24, 12
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 OFF, ON = AttentionKernels(decode="off"), AttentionKernels(decode="on")
+pytestmark = pytest.mark.usefixtures("grouped_caches")  # block caches as the kernels read them
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,9 @@ CASES = [
 def pool(c: Case, name: str, seed: int) -> torch.Tensor:
     """A pool [N_BLOCKS * ROWS, Hk, row] of random rows in cache type `name`."""
     x = torch.randn(N_BLOCKS * ROWS, c.n_kv, c.d, generator=torch.Generator().manual_seed(seed))
-    return x.to(FLOATS[name]) if name in FLOATS else quantize(x, qtype(name))
+    if name in FLOATS:
+        return x.to(FLOATS[name])
+    return kv_layout.stored(quantize(x, qtype(name)), qtype(name), torch.device("cpu"))
 
 
 def shuffle(blocks: BlockPool, seed: int) -> None:
@@ -169,7 +172,8 @@ def float64_reference(c: Case, paged: PagedKVCache, ts: list[BlockTable], rope: 
     q, _, _, cos, sin = step_inputs(c, rope, positions)
     q = rope.apply(q, cos, sin).double()
     types = c.types or (qtype(c.kt), qtype(c.vt))
-    k, v = (dequantize(p.reshape(p.shape[0] * c.n_kv, -1), qt).reshape(p.shape[0], c.n_kv, c.d).double()
+    k, v = (dequantize(kv_layout.gguf_rows(p, qt).reshape(p.shape[0] * c.n_kv, -1), qt)
+            .reshape(p.shape[0], c.n_kv, c.d).double()
             for p, qt in zip((paged.k[0], paged.v[0]), types, strict=True))  # fmt: skip
     outs = []
     for b, t in enumerate(ts):
@@ -356,8 +360,8 @@ def gpu_pools(c: Case, n_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Te
     rows, repeated (quantizing 32K rows on the CPU would take longer than the test)."""
     g = torch.Generator().manual_seed(seed)
     x = [torch.randn(64 * ROWS, c.n_kv, c.d, generator=g) for _ in range(2)]
-    pools = ((t.to(FLOATS[n]) if n in FLOATS else quantize(t, qtype(n))).to(DEVICE)
-             for t, n in zip(x, (c.kt, c.vt), strict=True))  # fmt: skip
+    pools = (t.to(DEVICE, FLOATS[n]) if n in FLOATS else kv_layout.stored(quantize(t, qtype(n)).to(DEVICE),
+             qtype(n), DEVICE) for t, n in zip(x, (c.kt, c.vt), strict=True))  # fmt: skip
     return tuple(p.repeat(-(-n_blocks // 64), 1, 1)[: n_blocks * ROWS].contiguous() for p in pools)  # type: ignore[return-value]
 
 

@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from llmx.kernels import prefill_attention as kernel  # noqa: E402
 from llmx.ops.cached_attention import AttentionKernels, cached_attention  # noqa: E402
 from llmx.ops.masks import causal_mask, ring_mask  # noqa: E402
-from llmx.quant import qtype  # noqa: E402
+from llmx.quant import kv_layout, qtype  # noqa: E402
 from llmx.quant.quantize import KV_BLOCK_TYPES, quantize  # noqa: E402
 from llmx.quant.torch_ops import dequantize  # noqa: E402
 from llmx.runtime.cache import BlockWriter, LayerWriter  # noqa: E402
@@ -37,6 +37,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 TYPES = [*FLOATS, *KV_BLOCK_TYPES]
 PAIRS = [(t, t) for t in TYPES] + [("Q8_0", "Q4_0"), ("F16", "Q8_0"), ("Q4_1", "F32"), ("BF16", "IQ4_NL")]
+pytestmark = pytest.mark.usefixtures("grouped_caches")  # block caches as the kernel reads them
 
 
 def tolerance(kt: str) -> float:
@@ -46,13 +47,15 @@ def tolerance(kt: str) -> float:
 
 
 def cache_rows(name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, Hk, D] float32 stored as a cache of type `name`: (the rows, what they hold as float64)."""
+    """x [N, Hk, D] float32 stored as a cache of type `name` on DEVICE (blocks in its layout): (the
+    rows, what they hold as float64)."""
     if name in FLOATS:
         rows = x.to(FLOATS[name])
-        return rows, rows.double()
+        return rows.to(DEVICE), rows.double()
     rows = quantize(x, qtype(name))
     n, n_kv = rows.shape[:2]
-    return rows, dequantize(rows.reshape(n * n_kv, -1), qtype(name)).reshape(n, n_kv, -1).double()
+    deq = dequantize(rows.reshape(n * n_kv, -1), qtype(name)).reshape(n, n_kv, -1).double()
+    return kv_layout.stored(rows.to(DEVICE), qtype(name), DEVICE), deq
 
 
 def reference(q, k, v, mask, scale, softcap) -> torch.Tensor:
@@ -119,7 +122,7 @@ def test_every_cache_type(kt: str, vt: str) -> None:
 )
 def test_heads_of_blocks_that_start_2_aligned(kt: str, vt: str) -> None:
     """Three blocks a head (D = 96: 102 bytes of q8_0, 54 of q4_0) put every other head at an odd
-    multiple of 2: `load_rows` reads those caches as 16-bit halves, not 32-bit words."""
+    multiple of 2, its codes and Q5's fifth-bit words too."""
     check_kernel(Case(t=21, n_read=53, d=96), kt, vt)
 
 
@@ -172,7 +175,7 @@ def writer_step(kt: str, vt: str, s: Step, prefill: str, seed: int = 0):
     q = torch.randn(s.t, n_head, d, generator=g)
     types = (qtype(kt), qtype(vt))
     kc, vc = (torch.zeros(s.rows, n_kv, d) for _ in range(2))
-    kc, vc = cache_rows(kt, kc)[0].to(DEVICE), cache_rows(vt, vc)[0].to(DEVICE)
+    kc, vc = cache_rows(kt, kc)[0], cache_rows(vt, vc)[0]
     kernels = AttentionKernels(prefill=prefill)
     if s.p0:  # the history: the positions a ring still holds, as earlier steps stored them
         held = torch.arange(max(0, s.p0 - s.rows), s.p0)
@@ -197,6 +200,7 @@ def writer_step(kt: str, vt: str, s: Step, prefill: str, seed: int = 0):
 
 def cache_rows_read(rows: torch.Tensor, name: str) -> torch.Tensor:
     n, n_kv = rows.shape[:2]
+    rows = kv_layout.gguf_rows(rows, qtype(name))
     return dequantize(rows.reshape(n * n_kv, -1), qtype(name)).reshape(n, n_kv, -1)
 
 

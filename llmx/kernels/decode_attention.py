@@ -6,11 +6,12 @@ for one token of each of B sequences over a paged cache, the same two launches
 The eager path (`Rope.apply`, the cache's `index_copy_`, `ops.attention`) costs ~25 small kernels a
 layer. Shapes (one token): q [1, H, D], k, v [1, Hk, D], cos/sin [1, n_dims/2] float32 (the step's
 RoPE tables), caches [R, Hk, D] (f16, bf16 or f32) or, for the block types, uint8 [R, Hk, D / 32 *
-block bytes] (GGUF blocks: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; K and V each their own type),
-`positions` [1] int64 on the same device. Position p lives in row p mod R: R is the context for most
-layers, a ring for sliding-window ones. A block type's rows are dequantized in the tile loads, and
-this step's key and value quantized in the kernel (the bytes of `llmx.quant.quantize`), so the
-row it attends to is the one stored.
+block bytes] (GGUF blocks: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; K and V each their own type; each
+head's blocks in the grouped layout, `llmx.quant.kv_layout`), `positions` [1] int64 on the same
+device. Position p lives in row p mod R: R is the context for most layers, a ring for sliding-window
+ones. A block type's rows are dequantized in the tile loads, and this step's key and value
+quantized in the kernel (the bytes of `llmx.quant.quantize`, grouped), so the row it attends to is
+the one stored.
 
 - `attention_kernel`, grid (Hk, S, B): program (kv head, split, token) rotates the G = H/Hk
   queries of its KV head and this step's key, then reads its share of the visible keys [lo, pos] (lo = 0, or
@@ -52,7 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmx.kernels import cache_rows
-from llmx.kernels.cache_rows import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TL_DTYPE, dot, load_rows
+from llmx.kernels.cache_rows import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TL_DTYPE, dot, head_at, load_rows
 from llmx.quant import QType
 from llmx.quant.triton import activation, launch
 from llmx.quant.triton.dot8 import store_quantized_block
@@ -274,6 +275,8 @@ def attention_kernel(
         v_codes, v_d, v_m = _quantize(v_new, levels_ptr, VT, BLOCK_D)
         v_new = _blocks_value(v_codes, v_d, v_m, levels_ptr, VT, BLOCK_D)
 
+    kc_ptr += head_at(kvh, skc_h, D, KT, KB)  # this KV head's start in a row
+    vc_ptr += head_at(kvh, svc_h, D, VT, VB)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -286,7 +289,7 @@ def attention_kernel(
             r64 = (block * BR + rows % BR)[:, None]
         else:
             r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
-        keys = load_rows(kc_ptr + r64 * skc_n + kvh * skc_h, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D)
+        keys = load_rows(kc_ptr + r64 * skc_n, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D)
         keys = tl.where(fresh, k_new[None, :], keys)
         s = dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
         # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
@@ -295,7 +298,7 @@ def attention_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a visible key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        values = load_rows(vc_ptr + r64 * svc_n + kvh * svc_h, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D)
+        values = load_rows(vc_ptr + r64 * svc_n, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D)
         values = tl.where(fresh, v_new[None, :], values)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(p, values, DOT)
@@ -311,13 +314,13 @@ def attention_kernel(
     else:
         slot = (pos % n_rows).to(tl.int64)
     if KT == 0:
-        tl.store(kc_ptr + slot * skc_n + kvh * skc_h + d, k_new, mask=mine)
+        tl.store(kc_ptr + slot * skc_n + d, k_new, mask=mine)
     else:
-        _store_blocks(kc_ptr + slot * skc_n + kvh * skc_h, k_codes, k_d, k_m, holds_pos, D, KT, KB, BLOCK_D)
+        _store_blocks(kc_ptr + slot * skc_n, k_codes, k_d, k_m, holds_pos, D, KT, KB, BLOCK_D)
     if VT == 0:
-        tl.store(vc_ptr + slot * svc_n + kvh * svc_h + d, v_new, mask=mine)
+        tl.store(vc_ptr + slot * svc_n + d, v_new, mask=mine)
     else:
-        _store_blocks(vc_ptr + slot * svc_n + kvh * svc_h, v_codes, v_d, v_m, holds_pos, D, VT, VB, BLOCK_D)
+        _store_blocks(vc_ptr + slot * svc_n, v_codes, v_d, v_m, holds_pos, D, VT, VB, BLOCK_D)
 
     # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 in combine.
     base = (b * (tl.num_programs(0) * G) + heads) * n_splits + split
@@ -326,8 +329,8 @@ def attention_kernel(
     tl.store(stats_ptr + base * 2 + 1, l_i, mask=gmask)
 
 
-# --- cache blocks: GGUF's layouts (ggml-common.h), written a head's row at a time --------------------
-# The layouts are described with the reader, `cache_rows.load_rows`.
+# --- cache blocks: the grouped layout (`llmx.quant.kv_layout`), written a head's row at a time -------
+# The layout is described with the reader, `cache_rows.load_rows`.
 
 
 @triton.jit
@@ -397,28 +400,34 @@ def _blocks_value(codes, d, m, levels_ptr, QT: tl.constexpr, BLOCK_D: tl.constex
 
 
 @triton.jit
-def _store_blocks(row_ptr, codes, d, m, store, D, QT: tl.constexpr, QB: tl.constexpr, BLOCK_D: tl.constexpr):
-    """`_quantize`'s blocks of a head, at its start `row_ptr` in the cache row, where `store`; the
-    blocks past D (BLOCK_D > D) are not the row's."""
+def _store_blocks(
+    head_ptr, codes, d, m, store, D: tl.constexpr, QT: tl.constexpr, QB: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    """`_quantize`'s blocks of a head, at its start `head_ptr` in the cache row, where `store`, in the
+    grouped layout: a field at byte o of a block starts at byte NB * o of the head. The blocks past
+    D (BLOCK_D > D) are not the row's."""
+    NB: tl.constexpr = D // 32
     nb = tl.arange(0, BLOCK_D // 32)
-    mine = tl.where(store, nb * 32 < D, False)
-    block = row_ptr + nb * QB
-    tl.store(block.to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=mine)
+    mine = tl.where(store, nb < NB, False)
+    tl.store((head_ptr + 2 * nb).to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=mine)
     j = tl.arange(0, 32)[None, :]
     if QT == Q8_0:
-        tl.store((block[:, None] + 2 + j).to(tl.pointer_type(tl.int8)), codes.to(tl.int8), mask=mine[:, None])
+        at = (2 * NB) + 32 * nb[:, None] + j
+        tl.store((head_ptr + at).to(tl.pointer_type(tl.int8)), codes.to(tl.int8), mask=mine[:, None])
     else:
         if QT >= Q5_1:
-            tl.store((block + 2).to(tl.pointer_type(tl.float16)), m.to(tl.float16), mask=mine)
+            m_ptrs = (head_ptr + 2 * NB + 2 * nb).to(tl.pointer_type(tl.float16))
+            tl.store(m_ptrs, m.to(tl.float16), mask=mine)
         shifted = (codes & 15) << ((j // 16) * 4)  # values l and l + 16 share byte l
         packed = tl.sum(tl.reshape(shifted, (BLOCK_D // 32, 2, 16)), 1)
         l16 = tl.arange(0, 16)[None, :]
-        tl.store(block[:, None] + (QB - 16) + l16, packed.to(tl.uint8), mask=mine[:, None])
+        at = (NB * (QB - 16)) + 16 * nb[:, None] + l16
+        tl.store(head_ptr + at, packed.to(tl.uint8), mask=mine[:, None])
         if QT >= Q5_0 and QT <= Q5_1:
             bits = ((codes >> 4) & 1) << (j % 8)
             qh = tl.sum(tl.reshape(bits, (BLOCK_D // 32, 4, 8)), 2)
             l4 = tl.arange(0, 4)[None, :]
-            tl.store(block[:, None] + (QB - 20) + l4, qh.to(tl.uint8), mask=mine[:, None])
+            tl.store(head_ptr + (NB * (QB - 20)) + 4 * nb[:, None] + l4, qh.to(tl.uint8), mask=mine[:, None])
 
 
 @triton.jit

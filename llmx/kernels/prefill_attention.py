@@ -4,8 +4,9 @@ online softmax; the scores never leave registers) over cache rows of any cache t
 T queries at `positions` (ascending: a prompt chunk, the last T of the n_read rows read) attend over
 cache rows 0..n_read-1, a key visible when its position k satisfies k <= p (and p - window < k for a
 sliding window), as `ops.causal_mask` and `ops.ring_mask` say. The rows are float (f32, f16, bf16)
-or GGUF blocks (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; K and V each their own type), dequantized as
-a tile is loaded (`cache_rows.load_rows`), so a quantized cache costs no float copy either.
+or GGUF blocks (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; K and V each their own type; grouped, as
+`llmx.quant.kv_layout` lays a GPU's cache out), dequantized as a tile is loaded
+(`cache_rows.load_rows`), so a quantized cache costs no float copy either.
 
 Grid (tiles, Hk): for KV head h the G = H/Hk query heads of its group are rows t * G + g of one
 [T * G, D] matrix, cut into tiles of BLOCK_M rows (BLOCK_M / G consecutive queries), so every key
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from llmx.kernels import cache_rows
-from llmx.kernels.cache_rows import TL_DTYPE, dot, load_rows
+from llmx.kernels.cache_rows import TL_DTYPE, dot, head_at, load_rows
 from llmx.quant import QType
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -179,11 +180,13 @@ def _attend(
     """Key blocks [start, end) (multiples of BLOCK_N) into the running (acc, max, sum) of the queries
     q [BLOCK_M, BLOCK_D] at `qpos`; with MASK each key is checked against each query (and rows past
     n_read dropped), without it every key is visible to every query."""
+    k_ptr += head_at(kvh, sk_h, D, KT, KB)  # this KV head's start in a row
+    v_ptr += head_at(kvh, sv_h, D, VT, VB)
     for n in range(start, end, BLOCK_N):
         rows = n + tl.arange(0, BLOCK_N)
         rmask = rows < n_read
         r64 = rows.to(tl.int64)[:, None]
-        keys = load_rows(k_ptr + r64 * sk_n + kvh * sk_h, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D)
+        keys = load_rows(k_ptr + r64 * sk_n, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D)
         s = dot(q, tl.trans(keys.to(DOT)), DOT)  # [BLOCK_M, BLOCK_N]
         # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
         # (in log2 units, for exp2)
@@ -206,7 +209,7 @@ def _attend(
             m_use = m_new
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
-        values = load_rows(v_ptr + r64 * sv_n + kvh * sv_h, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D)
+        values = load_rows(v_ptr + r64 * sv_n, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(p, values.to(DOT), DOT)
         m_i = m_new

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from llmx.quant import QType
+from llmx.quant import QType, kv_layout
 from llmx.quant.torch_ops import dequantize
 
 CHUNK_ROWS = 1024  # keys dequantized at once: scores T x H x 1024 floats, a few MB per 512-token batch
@@ -29,7 +29,8 @@ def block_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """`ops.attention` of q [T, H, D] over N cache rows k, v [N, Hk, row] of `types` (K's, V's):
-    uint8 GGUF blocks of a head's D values, or float rows). `mask` [T, N] (True = visible) or None.
+    uint8 GGUF blocks of a head's D values in their device's layout (`kv_layout`), or float rows).
+    `mask` [T, N] (True = visible) or None.
     Returns [T, H * Dv] in q's dtype; scores, softmax and sums in float32."""
     t, n_head, head_dim = q.shape
     n, n_kv = k.shape[0], k.shape[1]
@@ -60,6 +61,8 @@ def block_attention(
 
 
 def _rows(raw: torch.Tensor, qt: QType) -> torch.Tensor:
-    """Cache rows [c, Hk, row] of type `qt` -> float32 [Hk, c, D]."""
+    """Cache rows [c, Hk, row] of type `qt` (blocks in their device's layout, `kv_layout`) -> float32
+    [Hk, c, D]."""
     c, n_kv = raw.shape[0], raw.shape[1]
+    raw = kv_layout.gguf_rows(raw, qt)
     return dequantize(raw.reshape(c * n_kv, -1), qt).reshape(c, n_kv, -1).transpose(0, 1)

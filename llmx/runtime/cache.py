@@ -2,7 +2,11 @@
 
 Buffers are [rows, Hk, D] in the cache type (`-ctk`/`-ctv`, K and V each their own): float
 numbers, or for the block types (q8_0, q4_0, ...) uint8 [rows, Hk, D / 32 * block bytes], each
-head's D values as GGUF blocks, so the bytes are llama.cpp's and the plan's. Rows are the whole
+head's D values as GGUF blocks, so the sizes are llama.cpp's and the plan's. On the CPU a head holds
+GGUF's bytes in GGUF's order (the native kernel reads them); on a GPU the same bytes grouped by
+field, the head's scales first and its codes last, for the Triton kernels
+(`llmx.quant.kv_layout`). `store_rows` writes either, and rows read onto another device (or
+dequantized by `ops.block_attention`) are converted there. Rows are the whole
 context, or for a sliding-window layer a ring of the plan's `kv_rows` (position p in row p mod
 rows). Attention reads the valid prefix, or the whole ring with each row's position.
 
@@ -23,7 +27,7 @@ import torch
 from llmx.errors import LlmxError
 from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels, native_cpu_decode
 from llmx.ops.rope import Rope
-from llmx.quant import F16, QType, qtype
+from llmx.quant import F16, QType, kv_layout, qtype
 from llmx.quant.cpu_native import Attention as NativeAttention
 from llmx.quant.quantize import KV_BLOCK_TYPES, quantize
 from llmx.quant.torch_ops import FLOAT_DTYPES
@@ -54,8 +58,9 @@ def kv_buffer(rows: int, n_head_kv: int, dim: int, qt: QType, device: str | torc
 
 def store_rows(buffer: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, qt: QType | None = None) -> None:
     """Write x [T, Hk, D] into rows `slots` of `buffer`, quantized first where `qt` is a block type
-    (None or a float type: converted to the buffer's dtype). The cache's one way in."""
-    stored = x if qt is None or qt.is_float else quantize(x, qt)
+    (in the layout of the buffer's device, `kv_layout`; None or a float type: converted to the
+    buffer's dtype). The cache's one way in."""
+    stored = x if qt is None or qt.is_float else kv_layout.stored(quantize(x, qt), qt, buffer.device)
     buffer.index_copy_(0, slots, stored.to(buffer.device, buffer.dtype))
 
 
@@ -114,8 +119,9 @@ def native_attention(
     k: torch.Tensor, v: torch.Tensor, types: tuple[QType, QType] | None, kernels: AttentionKernels
 ) -> NativeAttention | None:
     """The native CPU decode step of a layer's buffers k, v [rows, Hk, row] (`types` where either is
-    GGUF blocks), or None where it is off (`kernels.decode`) or does not take them."""
-    if kernels.decode == "off" or k.is_cuda:
+    GGUF blocks), or None where it is off (`kernels.decode`) or does not take them (blocks grouped
+    for the Triton kernels, `kv_layout.GROUPED_ON_CPU`)."""
+    if kernels.decode == "off" or k.is_cuda or (types is not None and kv_layout.grouped(k.device)):
         return None
     from llmx.kernels import cpu_attention
 
@@ -146,14 +152,15 @@ class LayerWriter:
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v [T, Hk, D]; the first `n_read` rows (of a ring: all of them, see
-        `key_positions`), on k's device, for attention: raw blocks for a block type (for
-        --no-kv-offload a GPU layer reads blocks over the bus, not floats)."""
+        `key_positions`), on k's device, for attention: raw blocks for a block type, in the layout
+        of k's device (for --no-kv-offload a GPU layer reads blocks over the bus, not floats)."""
         rows = self.k.shape[0]
         slots = self.positions if self.n_read <= rows else self.positions % rows
         types = self.types or (None, None)
         store_rows(self.k, slots, k, types[0])
         store_rows(self.v, slots, v, types[1])
-        return self.k[: self.n_read].to(k.device), self.v[: self.n_read].to(v.device)
+        keys, values = self.k[: self.n_read], self.v[: self.n_read]
+        return kv_layout.moved(keys, types[0], k.device), kv_layout.moved(values, types[1], v.device)
 
     def key_positions(self) -> torch.Tensor | None:
         """For a ring that may have wrapped (n_read beyond its rows), the position each row holds

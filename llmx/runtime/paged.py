@@ -33,7 +33,7 @@ from llmx.errors import LlmxError
 from llmx.kernels import cpu_attention
 from llmx.ops.cached_attention import AttentionKernels
 from llmx.ops.rope import Rope
-from llmx.quant import QType
+from llmx.quant import QType, kv_layout
 from llmx.quant.triton.launch import has_triton
 from llmx.runtime.blocks import BlockPool, BlockTable
 from llmx.runtime.cache import KVCache, head_dim, kv_buffer, store_rows
@@ -142,7 +142,9 @@ class SequenceKV:
         types = self.types or (None, None)
         store_rows(self.k, self.slots, k, types[0])
         store_rows(self.v, self.slots, v, types[1])
-        return self.k[self.rows].to(k.device), self.v[self.rows].to(v.device)
+        return kv_layout.moved(self.k[self.rows], types[0], k.device), kv_layout.moved(
+            self.v[self.rows], types[1], v.device
+        )
 
     def key_positions(self) -> None:
         return None
@@ -178,7 +180,8 @@ class DecodeTokens:
         everything lives on one GPU (or anywhere with `kernels.decode` "on": the interpreter on the
         CPU), else the native one for float32 on the CPU. None, nothing written, where neither takes
         the step: unequal head widths, a pool on the CPU for a GPU's step (--no-kv-offload), on the
-        CPU a softcap or a type or shape the native kernel lacks, or `kernels.decode` "off"."""
+        CPU a softcap, a type or shape the native kernel lacks or blocks grouped for the Triton
+        kernels (`kv_layout.GROUPED_ON_CPU`), or `kernels.decode` "off"."""
         mode, types = self.kernels.decode, self.types
         widths = (self.k.shape[-1], self.v.shape[-1]) if types is None else (
             head_dim(self.k, types[0]), head_dim(self.v, types[1]))  # fmt: skip
@@ -194,7 +197,7 @@ class DecodeTokens:
                 n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window, types=types,
             )  # fmt: skip
         cpu = not q.is_cuda and q.dtype == torch.float32 and self.k.device.type == "cpu"
-        if not cpu or softcap is not None:
+        if not cpu or softcap is not None or (types is not None and kv_layout.grouped(self.k.device)):
             return None
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return cpu_attention.paged_rope_decode_attention(
