@@ -158,12 +158,10 @@ def _launch(
     tables, block_rows = paged if paged is not None else (positions, 1)  # unread without `paged`
     block_d = max(16, triton.next_power_of_2(d))
     # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
-    # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth). Block tiles too:
-    # their codes staged over 2-3 loop steps need more registers than a thread has, and the spills
-    # made a q8_0 read 2.4x slower on an H100 (32K rows: 384 us at 3 stages, 157 at 1,
-    # `bench/decode_attention.py --stages`).
-    dtypes = (k_cache.dtype, v_cache.dtype)
-    stages = 1 if torch.uint8 in dtypes or torch.float32 in dtypes else 3
+    # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth). Block tiles are
+    # staged: in the grouped layout a head's codes are one contiguous tile, compiled without spills
+    # (H100, q8_0, 32K rows: 78 us at 3 stages, 91 at 1; `bench/decode_attention.py --stages`).
+    stages = 1 if torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
     (kt, kb), (vt, vb) = cache_rows.codes(types, k_cache, v_cache)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache does
     dot_type = (

@@ -92,7 +92,8 @@ def _tiles(d: int, cuda: bool, wide: bool, blocks: bool = False) -> tuple[int, i
     227 KB of shared memory); float32 operands halve the keys and, at D = 256, go unpipelined.
     Block tiles go unpipelined too: their codes staged over loop steps take more registers than a
     thread has (a q8_0 cache of 32K rows, T = 512, on an H100: 4.24 ms at 3 stages, 2.86 at 1,
-    `bench/prefill_attention.py --sweep`). The interpreter takes small tiles, so tests cross many
+    `bench/prefill_attention.py --sweep`; timed on GGUF order's 16-bit reads, before the grouped
+    layout, to time again). The interpreter takes small tiles, so tests cross many
     tile edges on small shapes."""
     if not cuda:
         return 16, 16, 4, 1

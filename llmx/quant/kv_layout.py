@@ -47,33 +47,30 @@ def grouped(device: torch.device | str) -> bool:
 
 
 @cache
-def _order(name: str, head_bytes: int) -> torch.Tensor:
-    """For a head of `head_bytes` bytes of type `name`: grouped byte i is GGUF byte order[i]."""
+def _order(name: str, head_bytes: int, device: torch.device) -> torch.Tensor:
+    """For a head of `head_bytes` bytes of type `name`: grouped byte i is GGUF byte order[i]. Built
+    on `device` (no host copy: a CUDA graph may capture the first use)."""
     fields = FIELDS[name]
     nb = head_bytes // sum(fields)
     assert nb * sum(fields) == head_bytes, f"{head_bytes} bytes are not whole {name} blocks"
-    gguf = torch.arange(head_bytes).view(nb, sum(fields))
+    gguf = torch.arange(head_bytes, device=device).view(nb, sum(fields))
     return torch.cat([f.reshape(-1) for f in gguf.split(fields, dim=1)])
 
 
 @cache
-def _inverse(name: str, head_bytes: int) -> torch.Tensor:
-    return torch.argsort(_order(name, head_bytes))
-
-
-@cache
-def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return index.to(device)
+def _inverse(name: str, head_bytes: int, device: torch.device) -> torch.Tensor:
+    order = _order(name, head_bytes, device)
+    return torch.empty_like(order).scatter_(0, order, torch.arange(head_bytes, device=device))
 
 
 def to_grouped(raw: torch.Tensor, qt: QType) -> torch.Tensor:
     """GGUF-ordered heads raw [..., head bytes] of type `qt` in the grouped layout (a new tensor)."""
-    return raw.index_select(-1, _on(_order(qt.name, raw.shape[-1]), raw.device))
+    return raw.index_select(-1, _order(qt.name, raw.shape[-1], raw.device))
 
 
 def to_gguf(raw: torch.Tensor, qt: QType) -> torch.Tensor:
     """Grouped heads raw [..., head bytes] of type `qt` in GGUF order (a new tensor)."""
-    return raw.index_select(-1, _on(_inverse(qt.name, raw.shape[-1]), raw.device))
+    return raw.index_select(-1, _inverse(qt.name, raw.shape[-1], raw.device))
 
 
 def stored(raw: torch.Tensor, qt: QType | None, device: torch.device | str) -> torch.Tensor:
