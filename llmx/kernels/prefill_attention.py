@@ -90,15 +90,13 @@ def _tiles(d: int, cuda: bool, wide: bool, blocks: bool = False) -> tuple[int, i
     On a GPU: 128 query rows x 64 keys for D <= 128 (K and V tiles of 16 KB each a stage in f16);
     64 x 64 for D = 256 at two stages (64 KB of K and V a stage, 128 KB in all, under an H100's
     227 KB of shared memory); float32 operands halve the keys and, at D = 256, go unpipelined.
-    Block tiles go unpipelined too: their codes staged over loop steps take more registers than a
-    thread has (a q8_0 cache of 32K rows, T = 512, on an H100: 4.24 ms at 3 stages, 2.86 at 1,
-    `bench/prefill_attention.py --sweep`; timed on GGUF order's 16-bit reads, before the grouped
-    layout, to time again). The interpreter takes small tiles, so tests cross many
-    tile edges on small shapes."""
+    Block tiles take two stages at D <= 128 (a q8_0 cache of 32K rows, T = 512, on an H100: 1.99 ms
+    at 2 stages, 2.00 at 3, 2.23 at 1, `bench/prefill_attention.py --sweep`) and none at D = 256.
+    The interpreter takes small tiles, so tests cross many tile edges on small shapes."""
     if not cuda:
         return 16, 16, 4, 1
     if d <= 128:
-        return (128, 32, 8, 2) if wide else (128, 64, 8 if d > 64 else 4, 1 if blocks else 3)
+        return (128, 32, 8, 2) if wide else (128, 64, 8 if d > 64 else 4, 2 if blocks else 3)
     return (64, 32, 8, 1) if wide else (64, 64, 8, 1 if blocks else 2)
 
 
