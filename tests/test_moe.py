@@ -23,6 +23,7 @@ Hugging Face transformers.
 
 from __future__ import annotations
 
+import gc
 import json
 import operator
 from dataclasses import dataclass, replace
@@ -549,6 +550,33 @@ def test_decode_with_experts_in_ram_replays_graphs_in_pieces(tiny, placement):
     keeps_the_cpus_logits(tiny, model)
     graphs = list(executor.graphs.decode.values())
     assert graphs and all(len(g.trips) == len(in_ram) for g in graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiny", [("qwen3moe", "Q8_0")], indirect=True, ids="-".join)
+def test_a_capture_outlasts_pinned_garbage(tiny, monkeypatch):
+    """The collector waits while a step is captured: pinned host memory that only it would free (an
+    earlier model's trips; here made just before each capture, with a copy in flight as a trip's
+    are) freed mid-capture would invalidate the capture (a collection every 10 new objects)."""
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def begin_beside_garbage(graph, *args, **kwargs):
+        host = torch.empty(1 << 16, pin_memory=True)
+        host.copy_(torch.ones(1 << 16, device="cuda"), non_blocking=True)
+        cycle: list = [host]
+        cycle.append(cycle)
+        begin(graph, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_beside_garbage)
+    threshold = gc.get_threshold()
+    gc.set_threshold(10, 1000, 1000)  # the young generation (the cycle) collected often; no full sweeps
+    try:
+        model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **CPU_EXPERTS["cpu-moe"])
+    finally:
+        gc.set_threshold(*threshold)
+    graphs = list(model.engine.executor.graphs.decode.values())
+    assert graphs and all(g.trips for g in graphs)
+    keeps_the_cpus_logits(tiny, model)
 
 
 @pytest.mark.gpu

@@ -30,6 +30,7 @@ peers or experts in RAM run batched steps eagerly.
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -345,17 +346,35 @@ class GraphCache:
                 warm = body()
             torch.cuda.current_stream(device).wait_stream(stream)
         if pieces:
-            graph, x_out, trips = capture_in_pieces(body, stream, pool)
+            with collection_paused():
+                graph, x_out, trips = capture_in_pieces(body, stream, pool)
             return graph, x_out, trips, ()
         pools = {d: torch.cuda.MemPool() for d in peers}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream), forked(stream, sides, pools):
+        capture = torch.cuda.graph(graph, pool=pool, stream=stream)
+        with collection_paused(), capture, forked(stream, sides, pools):
             x_out = body()
         if peers and warm is not None:
             graph.replay()
             if not torch.equal(x_out, warm):
                 raise RuntimeError("the captured step differs from the eager one")
         return graph, x_out, (), tuple(pools.values())
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """Python's garbage collector held off while a graph is captured: what it collects may hold pinned
+    host memory (an earlier model's trips to its CPU experts), which torch frees through CUDA calls
+    that a capture forbids, invalidating it (cudaErrorStreamCaptureInvalidated). Garbage made before
+    is collected first, as torch.cuda.graph does."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager
