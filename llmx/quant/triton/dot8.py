@@ -346,6 +346,71 @@ def _q6_k(
 
 
 @triton.jit
+def load_step(
+    QT: tl.constexpr, w_ptr, row_w, u0, n_units, BU: tl.constexpr, EVEN: tl.constexpr, LATE: tl.constexpr
+):
+    """The weights of blocks u0..u0+BU of the rows at word offsets row_w [BN] (int64), as `dot_step`
+    takes them: four tensors (Q8_0: its codes four times; Q4_K: codes, headers (codes again with
+    LATE: `dot_step` loads them), codes twice; Q6_K: `_q6_k_load`'s)."""
+    if QT == "Q8_0":
+        codes = _q8_0_load(w_ptr, row_w, u0, n_units, BU, EVEN)
+        a, b, c, d = codes, codes, codes, codes
+    elif QT == "Q4_K":
+        codes = _q4_k_codes(w_ptr, row_w, u0, n_units, BU, EVEN)
+        hdr = codes if LATE else _q4_k_headers(w_ptr, row_w, u0, n_units, BU, EVEN)
+        a, b, c, d = codes, hdr, codes, codes
+    else:
+        tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
+        a, b, c, d = _q6_k_load(w_ptr, row_w, u0, n_units, BU, EVEN)
+    return a, b, c, d
+
+
+@triton.jit
+def dot_step(
+    QT: tl.constexpr, a, b, c, d, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, u0, n_units, K, ASM: tl.constexpr,
+    EVEN: tl.constexpr, LATE: tl.constexpr,
+):  # fmt: skip
+    """[BN, BU * QUADS] partial dots of the blocks u0.. that `load_step` loaded (a, b, c, d) with x
+    (xq_ptr, dx_ptr, xs_ptr: `store_quantized`'s buffers, at x's row)."""
+    if QT == "Q8_0":
+        out = _q8_0(a, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
+    elif QT == "Q4_K":
+        BU: tl.constexpr = a.shape[1] // 32
+        # LATE: this step's headers now, from the L1 (its codes' first sector holds them)
+        hdr = _q4_k_headers(w_ptr, row_w, u0, n_units, BU, EVEN) if LATE else b
+        out = _q4_k(a, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM, EVEN)
+    else:
+        out = _q6_k(a, b, c, d, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
+    return out
+
+
+@triton.jit
+def row_dots(
+    QT: tl.constexpr, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, K, UNIT: tl.constexpr, QUADS: tl.constexpr,
+    BU: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, LATE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """[BN, BU * QUADS] partial sums of the dot products of the rows at word offsets row_w [BN] (int64)
+    of w_ptr with one quantized x (xq_ptr, dx_ptr, xs_ptr: its row), BU blocks of UNIT weights a
+    step; their sum along axis 1 is the rows' products. `gemv8_kernel`'s loop: each step loads the
+    next step's weights (`load_step`) before computing on the current ones (`dot_step`), and the last
+    step is taken after the loop (see `gemv8_kernel` for LATE and PDL: with PDL, x is read only after
+    `gdc_wait`, the first step's weights before)."""
+    BN: tl.constexpr = row_w.shape[0]
+    n_units = K // UNIT
+    last = (n_units - 1) // BU * BU  # the last step's first block
+    acc = tl.zeros([BN, BU * QUADS], tl.float32)
+    a, b, c, d = load_step(QT, w_ptr, row_w, 0, n_units, BU, EVEN, LATE)
+    if PDL:
+        gdc_wait()
+    for u0 in range(0, last, BU):
+        na, nb, nc, nd = load_step(QT, w_ptr, row_w, u0 + BU, n_units, BU, EVEN, LATE)
+        acc += dot_step(QT, a, b, c, d, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, u0, n_units, K, ASM, EVEN, LATE)
+        a, b, c, d = na, nb, nc, nd
+    acc += dot_step(QT, a, b, c, d, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, last, n_units, K, ASM, EVEN, LATE)
+    return acc
+
+
+@triton.jit
 def gemv8_kernel(
     xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, r_ptr, K, row_units,
     QT: tl.constexpr, UNIT: tl.constexpr, QUADS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
@@ -400,50 +465,10 @@ def gemv8_kernel(
                     w_ptr, out_ptr, N, first = w2, o2, n2, p2
     rn = (pid - first) * BN + tl.arange(0, BN)
     row_w = tl.minimum(rn, N - 1).to(tl.int64) * row_units * ROW_WORDS
-    n_units = K // UNIT
-    last = (n_units - 1) // BU * BU  # the last step's first block
-    acc = tl.zeros([BN, BU * QUADS], tl.float32)
     if PDL and STAGGER > 1:  # noqa: SIM102 (decided at compile time: unstaggered kernels carry no test)
         if pid % STAGGER == 0:
             gdc_wait()  # the wait after the loads below then returns at once
-    if QT == "Q8_0":
-        codes = _q8_0_load(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if PDL:
-            gdc_wait()
-        for u0 in range(0, last, BU):
-            codes_next = _q8_0_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
-            acc += _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
-            codes = codes_next
-        acc += _q8_0(codes, w_ptr, xq_ptr, dx_ptr, row_w, last, n_units, K, ASM, EVEN)
-    elif QT == "Q4_K":
-        codes = _q4_k_codes(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if not LATE:
-            hdr = _q4_k_headers(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if PDL:
-            gdc_wait()
-        for u0 in range(0, last, BU):
-            codes_next = _q4_k_codes(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
-            if LATE:  # this step's, from the L1: its codes' first sector holds them
-                hdr = _q4_k_headers(w_ptr, row_w, u0, n_units, BU, EVEN)
-            else:
-                hdr_next = _q4_k_headers(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
-            acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM, EVEN)
-            codes = codes_next
-            if not LATE:
-                hdr = hdr_next
-        if LATE:
-            hdr = _q4_k_headers(w_ptr, row_w, last, n_units, BU, EVEN)
-        acc += _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, last, n_units, ASM, EVEN)
-    else:
-        tl.static_assert(QT == "Q6_K", "no integer-dot GEMV for this GGML type")
-        ql_a, ql_b, qh, scales = _q6_k_load(w_ptr, row_w, 0, n_units, BU, EVEN)
-        if PDL:
-            gdc_wait()
-        for u0 in range(0, last, BU):
-            na, nb, nh, ns = _q6_k_load(w_ptr, row_w, u0 + BU, n_units, BU, EVEN)
-            acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
-            ql_a, ql_b, qh, scales = na, nb, nh, ns
-        acc += _q6_k(ql_a, ql_b, qh, scales, w_ptr, xq_ptr, dx_ptr, row_w, last, n_units, K, ASM, EVEN)
+    acc = row_dots(QT, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, K, UNIT, QUADS, BU, ASM, EVEN, LATE, PDL)
     if SCATTER4:  # thread c gets row c % 4's total from SCATTER4_ASM; threads 0-3 store the 4 rows
         c = tl.arange(0, BU * QUADS)
         rows = tl.arange(0, BN)[:, None]  # a column's 4 rows are in one thread: no shuffles here
