@@ -2,27 +2,30 @@
 
 For each type and weight shape N x K (default: Llama-3-8B's FFN, 14336x4096 and 4096x14336) and
 each batch M, the median time of each kernel `matmul.linear` can run there (M <= 8: GEMV and
-GEMM; larger M: GEMM and dequantize + torch matmul), on `prepare`d weights; with GB/s of weight
+GEMM; larger M: GEMM and dequantize + torch matmul; any M: the integer-dot GEMV of its rows, for the
+types it reads), on `prepare`d weights; with GB/s of weight
 bytes over the measured device-to-device copy bandwidth (what bounds M <= 8) and TFLOP/s over the
 measured bf16 matmul rate (what bounds large M). At M = 512 a dense bf16 torch matmul of the same
 shape is timed too, and at M = 1 the GEMV on raw (not prepared) rows and a plain read of the same
-bytes ("read": what any kernel reading them at this size can reach). The integer-dot GEMV ("dot8")
-takes x already quantized, as decode's norm and gate kernels write it. The ceilings are measured in
-the same run: a copy of a 4 GB buffer (bytes read + written) and an 8192^3 bf16 matmul.
+bytes ("read": what any kernel reading them at this size can reach). The integer-dot GEMVs ("dot8"
+at M = 1, "dot8_rows" above) take x already quantized, as decode's norm and gate kernels write it.
+The ceilings are measured in the same run: a copy of a 4 GB buffer (bytes read + written) and an
+8192^3 bf16 matmul.
 At M <= 8 calls are timed on the GPU alone, replayed from CUDA graphs (as decode runs them) as what
 one call adds to a stream of them (`graph_ms`), over copies of the weight that together exceed the
 L2; larger M use triton.testing.do_bench, which clears the L2 before every call. Either way each
 call reads its weight from HBM.
 
     python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,16,512] [--kernels dequant,dense]
-                            [--sweep Q4_K [--shapes 2/2048/1,4/2048/2/late]] [--dequant-sweep Q4_0]
-                            [--sustain SECONDS] [--json PATH]
+                            [--sweep Q4_K [--shapes 2/2048/1,4/2048/2/late] [--sweep-m 8]]
+                            [--dequant-sweep Q4_0] [--sustain SECONDS] [--rows-bm 4,8,16] [--json PATH]
 
 `--sweep` also times a grid of GEMV launch shapes at M = 1 (how the integer-dot shapes of
-`llmx/quant/triton/launch_shapes.json` were chosen), `--dequant-sweep` one of the dequantize
-kernel's (its `dequantize` shape). `--sustain S` times the rows
+`llmx/quant/triton/launch_shapes.json` were chosen), or at `--sweep-m` rows ("dot8_rows"),
+`--dequant-sweep` one of the dequantize kernel's (its `dequantize` shape). `--sustain S` times the rows
 at M <= 8 after S seconds of back-to-back calls and notes the SM clock and power they left: a
 GEMV that keeps the SMs busy issuing can hold an H200 at its power cap, at lower clocks.
+`--rows-bm 4,8,16` times "dot8_rows" at each of these rows of x a program (`matmul.ROWS8_BM`).
 Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT is set.
 """
 
@@ -231,13 +234,13 @@ def measure(
     n, k = w.shape
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     # x quantized beforehand, as decode's norm and gate kernels write it (the GEMV's time alone)
-    qx = activation.quantize_x(x) if kernel == "dot8" else None
+    qx = activation.quantize_x(x) if kernel in tops.INT8_KERNELS else None
     if m <= choice.GEMV_MAX_M:
         calls = [partial(tops.linear, x, c, kernel=kernel, qx=qx) for c in copies(w)]
         t = graph_ms(calls, sustain_s=sustain_s)
         extra |= sustained(sustain_s)
     else:
-        t = bench_ms(partial(tops.linear, x, w, kernel=kernel))
+        t = bench_ms(partial(tops.linear, x, w, kernel=kernel, qx=qx))
     gbs, tflops = w.raw.numel() * w.raw.element_size() / t / 1e6, 2 * m * n * k / t / 1e9
     frac = gbs / ceil["copy_gbs"] if m <= choice.GEMV_MAX_M else tflops / ceil["bf16_tflops"]
     row = {"type": w.qtype.name, "n": n, "k": k, "m": m, "kernel": kernel, "ms": t, "gbs": gbs}
@@ -250,10 +253,12 @@ def run(
     ceil: dict[str, float],
     only: set[str] | None = None,
     sustain_s: float = 0.0,
+    rows_bms: tuple[int, ...] = (),
 ) -> Iterator[dict]:
     """Timed rows, yielded as they are measured (a long run that is cut short still reports);
     `only` keeps the kernels named in it (of KERNELS, "read" and "dense"); rows at M <= 8 are timed
-    after `sustain_s` seconds of back-to-back calls."""
+    after `sustain_s` seconds of back-to-back calls; "dot8_rows" once for each of `rows_bms` as its
+    rows of x a program (`matmul.ROWS8_BM`; none: the default)."""
     wanted = (lambda kernel: True) if only is None else only.__contains__
     for name, (n, k) in itertools.product(types, SHAPES):
         raw = make_weight(name, n, k)
@@ -272,10 +277,18 @@ def run(
                 if m in (2, 8)
                 else ("gemv",)
             )
-            if tops.kernel_for(w, m, "dot8") == "dot8":  # its time includes quantizing x
-                kernels = ("dot8", *kernels)
+            int8 = "dot8" if m == 1 else "dot8_rows"  # x quantized beforehand (`measure`)
+            if tops.kernel_for(w, m, int8) == int8:
+                kernels = (int8, *kernels)
             for kern in filter(wanted, kernels):
-                yield measure(w, m, kern, ceil, sustain_s, layout=layout)
+                if kern != "dot8_rows" or not rows_bms:
+                    yield measure(w, m, kern, ceil, sustain_s, layout=layout)
+                    continue
+                default_bm = tops.ROWS8_BM
+                for bm in rows_bms:
+                    tops.ROWS8_BM = bm
+                    yield measure(w, m, kern, ceil, sustain_s, layout=layout, rows_bm=bm)
+                tops.ROWS8_BM = default_bm
             if m >= 512 and wanted("dense"):
                 dense = SimpleNamespace(raw=torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
                 dense.qtype, dense.shape, dense.name, dense.packed = qtype("BF16"), (n, k), "dense", None
@@ -304,14 +317,15 @@ def dequant_sweep(types: list[str], ceil: dict[str, float]) -> list[dict]:
     return rows
 
 
-def sweep(types: list[str], given: list[LaunchShape]) -> list[dict]:
-    """Time at M = 1 of the integer-dot GEMV (the float one for types it cannot read) for the
-    `given` launch shapes, else a grid of them, on prepared weights."""
+def sweep(types: list[str], given: list[LaunchShape], m: int = 1) -> list[dict]:
+    """Time at M = m of the integer-dot GEMV ("dot8", or "dot8_rows" for several rows; the float one
+    for types they cannot read) for the `given` launch shapes, else a grid of them, on prepared
+    weights."""
     rows = []
     for name, (n, k) in itertools.product(types, SHAPES):
         w = prepare(make_weight(name, n, k))
-        kernel = tops.kernel_for(w, 1, "dot8")
-        if kernel == "dot8":
+        kernel = tops.kernel_for(w, m, "dot8" if m == 1 else "dot8_rows")
+        if kernel in tops.INT8_KERNELS:
             # One warp and few rows a program were among the best shapes on an H200 (bench/RESULTS.md);
             # Q4_K's headers can be loaded late (LaunchShape.late_headers), which changes the best.
             steps = (512, 1024, 2048) if name == "Q8_0" else (1024, 2048, 4096)
@@ -320,8 +334,8 @@ def sweep(types: list[str], given: list[LaunchShape]) -> list[dict]:
         else:
             shapes = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4)))
         grid = given or [LaunchShape(*c) for c in shapes]
-        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        qx = activation.quantize_x(x) if kernel == "dot8" else None
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        qx = activation.quantize_x(x) if kernel in tops.INT8_KERNELS else None
         ws = copies(w)
         for cfg in grid:
             t = graph_ms([partial(tops.linear, x, c, kernel=kernel, gemv=cfg, qx=qx) for c in ws])
@@ -329,13 +343,13 @@ def sweep(types: list[str], given: list[LaunchShape]) -> list[dict]:
                 "type": name,
                 "n": n,
                 "k": k,
-                "m": 1,
+                "m": m,
                 "kernel": kernel,
                 "ms": t,
                 "gbs": w.raw.numel() / t / 1e6,
             }
             rows.append(row | cfg.__dict__)
-            print(f"sweep {name} {n}x{k} {cfg}: {row['gbs']:.0f} GB/s", flush=True)
+            print(f"sweep {name} {n}x{k} M={m} {cfg}: {row['gbs']:.0f} GB/s", flush=True)
     return rows
 
 
@@ -350,6 +364,8 @@ def table_row(r: dict) -> str:
     state = ""
     if "sustain_s" in r:  # the clock and power the sustained calls left
         state = f" ({r['sustain_s']:g} s on: {r.get('sm_mhz', '?')} MHz, {r.get('watts', '?')} W)"
+    if "rows_bm" in r:
+        state += f" BM {r['rows_bm']}"
     return (
         f"| {r['type']} | {r['n']}x{r['k']} | {r['m']} | {r['kernel']}{state} | {r['layout']} | "
         f"{r['ms'] * 1e3:.1f} | {r['gbs']:.0f} | {r['tflops']:.1f} | {r['frac']:.0%} of {ceiling} |"
@@ -390,8 +406,8 @@ def main() -> None:
     ap.add_argument(
         "--kernels",
         default="",
-        help="time only these, e.g. dequant,dense (of dot8, gemv, gemm, dequant, read, dense; none: a sweep "
-        "alone)",
+        help="time only these, e.g. dequant,dense (of dot8, dot8_rows, gemv, gemm, dequant, read, dense; "
+        "none: a sweep alone)",
     )
     ap.add_argument("--dequant-sweep", default="", help="types whose dequantize launch shapes to sweep")
     ap.add_argument(
@@ -399,6 +415,10 @@ def main() -> None:
         type=float,
         default=0.0,
         help="seconds of back-to-back calls before timing each M <= 8 row (default 0: a short burst)",
+    )
+    ap.add_argument("--sweep-m", type=int, default=1, help="rows of x the sweep times (dot8_rows from 2)")
+    ap.add_argument(
+        "--rows-bm", default="", help="time dot8_rows at each of these rows of x a program, e.g. 4,8,16"
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -410,7 +430,7 @@ def main() -> None:
     print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s (read+write), ", end="")
     print(f"bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s\n")
     if args.sweep:
-        result["sweep"] = sweep(args.sweep.split(","), parse_shapes(args.shapes))
+        result["sweep"] = sweep(args.sweep.split(","), parse_shapes(args.shapes), args.sweep_m)
         print(sweep_table(result["sweep"]) + "\n", flush=True)
     if args.dequant_sweep:
         result["dequant_sweep"] = dequant_sweep(args.dequant_sweep.split(","), ceil)
@@ -418,7 +438,8 @@ def main() -> None:
     print(TABLE_HEAD, flush=True)
     result["rows"] = []
     only = set(args.kernels.split(",")) if args.kernels else None
-    for row in run(args.types.split(","), [int(m) for m in args.m.split(",")], ceil, only, args.sustain):
+    bms = tuple(int(bm) for bm in filter(None, args.rows_bm.split(",")))
+    for row in run(args.types.split(","), [int(m) for m in args.m.split(",")], ceil, only, args.sustain, bms):
         result["rows"].append(row)
         print(table_row(row), flush=True)
         if path:  # rewritten after every row, so a run that is cut short keeps what it measured

@@ -12,7 +12,10 @@ package first on PYTHONPATH (e.g. the device's 3.6, `pip install --target DIR tr
 needed).
 
     python bench/ptx_gemv.py [--types Q4_K,Q6_K,Q8_0] [--bn 2,4,8,16] [--bk 1024,2048,4096] [--warps 1,2,4]
-        [--late 0,1] [--maxnreg 0,128]
+        [--late 0,1] [--maxnreg 0,128] [--rows 8]
+
+`--rows BM` compiles the several-row form (`dot8_rows.gemv8_rows_kernel`) at BM rows of x a program
+instead: its loop holds BM rows' x and reduces each row's sums every step (its shuffles and barriers).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from llmx.quant import choice, qtype
-from llmx.quant.triton import dot8
+from llmx.quant.triton import dot8, dot8_rows
 from llmx.quant.triton import matmul as tops
 from llmx.quant.triton.tuning import LaunchShape
 
@@ -37,26 +40,40 @@ POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
 WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
 CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES", "LATE")
 CONSTANTS += ("STAGGER", "SCATTER4")
+ROWS_CONSTANTS = ("QT", "UNIT", "BN", "BU", "BM", "BMP", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES")
+ROWS_CONSTANTS += ("LATE",)
 
 
-def compiled(name: str, cfg: LaunchShape) -> dict[str, str | bytes]:
-    """The PTX and cubin of one launch shape: one weight a launch, rows whole 16-byte units, every
-    pointer and integer but the row length a multiple of 16 (as Triton specializes them for
+def compiled(name: str, cfg: LaunchShape, rows: int = 0) -> dict[str, str | bytes]:
+    """The PTX and cubin of one launch shape (with `rows`: of the several-row kernel at BM = rows):
+    one weight a launch, rows whole 16-byte units, every pointer and integer but the row length (and
+    the several-row kernel's M and chunks) a multiple of 16 (as Triton specializes them for
     Llama-shaped matrices)."""
     unit = qtype(name).block_elems
     signature = dict(POINTERS)
     for j in range(tops.DOT8_MAX_WEIGHTS):
         signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
-    signature |= {"r_ptr": "*bf16", "K": "i32", "row_units": "i32"} | dict.fromkeys(CONSTANTS, "constexpr")
+    signature["r_ptr"] = "*bf16"
     bu = max(1, cfg.bk // unit)
-    values = (name, unit, tops.DOT8_QUADS[name], cfg.bn, bu, 1, True, True, 4, False, False, cfg.late_headers)
-    values += (cfg.stagger, tops.scatter_end(name, cfg))  # compiled without PDL: stagger changes nothing
+    if rows:
+        fn, names = dot8_rows.gemv8_rows_kernel, ROWS_CONSTANTS
+        signature |= {"M": "i32", "K": "i32", "row_units": "i32", "chunks": "i32"}
+        values = (name, unit, cfg.bn, bu, rows, 1 << (rows - 1).bit_length(), 1, True, True, 4, False, False)
+        values += (cfg.late_headers,)
+    else:
+        fn, names = dot8.gemv8_kernel, CONSTANTS
+        signature |= {"K": "i32", "row_units": "i32"}
+        values = (name, unit, tops.DOT8_QUADS[name], cfg.bn, bu, 1, True, True, 4, False, False)
+        # compiled without PDL: stagger changes nothing
+        values += (cfg.late_headers, cfg.stagger, tops.scatter_end(name, cfg))
+    signature |= dict.fromkeys(names, "constexpr")
     # a row's count of 16-byte units need not be a multiple of 16 (Q6_K's 4096-weight rows: 210)
-    aligned = [i for i, (k, v) in enumerate(signature.items()) if v != "constexpr" and k != "row_units"]
+    free = ("row_units", "M", "chunks")
+    aligned = [i for i, (k, v) in enumerate(signature.items()) if v != "constexpr" and k not in free]
     src = ASTSource(
-        fn=dot8.gemv8_kernel,
+        fn=fn,
         signature=signature,
-        constexprs=dict(zip(CONSTANTS, values, strict=True)),
+        constexprs=dict(zip(names, values, strict=True)),
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
     options = {"num_warps": cfg.num_warps, "maxnreg": cfg.max_registers}
@@ -112,6 +129,7 @@ def main() -> None:
         "--late", default="0", help="Q4_K's headers loaded late (1), a step ahead (0), or both (0,1)"
     )
     ap.add_argument("--maxnreg", default="0", help="caps on a thread's registers (0: none), e.g. 0,128")
+    ap.add_argument("--rows", type=int, default=0, help="BM: compile dot8_rows at BM rows of x a program")
     args = ap.parse_args()
     ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps, args.late, args.maxnreg)]
     print(f"Triton {triton.__version__}")
@@ -120,7 +138,7 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, bn, bk, warps, late, maxnreg in itertools.product(args.types.split(","), *ints):
         cfg = LaunchShape(bn, bk, warps, bool(late), maxnreg or None)
-        asm = compiled(name, cfg)
+        asm = compiled(name, cfg, args.rows)
         body = loop_body(asm["ptx"])
         loads = sum("ld.global" in line for line in body)
         vectors = sum("ld.global" in line and ".v4." in line for line in body)

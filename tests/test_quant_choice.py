@@ -14,7 +14,7 @@ from llmx.quant.triton import autotune, tuning
 from llmx.quant.triton.tuning import GemmConfig, LaunchShape
 from llmx.quant.weight import QWeight
 
-ALL_M = range(0, 70)
+ALL_M = range(0, choice.BUCKET_TOPS[-1] + 8)  # every bucket, the last one's first rows too
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
@@ -60,6 +60,32 @@ def test_a_forced_gpu_kernel_takes_every_batch_size_it_reads(monkeypatch) -> Non
         settings.gpu_kernel()
 
 
+def test_the_integer_dot_kernels_take_the_rows_they_read() -> None:
+    """Q4_K, Q6_K and Q8_0 rows in WORDS layout: "dot8" at M <= DOT8_MAX_M, "dot8_rows" from
+    ROWS8_MIN_M to ROWS8_MAX_M, the float kernels' table around them and for other types and layouts;
+    each limit closes a bucket, so a weight's kept kernels follow the table whatever the limits are."""
+    lo, hi = choice.ROWS8_MIN_M, choice.ROWS8_MAX_M
+    assert {choice.DOT8_MAX_M, lo - 1, hi} - {0} <= set(choice.BUCKET_TOPS)
+    for name in choice.DOT8_TYPES:
+        qt = qtype(name)
+        for m in ALL_M:
+            words = choice.choose(qt, "cuda", choice.WORDS, m)
+            split = choice.choose(qt, "cuda", choice.SPLIT, m)
+            if m <= choice.DOT8_MAX_M:  # M = 0 too: the first bucket
+                assert words == "dot8", m
+            elif lo <= m <= hi:
+                assert words == "dot8_rows", m
+            else:
+                assert words == split, m
+            assert split not in ("dot8", "dot8_rows")
+    assert choice.choose(qtype("Q5_K"), "cuda", choice.WORDS, lo) != "dot8_rows"
+    q4k = qtype("Q4_K")
+    assert choice.choose(q4k, "cuda", choice.WORDS, hi + 100, "dot8_rows") == "dot8_rows"  # forced: any M
+    assert choice.choose(q4k, "cuda", choice.SPLIT, 2, "dot8_rows") == "gemv"  # rows it cannot read
+    assert choice.choose(q4k, "cuda", choice.WORDS, 2, "dot8") == "gemv"  # the one-row kernel: M = 1
+    assert choice.choose(q4k, "cuda", choice.WORDS, hi, "emulated") == "emulated"
+
+
 def test_a_weight_keeps_its_choice_and_follows_its_bytes(monkeypatch) -> None:
     """The kernels are chosen when the weight is made and again when its bytes or form change."""
     from llmx.quant import cpu_native
@@ -85,6 +111,9 @@ def test_every_gpu_kind_has_valid_shapes() -> None:
         for name in BLOCK_TYPES:
             assert t.gemv(name, 1).bk % 32 == 0 and t.gemv(name, 4).num_warps > 0
         assert t.gemm and t.dequantize.bn > 0
+        for name in choice.DOT8_TYPES:
+            assert t.dot8_rows(name).bk % qtype(name).block_elems == 0
+        assert t.dot8_rows("Q5_K") == t.dot8_rows_shapes["any"]
         for shape in [*t.dot8_by_type.values(), *t.dot8_one_step.values(), *t.dot8_long_rows.values()]:
             assert LaunchShape.parse(str(shape)) == shape
         assert all(GemmConfig.parse(str(c)) == c for c in t.gemm)

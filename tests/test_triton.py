@@ -132,9 +132,9 @@ def check_linear(
     out = tops.linear(x.to(DEVICE), w, kernel=kernel, gemv=gemv)
     assert out.shape == (m, n) and out.dtype == dtype
     chosen = tops.kernel_for(w, m, kernel)
-    tol = TOL[dtype] if chosen in ("gemv", "dot8") else GEMM_TOL[dtype]
+    tol = TOL[dtype] if chosen in ("gemv", *tops.INT8_KERNELS) else GEMM_TOL[dtype]
     exact = x.double().numpy()
-    if chosen == "dot8":
+    if chosen in tops.INT8_KERNELS:
         assert rel_err(out, exact @ ref_w.T) < DOT8_FLOAT_TOL
         exact = quantized_x_ref(x.float().numpy())
     assert rel_err(out, exact @ ref_w.T) < tol
@@ -211,6 +211,54 @@ def test_dot8(name: str, shape: tuple[int, ...]) -> None:
     w = laid_out(w, name, "prepared")
     assert tops.kernel_for(w, 1, "dot8") == "dot8" and tops.kernel_for(w, 2, "dot8") == "gemv"
     check_linear(w, ref, 1, torch.float32, seed=shape[1], kernel="dot8", gemv=tuning.LaunchShape(*shape))
+
+
+@pytest.mark.parametrize("m", [2, 3, 8, 17])
+@pytest.mark.parametrize("name", DOT8_TYPES)
+def test_dot8_rows(name: str, m: int) -> None:
+    # each weight step dotted with several rows of x: 2, 3 and 8 rows in one program, 17 in three
+    # chunks of 6 (the last repeats row 16, unstored); 6 super-blocks and N = 9 as in test_dot8
+    w, ref = random_weight(name, 9, 1536, seed=100 + m)
+    w = laid_out(w, name, "prepared")
+    assert tops.kernel_for(w, m, "dot8_rows") == "dot8_rows"
+    check_linear(w, ref, m, torch.float32, seed=m, kernel="dot8_rows")
+
+
+@pytest.mark.parametrize(("name", "shape"), [("Q4_K", (4, 1024, 2, True)), ("Q6_K", (2, 512, 1))], ids=str)
+def test_dot8_rows_several_steps(name: str, shape: tuple[int, ...]) -> None:
+    # rows of several steps, the last partial (Q4_K's with its headers loaded late, once for all rows)
+    w, ref = random_weight(name, 9, 1536, seed=110)
+    w = laid_out(w, name, "prepared")
+    check_linear(w, ref, 5, torch.float32, seed=111, kernel="dot8_rows", gemv=tuning.LaunchShape(*shape))
+
+
+def test_dot8_rows_shares_launches_and_adds_a_residual() -> None:
+    """q/k/v-like weights of one type at M = 3 in one launch, each output equal to its own; a
+    residual [M, N] added at the store."""
+    ws = [laid_out(random_weight("Q4_K", n, 512, seed=120 + n)[0], "Q4_K", "prepared") for n in (5, 3, 9)]
+    g = torch.Generator().manual_seed(125)
+    x, r = torch.randn(3, 512, generator=g).to(DEVICE), torch.randn(3, 9, generator=g).to(DEVICE)
+    outs = tops.run_many(x, x, ws, ["dot8_rows"] * 3)
+    assert [tuple(y.shape) for y in outs] == [(3, 5), (3, 3), (3, 9)]
+    for y, w in zip(outs, ws, strict=True):
+        assert torch.equal(y, tops.linear(x, w, kernel="dot8_rows"))
+    plain = tops.linear(x, ws[2], kernel="dot8_rows")
+    assert torch.equal(tops.linear(x, ws[2], kernel="dot8_rows", residual=r), plain + r)
+
+
+@pytest.mark.parametrize("name", DOT8_TYPES)
+def test_dot8_rows_compiles_for_hopper(name: str) -> None:
+    # the interpreter runs what the GPU's compiler may refuse: bench/ptx_gemv.py compiles the kernel
+    # for sm_90 at its tuned shape and ROWS8_BM rows (no GPU needed; its own process, as below)
+    cfg = TUNED.dot8_rows(name)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    shape = ["--types", name, "--bn", str(cfg.bn), "--bk", str(cfg.bk), "--warps", str(cfg.num_warps)]
+    shape += ["--late", str(int(cfg.late_headers)), "--maxnreg", str(cfg.max_registers or 0)]
+    tool = [sys.executable, "bench/ptx_gemv.py", *shape, "--rows", str(tops.ROWS8_BM)]
+    out = subprocess.run(tool, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith(f"| {name} |"))
+    assert int(row.strip("| ").split(" | ")[2].split("(")[1].rstrip(")")) > 0, row  # 16-byte loads
 
 
 def test_dot8_q6_k_extreme_blocks() -> None:
@@ -370,10 +418,10 @@ def pick_kernel(name: str, m: int) -> str:
 
 
 def test_kernel_choice() -> None:
-    assert [pick_kernel("Q4_K", m) for m in (1, 2, 4, 5, 15, 16)] == ["dot8"] + ["gemv"] * 2 + [
-        "gemm"
-    ] * 2 + ["dequant"]
-    assert [pick_kernel("Q6_K", m) for m in (1, 2)] == ["dot8", "gemv"]
+    lo, hi = choice.ROWS8_MIN_M, choice.ROWS8_MAX_M
+    assert [pick_kernel("Q6_K", m) for m in (1, lo, hi)] == ["dot8", "dot8_rows", "dot8_rows"]
+    split = [choice.choose(qtype("Q4_K"), "cuda", choice.SPLIT, m) for m in (1, 2, 4, 5, 15, 16)]
+    assert split == ["gemv"] * 3 + ["gemm"] * 2 + ["dequant"]  # rows the integer dots cannot read
     assert [pick_kernel("Q4_1", m) for m in (1, 4, 5)] == ["gemv"] * 2 + ["gemm"]
     assert [pick_kernel("IQ4_XS", m) for m in (8, 9)] == ["gemv", "dequant"]
 

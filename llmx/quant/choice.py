@@ -1,15 +1,19 @@
 """Which kernel multiplies a weight: one table, consulted when a weight is made or prepared at load.
 
 The answer depends on the weight's type, its device, how its rows are laid out there, and M (the
-rows of x, in buckets: 1, 2-4, 5-8, 9-15, 16 and more); `kernels` gives one kernel per bucket, which
-the weight keeps (`QWeight.kernels`), so a call only indexes it. Pure: no torch.
+rows of x, in buckets: BUCKET_TOPS, which every M limit below closes); `kernels` gives one kernel
+per bucket, which the weight keeps (`QWeight.kernels`), so a call only indexes it. Pure: no torch.
 
 GPU kernels (`llmx.quant.triton.matmul`):
 - "float": F32/F16/BF16 weights, torch's matmul;
 - "dot8": M = 1, Q4_K, Q6_K and Q8_0 rows in the repacked layout read as words (WORDS): x quantized
   to int8 per 32 values, then int8 dot products on the weight codes (llama.cpp's mmvq); faster
   than "gemv" on every GPU measured (bench/RESULTS.md);
-- "gemv": M <= 4 (IQ4 types: 8), fp32 FMAs on the unpacked codes; its time grows with M;
+- "dot8_rows": ROWS8_MIN_M <= M <= ROWS8_MAX_M, the same types and layout: "dot8" for several rows
+  of x, each weight block read once for up to `matmul.ROWS8_BM` of them (llama.cpp's mmvq; a
+  batched decode step), any M where forced;
+- "gemv": M <= FLOAT_GEMV_MAX_M (IQ4 types: GEMV_MAX_M), fp32 FMAs on the unpacked codes; its time
+  grows with M;
 - "gemm": M < DEQUANT_MIN_M, tiles dequantized in registers for tl.dot, time flat in M up to its
   tile; not for IQ4 types, whose per-code table lookups make it slower than "dequant";
 - "dequant": larger M, chunks of rows dequantized to half precision for cuBLAS.
@@ -32,7 +36,7 @@ from __future__ import annotations
 from llmx.errors import LlmxError
 from llmx.quant import QType
 
-GPU_KERNELS = ("dot8", "gemv", "gemm", "dequant")
+GPU_KERNELS = ("dot8", "dot8_rows", "gemv", "gemm", "dequant")
 CPU_PREFERENCES = ("auto", "packed", "dequant", "emulated")  # LLMX_KERNEL's values
 
 # Layouts of a weight's rows on its device.
@@ -43,8 +47,16 @@ NATIVE = "native"  # CPU: GGUF blocks the native C kernels read (`cpu_native`)
 PACKED = "packed"  # CPU: repacked by `cpu_pack`
 
 GEMV_MAX_M = 8  # the float GEMV's limit (a static loop over input rows)
-DOT8_MAX_M = 1  # decode; a few rows are faster on "gemv" than on repeated integer-dot passes
-DOT8_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the integer-dot GEMV's types
+FLOAT_GEMV_MAX_M = 4  # its time grows with M: from here on "gemm" is faster, but for IQ4 types
+DOT8_MAX_M = 1  # decode
+DOT8_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the integer-dot GEMVs' types
+# "dot8_rows"' range of M: it reads each weight once where "dequant" writes and reads it again in
+# bf16, but its integer work grows with M. A batched decode step of synthetic Llama-3-8B Q4_K_M on an
+# H100 (bench/batch_step.py, every weight forced by LLMX_GPU_KERNEL): 8 rows 9.6 ms ("gemm" 29.8,
+# "dequant" 15.8), 16 rows 16.4 ("dequant" 16.2, flat to 18.2 at 64): from 16 "dequant" takes them
+ROWS8_MIN_M = 2
+ROWS8_MAX_M = 15
+INT8_X_MAX_M = max(DOT8_MAX_M, ROWS8_MAX_M)  # rows of x that the integer-dot GEMVs take
 DEQUANT_MIN_M = 16  # from here "dequant" beats "gemm" (bench/kernels.py)
 MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a GPU
 # rows of x the native GEMV takes (it can take cpu_native.MAX_ROWS): from 16, chunks dequantized for
@@ -52,8 +64,19 @@ MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a 
 # the GEMV 1.4x faster at 8), and 15 closes one of BUCKET_TOPS' buckets
 NATIVE_MAX_ROWS = 15
 
-BUCKET_TOPS = (1, 4, 8, 15)  # the largest M of each bucket but the last, which holds the rest
-BUCKET_OF = (0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3)  # bucket of M < 16 (M = 0: the first)
+# the largest M of each bucket but the last, which holds the rest: every limit above closes one
+_LIMITS = (
+    DOT8_MAX_M,
+    FLOAT_GEMV_MAX_M,
+    GEMV_MAX_M,
+    DEQUANT_MIN_M - 1,
+    NATIVE_MAX_ROWS,
+    ROWS8_MIN_M - 1,
+    ROWS8_MAX_M,
+)
+BUCKET_TOPS = tuple(sorted(set(_LIMITS) - {0}))
+# the bucket of each M up to the last top (M = 0: the first); larger M are in LAST_BUCKET
+BUCKET_OF = tuple(next(b for b, top in enumerate(BUCKET_TOPS) if m <= top) for m in range(max(_LIMITS) + 1))
 LAST_BUCKET = len(BUCKET_TOPS)
 
 
@@ -73,7 +96,7 @@ def bucket(m: int) -> int:
 def kernels(qt: QType, device: str, layout: str, preference: str = "auto") -> tuple[str, ...]:
     """The kernel of each M bucket for a weight of type `qt` on a `device` ("cuda", "cpu"; a GPU
     without Triton: "cuda-emulated") in `layout`."""
-    return tuple(choose(qt, device, layout, m, preference) for m in (*BUCKET_TOPS, DEQUANT_MIN_M))
+    return tuple(choose(qt, device, layout, m, preference) for m in (*BUCKET_TOPS, BUCKET_TOPS[-1] + 1))
 
 
 def choose(qt: QType, device: str, layout: str, m: int, preference: str = "auto") -> str:
@@ -96,21 +119,24 @@ def choose(qt: QType, device: str, layout: str, m: int, preference: str = "auto"
 def _gpu(qt: QType, layout: str, m: int, preference: str) -> str:
     if qt.is_float:
         return "float"
-    if preference in GPU_KERNELS:
-        choice = preference
-    elif preference in CPU_PREFERENCES:  # LLMX_KERNEL's CPU paths leave GPUs to the table
-        choice = _gpu_table(qt.name, m)
-    else:
+    readable = layout == WORDS and qt.name in DOT8_TYPES  # by the integer-dot GEMVs
+    if preference in CPU_PREFERENCES:  # LLMX_KERNEL's CPU paths leave GPUs to the table
+        return _gpu_table(qt.name, readable, m)
+    if preference not in GPU_KERNELS:
         raise LlmxError(f"unknown kernel {preference!r}; choose one of {', '.join(GPU_KERNELS)}")
-    if choice == "dot8" and not (layout == WORDS and m <= DOT8_MAX_M and qt.name in DOT8_TYPES):
-        return "gemv"  # rows it cannot read
-    return choice
+    if preference in ("dot8", "dot8_rows") and not (
+        readable and (m <= DOT8_MAX_M or preference == "dot8_rows")
+    ):
+        return "gemv"  # rows (of W or x) it cannot read
+    return preference
 
 
-def _gpu_table(name: str, m: int) -> str:
-    if name in DOT8_TYPES and m <= DOT8_MAX_M:
+def _gpu_table(name: str, readable: bool, m: int) -> str:
+    if readable and m <= DOT8_MAX_M:
         return "dot8"
+    if readable and ROWS8_MIN_M <= m <= ROWS8_MAX_M:
+        return "dot8_rows"
     iq4 = name.startswith("IQ4")
-    if m <= (GEMV_MAX_M if iq4 else 4):
+    if m <= (GEMV_MAX_M if iq4 else FLOAT_GEMV_MAX_M):
         return "gemv"
     return "dequant" if iq4 or m >= DEQUANT_MIN_M else "gemm"

@@ -45,8 +45,8 @@ KERNEL = settings.cpu_kernel()  # read once; `linear(..., kernel=)` overrides pe
 GPU_KERNEL = settings.gpu_kernel()  # read once: a GPU kernel forced at every M (benchmarks)
 GEMV_MAX_M = 8  # rows of x up to which the fused GEMV beats dequantize + dense matmul (bench/cpu_matmul.py)
 DEQUANT_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time: big enough for mm, small enough for L3
-_ON_GPU = frozenset(("dot8", "gemv", "gemm", "dequant", "float"))  # the kernels `G.run` takes
-_BUCKET_OF, _LAST_BUCKET = C.BUCKET_OF, C.LAST_BUCKET  # `C.bucket`, inlined on the hot path
+_ON_GPU = frozenset((*C.GPU_KERNELS, "float"))  # the kernels `G.run` takes
+_BUCKET_OF, _BUCKETED, _LAST_BUCKET = C.BUCKET_OF, len(C.BUCKET_OF), C.LAST_BUCKET  # `C.bucket`, inlined
 
 
 @dataclass
@@ -289,7 +289,10 @@ def linear(
         raise LlmxError(f"{w.name or 'weight'} {w.shape} cannot multiply x of shape {tuple(x.shape)}")
     flat = x.dim() == 2  # a decode step's x: no reshapes (each costs about a microsecond)
     m = x.shape[0] if flat else x.numel() // max(k, 1)
-    choice = w.kernels[_BUCKET_OF[m] if m < 16 else _LAST_BUCKET] if kernel is None else _forced(w, m, kernel)
+    if kernel is None:
+        choice = w.kernels[_BUCKET_OF[m] if m < _BUCKETED else _LAST_BUCKET]
+    else:
+        choice = _forced(w, m, kernel)
     if choice in _ON_GPU:  # x keeps its shape; the integer-dot GEMV adds the residual as it stores
         return G.run(x, G.unit_rows(x), w, choice, residual=residual)
     x2 = x if flat else x.reshape(-1, k)
@@ -338,7 +341,7 @@ def linear_many(
     if kernel is None and ws[0].raw.is_cuda:
         x2 = G.unit_rows(x)
         m = x2.shape[0]
-        b = _BUCKET_OF[m] if m < 16 else _LAST_BUCKET
+        b = _BUCKET_OF[m] if m < _BUCKETED else _LAST_BUCKET
         chosen = [w.kernels[b] for w in ws]
         if _ON_GPU.issuperset(chosen):
             return with_biases(G.run_many(x, x2, list(ws), chosen), biases)

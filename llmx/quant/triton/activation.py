@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmx.quant.choice import DOT8_MAX_M
+from llmx.quant.choice import INT8_X_MAX_M
 from llmx.quant.triton.launch import cdiv, dot8, kernels
 
 
@@ -72,9 +72,9 @@ def empty_quantized(m: int, k: int, device: torch.device) -> QuantizedX:
 
 def wants_quantized(x: torch.Tensor) -> bool:
     """Whether a kernel producing x [..., K] should also write it quantized: x is a decode step's
-    activation on a GPU, as the integer-dot GEMV takes it."""
+    activation on a GPU, of as many rows as the integer-dot GEMVs take."""
     k = x.shape[-1]
-    return x.is_cuda and k % 32 == 0 and x.numel() // max(k, 1) <= DOT8_MAX_M
+    return x.is_cuda and k % 32 == 0 and x.numel() // max(k, 1) <= INT8_X_MAX_M
 
 
 def quantized_output(out: torch.Tensor, quantize: bool | None = None) -> QuantizedX | None:

@@ -366,19 +366,29 @@ def load_step(
 
 
 @triton.jit
+def late_step(
+    QT: tl.constexpr, a, b, c, d, w_ptr, row_w, u0, n_units, EVEN: tl.constexpr, LATE: tl.constexpr
+):
+    """`load_step`'s a, b, c, d for blocks u0.. as `dot_step` computes on them: with LATE, Q4_K's
+    headers loaded now, from the L1 (the first sector of their block's codes holds them)."""
+    if QT == "Q4_K" and LATE:
+        BU: tl.constexpr = a.shape[1] // 32
+        b = _q4_k_headers(w_ptr, row_w, u0, n_units, BU, EVEN)
+    return a, b, c, d
+
+
+@triton.jit
 def dot_step(
     QT: tl.constexpr, a, b, c, d, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, u0, n_units, K, ASM: tl.constexpr,
     EVEN: tl.constexpr, LATE: tl.constexpr,
 ):  # fmt: skip
     """[BN, BU * QUADS] partial dots of the blocks u0.. that `load_step` loaded (a, b, c, d) with x
     (xq_ptr, dx_ptr, xs_ptr: `store_quantized`'s buffers, at x's row)."""
+    a, b, c, d = late_step(QT, a, b, c, d, w_ptr, row_w, u0, n_units, EVEN, LATE)
     if QT == "Q8_0":
         out = _q8_0(a, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
     elif QT == "Q4_K":
-        BU: tl.constexpr = a.shape[1] // 32
-        # LATE: this step's headers now, from the L1 (its codes' first sector holds them)
-        hdr = _q4_k_headers(w_ptr, row_w, u0, n_units, BU, EVEN) if LATE else b
-        out = _q4_k(a, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM, EVEN)
+        out = _q4_k(a, b, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM, EVEN)
     else:
         out = _q6_k(a, b, c, d, w_ptr, xq_ptr, dx_ptr, row_w, u0, n_units, K, ASM, EVEN)
     return out
@@ -408,6 +418,22 @@ def row_dots(
         a, b, c, d = na, nb, nc, nd
     acc += dot_step(QT, a, b, c, d, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, last, n_units, K, ASM, EVEN, LATE)
     return acc
+
+
+@triton.jit
+def pick_weight(tile, w0, o0, n0, w1, o1, n1, w2, o2, n2, BN: tl.constexpr, NW: tl.constexpr):
+    """The weight (its rows, output and row count) of output tile `tile` of a launch over NW weights
+    whose tiles of BN rows are numbered one weight after another, and that weight's first tile."""
+    w_ptr, out_ptr, N, first = w0, o0, n0, 0
+    if NW > 1:  # the tiles after weight 0's are weight 1's, then weight 2's
+        p1 = tl.cdiv(n0, BN)
+        if tile >= p1:
+            w_ptr, out_ptr, N, first = w1, o1, n1, p1
+            if NW > 2:
+                p2 = p1 + tl.cdiv(n1, BN)
+                if tile >= p2:
+                    w_ptr, out_ptr, N, first = w2, o2, n2, p2
+    return w_ptr, out_ptr, N, first
 
 
 @triton.jit
@@ -454,15 +480,7 @@ def gemv8_kernel(
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
-    w_ptr, out_ptr, N, first = w0, o0, n0, 0
-    if NW > 1:  # the programs after weight 0's take weight 1, then weight 2
-        p1 = tl.cdiv(n0, BN)
-        if pid >= p1:
-            w_ptr, out_ptr, N, first = w1, o1, n1, p1
-            if NW > 2:
-                p2 = p1 + tl.cdiv(n1, BN)
-                if pid >= p2:
-                    w_ptr, out_ptr, N, first = w2, o2, n2, p2
+    w_ptr, out_ptr, N, first = pick_weight(pid, w0, o0, n0, w1, o1, n1, w2, o2, n2, BN, NW)
     rn = (pid - first) * BN + tl.arange(0, BN)
     row_w = tl.minimum(rn, N - 1).to(tl.int64) * row_units * ROW_WORDS
     if PDL and STAGGER > 1:  # noqa: SIM102 (decided at compile time: unstaggered kernels carry no test)

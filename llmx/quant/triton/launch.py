@@ -81,5 +81,13 @@ def dot8() -> ModuleType:
     return dot8
 
 
+@cache
+def dot8_rows() -> ModuleType:
+    """`llmx.quant.triton.dot8_rows`: the integer-dot GEMV for several rows of x."""
+    from llmx.quant.triton import dot8_rows
+
+    return dot8_rows
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -1,7 +1,7 @@
 """Matmul, embedding and dequantize on raw GGUF blocks on a GPU: the launches of the Triton kernels.
 
 Weights stay as the uint8 rows of the GGUF file (`layout.Blocks`); the kernels (`kernels.py`,
-`dot8.py`) unpack blocks in registers. Which kernel runs is `llmx.quant.choice`'s table: a
+`dot8.py`, `dot8_rows.py`) unpack blocks in registers. Which kernel runs is `llmx.quant.choice`'s table: a
 `QWeight` keeps its answer per M bucket and hands it to `run`; `linear` asks the table itself (for
 weights that do not keep one, and to force a kernel). Launch shapes come from the device's tuning
 (`tuning.py`), the GEMM's tiles from the autotuner (`autotune.py`). Under TRITON_INTERPRET=1 the
@@ -24,12 +24,14 @@ from llmx.errors import LlmxError
 from llmx.quant import choice as C
 from llmx.quant.triton import autotune, layout
 from llmx.quant.triton.activation import PENDING, HalfX, QuantizedX, half_rows, quantize_x
-from llmx.quant.triton.launch import cdiv, dot8, interpreting, kernels, lut, programmatic_launch
+from llmx.quant.triton.launch import cdiv, dot8, dot8_rows, interpreting, kernels, lut, programmatic_launch
 from llmx.quant.triton.layout import Blocks, label, rows
 from llmx.quant.triton.tuning import GemmConfig, LaunchShape, for_device
 
 DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # the integer-dot GEMV's partial sums a block
 DOT8_MAX_WEIGHTS = 3  # weights sharing one integer-dot launch (q/k/v)
+INT8_KERNELS = ("dot8", "dot8_rows")  # the integer-dot GEMVs: x quantized to int8 first
+ROWS8_BM = 8  # rows of x a program of "dot8_rows" takes (llama.cpp's mmvq: up to 8), to be measured
 # Half-precision weight rows dequantized at a time for "dequant": a Llama-3-8B FFN matrix (112 MiB)
 # in one piece, since chunks of rows that split it give cuBLAS too few output tiles.
 DEQUANT_CHUNK_BYTES = 128 << 20
@@ -83,7 +85,7 @@ def run(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`linear` by the kernel `choice`, for x and its rows x2 [M, K] (`unit_rows`)."""
-    if choice == "dot8":
+    if choice in INT8_KERNELS:
         m, n = x2.shape[0], w.shape[0]
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         res = None if residual is None else residual.reshape(m, n).contiguous()
@@ -154,7 +156,7 @@ def run_many(
 ) -> list[torch.Tensor]:
     """`linear_many` by the kernels `chosen` (one a weight)."""
     m = x2.shape[0]
-    dot8s = [kernel == "dot8" for kernel in chosen]
+    dot8s = [kernel in INT8_KERNELS for kernel in chosen]
     if not any(dot8s):
         half = None
         if "dequant" in chosen and x2.dtype not in (torch.float16, torch.bfloat16):
@@ -191,27 +193,50 @@ def _gemv8(
     gemv: LaunchShape | None,
     residual: torch.Tensor | None = None,
 ) -> None:
-    """outs[i] [1, N_i] = x @ ws[i].T on the integer-dot GEMV, one launch for all (up to
-    DOT8_MAX_WEIGHTS of one type and row width); with one weight, plus `residual` [1, N_0]."""
+    """outs[i] [M, N_i] = x @ ws[i].T for x [M, K] quantized (`qx`) on the integer-dot GEMV (M = 1)
+    or its several-row form, one launch for all (up to DOT8_MAX_WEIGHTS of one type and row width);
+    with one weight, plus `residual` [M, N_0]; at `gemv`'s launch shape, else the tuned one."""
     assert residual is None or (len(ws) == 1 and residual.shape == outs[0].shape)
+    m = qx.q.shape[0]
     raws = [rows(w)[0] for w in ws]
     qt, k = ws[0].qtype, ws[0].shape[1]
     name, device = qt.name, raws[0].device
-    cfg = gemv or for_device(device).dot8(name, k)
+    tuned = for_device(device)
+    cfg = gemv or (tuned.dot8_rows(name) if m > 1 else tuned.dot8(name, k))
     unit = qt.block_elems
     bu = max(1, cfg.bk // unit)
     row_words = 4 if raws[0].stride(0) % 16 == 0 else 1
     args = [(raw, out, w.shape[0]) for raw, out, w in zip(raws, outs, ws, strict=True)]
     args += [args[0][:2] + (0,)] * (DOT8_MAX_WEIGHTS - len(args))  # unused slots: no programs
     pdl = programmatic_launch(device)
-    dot8().gemv8_kernel[(sum(cdiv(w.shape[0], cfg.bn) for w in ws),)](
-        qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), outs[0] if residual is None else residual,
+    res = outs[0] if residual is None else residual  # unread without a residual
+    tiles = sum(cdiv(w.shape[0], cfg.bn) for w in ws)
+    if m > 1:
+        chunks, bm = row_chunks(m)
+        dot8_rows().gemv8_rows_kernel[(tiles * chunks,)](
+            qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), res, m, k,
+            raws[0].stride(0) // (4 * row_words), chunks,
+            QT=name, UNIT=unit, BN=cfg.bn, BU=bu, BM=bm, BMP=1 << (bm - 1).bit_length(), NW=len(ws),
+            ASM=not interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
+            RES=residual is not None, LATE=cfg.late_headers, num_warps=cfg.num_warps, launch_pdl=pdl,
+            maxnreg=cfg.max_registers,
+        )  # fmt: skip
+        return
+    dot8().gemv8_kernel[(tiles,)](
+        qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), res,
         k, raws[0].stride(0) // (4 * row_words),
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
         ASM=not interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
         RES=residual is not None, LATE=cfg.late_headers, STAGGER=cfg.stagger, SCATTER4=scatter_end(name, cfg),
         num_warps=cfg.num_warps, launch_pdl=pdl, maxnreg=cfg.max_registers,
     )  # fmt: skip
+
+
+def row_chunks(m: int) -> tuple[int, int]:
+    """(chunks, rows a chunk) for the several-row integer-dot GEMV at M = m: the fewest chunks of at
+    most ROWS8_BM rows, of equal size (17 rows: 3 chunks of 6, not 8, 8 and 1 in 3 of 8)."""
+    chunks = cdiv(m, ROWS8_BM)
+    return chunks, cdiv(m, chunks)
 
 
 def scatter_end(name: str, cfg: LaunchShape) -> bool:

@@ -10,6 +10,9 @@ An entry holds, per kernel:
 - `gemv` / `gemv_m1`: the float GEMV's shape for one input row and for more, and per type for one;
 - `dot8`, `dot8_one_step`, `dot8_long_rows`, `long_row`: the integer-dot GEMV's shape per type (`any`
   for the rest), for rows of exactly one step's weights, and for rows of `long_row` weights or more;
+- `dot8_rows`: its several-row form's (`dot8_rows.py`), per type (`any` for the rest): for now the
+  M = 1 shapes without their register caps and staggered waits (a program holds several rows' x,
+  ~150-250 registers a thread on sm_90 at 8 rows), to be swept (`bench/kernels.py --sweep-m`);
 - `gemm`: the GEMM autotuner's candidates (`autotune.py`);
 - `moe_gemm`: the grouped expert GEMM's tile (`moe.py`), whose BM is also the block its pairs are
   sorted into (`bench/moe_kernels.py --sweep` times candidates and prints the line to put here).
@@ -98,6 +101,7 @@ class Tuning:
     dot8_by_type: dict[str, LaunchShape]
     dot8_one_step: dict[str, LaunchShape]
     dot8_long_rows: dict[str, LaunchShape]
+    dot8_rows_shapes: dict[str, LaunchShape]
     long_row: int
     gemm: tuple[GemmConfig, ...]
     moe_gemm: GemmConfig
@@ -118,6 +122,10 @@ class Tuning:
         if one_step is not None and k == one_step.bk:
             return one_step
         return self.dot8_by_type.get(name, self.dot8_any)
+
+    def dot8_rows(self, name: str) -> LaunchShape:
+        """The several-row integer-dot GEMV's shape for rows of type `name`."""
+        return self.dot8_rows_shapes.get(name, self.dot8_rows_shapes["any"])
 
 
 def _shapes(entry: dict[str, str]) -> dict[str, LaunchShape]:
@@ -141,6 +149,7 @@ def table() -> dict[str, Tuning]:
             dot8_by_type=dot8,
             dot8_one_step=_shapes(e["dot8_one_step"]),
             dot8_long_rows=_shapes(e["dot8_long_rows"]),
+            dot8_rows_shapes=_shapes(e["dot8_rows"]),
             long_row=int(e["long_row"]),
             gemm=tuple(GemmConfig.parse(c) for c in e["gemm"]),
             moe_gemm=GemmConfig.parse(e["moe_gemm"]),
