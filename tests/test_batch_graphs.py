@@ -6,7 +6,9 @@ the same steps with graphs on and off, and every decode-only step a replay."""
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -23,7 +25,13 @@ from llmx.ops.cached_attention import AttentionKernels  # noqa: E402
 from llmx.runtime import batch  # noqa: E402
 from llmx.runtime.batch import Chunk, decode_padded, forward_batch  # noqa: E402
 from llmx.runtime.blocks import BlockPool, BlockTable  # noqa: E402
-from llmx.runtime.graphs import BATCH_BUCKETS, GRAPH_BUCKET, batch_bucket, width_bucket  # noqa: E402
+from llmx.runtime.graphs import (  # noqa: E402
+    BATCH_BUCKETS,
+    GRAPH_BUCKET,
+    batch_bucket,
+    collection_paused,
+    width_bucket,
+)
 from llmx.runtime.paged import PagedKVCache  # noqa: E402
 
 ON = AttentionKernels(decode="on")
@@ -54,6 +62,31 @@ def test_width_buckets_round_the_context_up_to_a_graph_bucket_at_most_a_slot():
     assert width_bucket(GRAPH_BUCKET + 1, 16, 4096) == 2 * per_bucket
     assert width_bucket(GRAPH_BUCKET + 1, 16, GRAPH_BUCKET + 32) == per_bucket + 2  # a slot's blocks
     assert width_bucket(5, 48, 96) == 2  # blocks that do not divide the bucket: rounded up
+
+
+class _Cycle:
+    """An object only the garbage collector frees (it refers to itself)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_capture_collects_first_then_holds_the_collector_off():
+    """Garbage made before a capture is collected before it starts; during it the collector is off
+    (a collection could free pinned memory through calls a capture forbids); after it, the
+    collector is as the caller had it."""
+    garbage = weakref.ref(_Cycle())
+    assert gc.isenabled()
+    with collection_paused():
+        assert garbage() is None and not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_the_scratch_block_is_free_until_a_sequence_needs_it():
