@@ -83,7 +83,7 @@ def main() -> None:
             attention_kernel, rows, strides,
             kinds | dict(N_DIMS=d, NEOX=False, WINDOW=False, SOFTCAP=False, PAGED=False, BR=1, WAIT=False,
                          BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_N=BLOCK_N),
-            4, 1 if code else 3,  # as `decode_attention._launch` launches a float16 or block cache
+            4, 3,  # as `decode_attention._launch` launches a float16 or block cache (float32: 1)
         )  # fmt: skip
         bm, bn, warps, stages = _tiles(d, True, False, code != 0)
         prefill = compile_sm90(
