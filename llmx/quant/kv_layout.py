@@ -46,6 +46,12 @@ def grouped(device: torch.device | str) -> bool:
     return kind == "cuda" or (GROUPED_ON_CPU and kind == "cpu")
 
 
+def grouped_blocks(types: tuple[QType, QType] | None, device: torch.device | str) -> bool:
+    """Whether caches of `types` (K's, V's; None: float caches) on `device` hold blocks in the grouped
+    layout, which the native CPU kernels do not read."""
+    return types is not None and grouped(device)
+
+
 @cache
 def _order(name: str, head_bytes: int, device: torch.device) -> torch.Tensor:
     """For a head of `head_bytes` bytes of type `name`: grouped byte i is GGUF byte order[i]. Built

@@ -121,7 +121,7 @@ def native_attention(
     """The native CPU decode step of a layer's buffers k, v [rows, Hk, row] (`types` where either is
     GGUF blocks), or None where it is off (`kernels.decode`) or does not take them (blocks grouped
     for the Triton kernels, `kv_layout.GROUPED_ON_CPU`)."""
-    if kernels.decode == "off" or k.is_cuda or (types is not None and kv_layout.grouped(k.device)):
+    if kernels.decode == "off" or k.is_cuda or kv_layout.grouped_blocks(types, k.device):
         return None
     from llmx.kernels import cpu_attention
 

@@ -197,7 +197,7 @@ class DecodeTokens:
                 n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window, types=types,
             )  # fmt: skip
         cpu = not q.is_cuda and q.dtype == torch.float32 and self.k.device.type == "cpu"
-        if not cpu or softcap is not None or (types is not None and kv_layout.grouped(self.k.device)):
+        if not cpu or softcap is not None or kv_layout.grouped_blocks(types, self.k.device):
             return None
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return cpu_attention.paged_rope_decode_attention(
