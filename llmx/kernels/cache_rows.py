@@ -94,7 +94,7 @@ def load_rows(
         NB: tl.constexpr = D // 32
         nb = tl.arange(0, BLOCK_D // 32)[None, :]  # [1, BLOCK_D / 32]: the head's blocks
         bmask = rmask & (nb < NB)
-        scale = _f16_at(row_ptrs, 2 * nb, bmask)
+        scale = _f16_fields(row_ptrs, 0, rmask, NB, BLOCK_D)
         rows3, nb3, bmask3 = row_ptrs[:, :, None], nb[:, :, None], bmask[:, :, None]  # [.., 1] by block
         if QT == Q8_0:  # [BLOCK_N, BLOCK_D / 32, 32]: value j of each block
             j = tl.arange(0, 32)[None, None, :]
@@ -120,13 +120,28 @@ def load_rows(
             elif QT == Q5_0:
                 values = scale * (codes - 16).to(tl.float32)
             else:
-                m = _f16_at(row_ptrs, 2 * NB + 2 * nb, bmask)
+                m = _f16_fields(row_ptrs, 2 * NB, rmask, NB, BLOCK_D)
                 values = scale * codes.to(tl.float32) + m[:, :, None, None]
         values = tl.reshape(values, (row_ptrs.shape[0], BLOCK_D))
     return values
 
 
 @triton.jit
-def _f16_at(row_ptrs, offsets, mask):
-    """The f16 fields at byte `offsets` from `row_ptrs`, as float32."""
-    return tl.load((row_ptrs + offsets).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+def _f16_fields(row_ptrs, first: tl.constexpr, rmask, NB: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_N, BLOCK_D / 32] float32: the NB f16 fields (a block's scale, or minimum) from byte
+    `first` of the heads at `row_ptrs` [BLOCK_N, 1] where `rmask`, 0 past NB. With NB even a head
+    is 4-byte aligned (`head_at`) and they are read as NB / 2 32-bit words, each placed by selects
+    (no reshape, which kept the compiler from pipelining the step's loads): loads of 4 bytes or more
+    are the ones it pipelines through cp.async, where 2-byte loads would wait in every loop step."""
+    nb = tl.arange(0, BLOCK_D // 32)[None, :]
+    if NB % 2 == 0:
+        fields = tl.zeros((row_ptrs.shape[0], BLOCK_D // 32), tl.float16)
+        for w in tl.static_range(NB // 2):
+            word = tl.load((row_ptrs + first + 4 * w).to(tl.pointer_type(tl.int32)), mask=rmask, other=0)
+            low = (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+            high = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+            fields = tl.where(nb == 2 * w, low, tl.where(nb == 2 * w + 1, high, fields))
+    else:
+        ptrs = (row_ptrs + first + 2 * nb).to(tl.pointer_type(tl.float16))
+        fields = tl.load(ptrs, mask=rmask & (nb < NB), other=0.0)
+    return fields.to(tl.float32)
