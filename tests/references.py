@@ -39,6 +39,14 @@ def greedy_agrees_until_a_near_tie(got: Sequence[int], want: Sequence[int], want
     assert list(got[:n]) == list(want[:n])
 
 
+# A batch's rows against the same sequences run alone on a GPU, as a fraction of the logits' largest
+# magnitude: the two take different GEMVs for the same token (alone: a prompt of 16 rows or more the
+# float dequant GEMM, a decode step the integer-dot GEMV with x rounded to int8; in a batch of 2 to 15
+# rows dot8_rows, also int8), the fused decode attention or PyTorch's, and under --no-kv-offload a q8_0
+# cache attended on the CPU. Rounding x to int8 (1/254 of a row's largest value) through a few random
+# layers moves a logit up to ~3.5% of the largest (an H100, a Llama-shaped Q8_0 model), not 5e-3.
+GPU_BATCH_TOLERANCE = 4e-2
+
 GREEDY = SamplingParams(temperature=0.0)  # `Engine.generate`'s argmax, sampled on the model's device
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from references import DECISIVE_MARGIN, decisive, greedy_alone
+from references import DECISIVE_MARGIN, GPU_BATCH_TOLERANCE, decisive, greedy_alone
 from tiny_models import SLIDING_WINDOW, random_prompt, write_tiny
 
 import llmx
@@ -190,12 +190,6 @@ def test_eight_sequences_of_smollm2_batched(smollm2_path):
     _check_batched(model, [7, 30, 2, 11, 19, 4, 25, 13], n_seq=8)
 
 
-# On a GPU a decode step alone takes the integer-dot GEMV, the fused decode attention and a CUDA graph;
-# a batch the float GEMV or the GEMM and PyTorch's attention: float16 rounding apart, not 5e-3 (and a
-# q8_0 cache attended on the CPU under --no-kv-offload adds its own).
-GPU_TOLERANCE = 3e-2
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("arch", "type_name", "placement"),
@@ -209,4 +203,5 @@ GPU_TOLERANCE = 3e-2
 def test_a_batched_step_on_a_gpu_gives_each_sequence_its_own_logits(arch, type_name, placement, tmp_path):
     model = llmx.load(write_tiny(arch, type_name, tmp_path), ctx_size=256, **placement)
     assert any(d.type == "cuda" for d in model.engine.executor.layer_devices)
-    _check_batched(model, [5, 2 * SLIDING_WINDOW + 3, 1, 2 * CHUNK + 3], n_seq=4, tolerance=GPU_TOLERANCE)
+    lengths = [5, 2 * SLIDING_WINDOW + 3, 1, 2 * CHUNK + 3]
+    _check_batched(model, lengths, n_seq=4, tolerance=GPU_BATCH_TOLERANCE)

@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from paged_sequences import ragged_tables  # noqa: E402
-from references import greedy_alone  # noqa: E402
+from references import GPU_BATCH_TOLERANCE, greedy_alone  # noqa: E402
 from tiny_models import random_prompt, write_tiny  # noqa: E402
 
 import llmx  # noqa: E402
@@ -330,9 +330,7 @@ def check_forward_batch(arch, cache_type, n_gpu_layers, kernels, tmp_path, monke
         calls.clear()
         got |= {(j, s + 1): out[j] for j in early}
     got[late, 0] = out[-1]
-    # on a GPU the engine alone takes the integer-dot GEMVs (x rounded to int8) where the batch's rows
-    # take the float ones, as in test_batch's GPU check
-    tolerance = 3e-2 if n_gpu_layers == "all" and torch.cuda.is_available() else 5e-3
+    tolerance = GPU_BATCH_TOLERANCE if n_gpu_layers == "all" and torch.cuda.is_available() else 5e-3
     for (j, s), logits in got.items():
         want = alone[j][1][s]
         torch.testing.assert_close(logits, want, atol=tolerance * want.abs().max().item(), rtol=0)
