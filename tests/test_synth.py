@@ -190,3 +190,14 @@ def test_llmx_runs_a_synthetic_model_with_finite_logits_and_its_vocabulary(tiny_
     for _ in range(4):
         logits = model.engine.decode(int(logits.argmax()))
         assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_a_synthetic_model_reads_common_words_as_one_token_each(tiny_gguf):
+    """As a real vocabulary does: `llmx bench-serve` builds its prompts from such words."""
+    from llmx.api import load
+    from llmx.bench.serve_workload import WORDS
+
+    model = load(tiny_gguf.path, ctx_size=128)
+    ids = model.encode("".join(" " + w for w in WORDS))
+    assert len(ids) == 1 + len(WORDS)  # BOS, then one token a word
+    assert model.tokenizer.decode(ids[1:]) == "".join(" " + w for w in WORDS)

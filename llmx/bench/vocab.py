@@ -2,8 +2,10 @@
 
 Real checkpoints' vocabularies are not ours to ship, but a synthetic model still has to tokenize
 and detokenize anything, so benchmarks can feed it real text. The vocabulary is the 256 byte tokens
-(in GPT-2's byte-to-unicode spelling, so every string is encodable), then merged tokens built from
-them in a fixed order (common characters first: byte pairs, then pair + byte, ...), and the
+(in GPT-2's byte-to-unicode spelling, so every string is encodable), then common English words after
+a space as whole tokens (as in a real vocabulary: English text takes about as many tokens as with the
+real model's, and `llmx bench-serve` finds words of one token to build prompts of exact length), then
+merged tokens built in a fixed order (common characters first: byte pairs, then pair + byte, ...), and the
 special tokens BOS and EOS as control tokens at the ids the real model uses (by default the last
 two, where Llama 3 and Qwen place their specials), so prompts and stop ids look like the real thing.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmx.bench.serve_workload import WORDS
 from llmx.errors import LlmxError
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -51,9 +54,23 @@ def synthetic_vocab(n_vocab: int, bos_id: int | None = None, eos_id: int | None 
     if n_merged < 0:
         raise LlmxError(f"a vocabulary needs at least {len(symbols) + len(SPECIALS)} tokens, got {n_vocab}")
     tokens, merges = list(symbols), []
-    parts = _merge_order(symbols)
+    known = set(tokens)
+
+    def merge(left: str, right: str) -> None:
+        if len(merges) < n_merged and left + right not in known:
+            merges.append(f"{left} {right}")
+            tokens.append(left + right)
+            known.add(left + right)
+
+    # Each word after a space grows from its first letter one byte at a time ("Ġ t", "Ġt h", "Ġth e"),
+    # ranked before every other merge, so the word is one token wherever it follows a space.
+    for word in WORDS:
+        spelled = symbols[ord(" ")] + word
+        for end in range(2, len(spelled) + 1):
+            merge(spelled[: end - 1], spelled[end - 1])
     # Level k merges every token of level k-1 with every byte symbol, until the vocabulary is full:
     # each merge "left right" makes a token whose two parts already exist, as BPE requires.
+    parts = _merge_order(symbols)
     level = parts
     while len(merges) < n_merged:
         next_level = []
@@ -61,9 +78,8 @@ def synthetic_vocab(n_vocab: int, bos_id: int | None = None, eos_id: int | None 
             for right in parts:
                 if len(merges) == n_merged:
                     break
-                merges.append(f"{left} {right}")
+                merge(left, right)
                 next_level.append(left + right)
-        tokens += next_level
         level = next_level
     types = [TOKEN_NORMAL] * len(tokens)
     for token_id, special in sorted(((bos_id, BOS), (eos_id, EOS))):
