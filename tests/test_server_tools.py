@@ -42,7 +42,12 @@ WEATHER = {
 }
 TIME = {
     "type": "function",
-    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    # no arguments at all: without "additionalProperties": false any key would be valid, and a tiny random
+    # model sampled at temperature 1 may spend max_tokens on one
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
 }
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
