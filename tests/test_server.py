@@ -19,9 +19,10 @@ import llmx  # noqa: E402
 from llmx.plan.report import layer_ranges  # noqa: E402
 from llmx.server.app import ServerConfig, make_app  # noqa: E402
 from llmx.server.errors import ApiError  # noqa: E402
+from llmx.server.generation import Piece  # noqa: E402
 from llmx.server.metrics import Metrics  # noqa: E402
 from llmx.server.protocol import Request, StopScanner  # noqa: E402
-from llmx.server.worker import Ticket, Worker  # noqa: E402
+from llmx.server.worker import Outbox, Ticket, Worker  # noqa: E402
 
 JSON = {"content-type": "application/json"}
 MESSAGES = [{"role": "user", "content": "Name three primary colours."}]
@@ -173,6 +174,31 @@ def test_the_queue_refuses_past_its_limit_frees_cancelled_places_and_answers_the
     with pytest.raises(ApiError):
         worker.submit(tickets[1])
     loop.close()
+
+
+def test_an_outbox_wakes_each_loop_once_and_keeps_every_tickets_order():
+    """A batched step's events reach their handlers in one wake of their loop, each ticket's in order."""
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    wakes: list[int] = []
+    for k, loop in enumerate(loops):
+        wake = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a, k=k, wake=wake: wakes.append(k) or wake(*a)  # type: ignore[method-assign]
+    tickets = [Ticket(Request("completion", prompt="Hi"), [1], loops[k % 2]) for k in range(3)]
+    outbox = Outbox()
+    for n in range(4):
+        for k, ticket in enumerate(tickets):
+            outbox.put(ticket, Piece(f"{k}:{n}"))
+    assert wakes == []  # nothing is handed over before the flush
+    outbox.flush()
+    assert sorted(wakes) == [0, 1]
+    for k, ticket in enumerate(tickets):
+        loop = ticket.loop
+        got = [loop.run_until_complete(asyncio.wait_for(ticket.events.get(), 1)).text for _ in range(4)]
+        assert got == [f"{k}:{n}" for n in range(4)]
+    outbox.flush()  # emptied by the first: no wake more
+    assert sorted(wakes) == [0, 1]
+    for loop in loops:
+        loop.close()
 
 
 def test_a_prompt_stops_between_its_chunks_once_cancelled(model):

@@ -41,7 +41,7 @@ from llmx.runtime.paged import PagedKVCache
 from llmx.server.errors import ApiError
 from llmx.server.generation import Done, Generation, Piece
 from llmx.server.metrics import Metrics
-from llmx.server.worker import Ticket, Worker
+from llmx.server.worker import Outbox, Ticket, Worker
 from llmx.text.device_sampler import DeviceSampler
 
 log = logging.getLogger("llmx.server")
@@ -93,6 +93,7 @@ class Batcher(Worker):
         self.sampler = DeviceSampler(n_seq, executor.model.config.n_vocab, executor.head_device)
         self._rows = list(range(n_seq))  # the sampler's rows no slot holds
         self._in_flight: InFlight | None = None  # the ids of the last step, not read yet
+        self._outbox = Outbox()  # a step's events, handed to the handlers when it ends
 
     @property
     def n_ctx(self) -> int:
@@ -126,6 +127,7 @@ class Batcher(Worker):
                 self._step()
         for slot in list(self.running):
             self._end(slot, ApiError(503, "the server is shutting down", "shutting_down"))
+        self._outbox.flush()
         self._refuse_waiting()
 
     def _drop_cancelled(self) -> None:
@@ -160,6 +162,7 @@ class Batcher(Worker):
             self._run(work)
         if previous is not None:
             self._settle(previous)
+        self._outbox.flush()
         seconds = time.perf_counter() - t0  # an issue and a read: a step's time when steps follow on
         for (slot, chunk), prompt in zip(work, prompts, strict=True):
             t = slot.timings
@@ -220,15 +223,15 @@ class Batcher(Worker):
     def _deliver(self, slot: Slot, events: list[Piece | Done]) -> None:
         for event in events:
             if isinstance(event, Done):
-                slot.ticket.put(replace(event, cached_tokens=slot.cached))
+                self._outbox.put(slot.ticket, replace(event, cached_tokens=slot.cached))
                 self._end(slot)
             else:
-                slot.ticket.put(event)
+                self._outbox.put(slot.ticket, event)
 
     def _end(self, slot: Slot, error: ApiError | None = None) -> None:
         """Take `slot` out of the batch, its blocks back to the pool, `error` sent if there is one."""
         if error is not None:
-            slot.ticket.put(error)
+            self._outbox.put(slot.ticket, error)
         self.cache.blocks.free(slot.table)
         self.running.remove(slot)
         self._rows.append(slot.row)

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from llmx.api import LoadedModel
@@ -58,6 +58,34 @@ class Ticket:
         """From the worker's thread: hand `event` to the handler's loop (gone at shutdown: dropped)."""
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Outbox:
+    """Events for tickets, handed over in one call a loop (`flush`): a batched step's tokens for N
+    replies wake the handlers' event loop once rather than N times (each wake a write to the loop's
+    self-pipe, made while the worker's thread holds the GIL the loop then takes). Events keep their
+    order, a ticket's as the whole step's."""
+
+    def __init__(self) -> None:
+        self._events: list[tuple[Ticket, Event]] = []
+
+    def put(self, ticket: Ticket, event: Event) -> None:
+        self._events.append((ticket, event))
+
+    def flush(self) -> None:
+        """From the worker's thread: hand every event put since the last flush to its ticket's loop."""
+        by_loop: defaultdict[asyncio.AbstractEventLoop, list[tuple[Ticket, Event]]] = defaultdict(list)
+        for ticket, event in self._events:
+            by_loop[ticket.loop].append((ticket, event))
+        self._events = []
+        for loop, events in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(_hand_over, events)
+
+
+def _hand_over(events: list[tuple[Ticket, Event]]) -> None:
+    for ticket, event in events:
+        ticket.events.put_nowait(event)
 
 
 class Worker:
