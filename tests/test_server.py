@@ -95,6 +95,33 @@ def test_completion_stops_before_a_stop_string(client):
     assert "".join(c["choices"][0]["text"] for c in streamed[:-1]) == cut["text"]
 
 
+def test_return_tokens_gives_each_choice_the_ids_of_its_text(client, model):
+    """llama-server's `return_tokens`: the generated ids, whole and a piece at a time when streamed."""
+    request = {
+        "prompt": "The capital of France is",
+        "max_tokens": 10,
+        "temperature": 0,
+        "return_tokens": True,
+    }
+    choice = client.post("/v1/completions", json=request).json()["choices"][0]
+    ids = choice["tokens"]
+    assert choice["finish_reason"] == "length" and len(ids) == 10
+    assert model.tokenizer.decode(ids) == choice["text"]
+    streamed = events(client.post("/v1/completions", json=request | {"stream": True}))
+    assert [i for c in streamed[:-1] for i in c["choices"][0]["tokens"]] == ids
+    chat = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "return_tokens": True}
+    message = client.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    assert model.tokenizer.decode(message["tokens"]) == message["message"]["content"]
+    assert (
+        "tokens"
+        not in client.post("/v1/completions", json=request | {"return_tokens": False}).json()["choices"][0]
+    )
+    bad = client.post("/v1/completions", json=request | {"return_tokens": 1})
+    assert (
+        bad.status_code == 400 and "'return_tokens' must be true or false" in bad.json()["error"]["message"]
+    )
+
+
 def test_models_and_health(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["smollm2"]

@@ -215,7 +215,7 @@ def make_app(worker: Worker, config: ServerConfig) -> FastAPI:
             first = await choices.next(deadline, gone)
             if first is None:
                 return Response(status_code=CLIENT_GONE)
-            reply = Reply(config.model_id, kind)
+            reply = Reply(config.model_id, kind, job.return_tokens)
             texts = [ChoiceText(reply, i, tool_format if job.tools else None) for i in range(job.n)]
             if job.stream:
                 streaming = True  # from here the stream's `finally` cancels the tickets

@@ -94,21 +94,22 @@ class ChoiceText:
     def chunks(self, event: Piece | Done) -> list[dict]:
         """The stream's chunks for one event of this choice."""
         if isinstance(event, Done):
-            pieces, logprobs = self.read("", end=True), None
+            pieces, logprobs, ids = self.read("", end=True), None, ()
         else:
-            pieces, logprobs = self.read(event.text), event.logprobs
+            pieces, logprobs, ids = self.read(event.text), event.logprobs, event.ids
         out = []
         for piece in pieces:
             if isinstance(piece, str):
-                out.append(self.reply.chunk(self.index, piece, logprobs=logprobs, offset=self.offset))
+                chunk = self.reply.chunk(self.index, piece, logprobs=logprobs, offset=self.offset, ids=ids)
+                out.append(chunk)
                 self.offset += len(piece)
             else:
-                out.append(
-                    self.reply.chunk(self.index, None, logprobs=logprobs, tool_calls=[self.call_delta(piece)])
-                )
-            logprobs = None  # a piece's tokens are shown once, with its first chunk
-        if logprobs:  # text held back (a stop string's start, a call's head): the tokens still show
-            out.append(self.reply.chunk(self.index, None, logprobs=logprobs, offset=self.offset))
+                delta = [self.call_delta(piece)]
+                out.append(self.reply.chunk(self.index, None, logprobs=logprobs, tool_calls=delta, ids=ids))
+            logprobs, ids = None, ()  # a piece's tokens are shown once, with its first chunk
+        if logprobs or (ids and self.reply.tokens):  # text held back (a stop string's start, a call's
+            # head): the tokens still show
+            out.append(self.reply.chunk(self.index, None, logprobs=logprobs, offset=self.offset, ids=ids))
         if isinstance(event, Done):
             out.append(self.reply.chunk(self.index, None, finish_reason=self.finish_reason(event)))
         return out
@@ -123,7 +124,8 @@ class ChoiceText:
             logprobs = [t for p in pieces for t in p.logprobs or ()]
         content, calls = collect(self.read("".join(p.text for p in pieces), end=True))
         tool_calls = [self.call_delta(CallDelta(i, c.name, c.arguments)) for i, c in enumerate(calls)]
-        return self.reply.choice(self.index, content, self.finish_reason(done), logprobs, tool_calls)
+        ids = [i for p in pieces for i in p.ids]
+        return self.reply.choice(self.index, content, self.finish_reason(done), logprobs, tool_calls, ids)
 
 
 async def whole(

@@ -24,10 +24,11 @@ Sample = Callable[[torch.Tensor, Sequence[int]], int]  # (logits [vocab], histor
 @dataclass(frozen=True)
 class Piece:
     """Text generated since the last piece (possibly empty: held back for a stop string or a split
-    character), with the logprobs of the tokens that made it when they were asked for."""
+    character), with the ids of the tokens that made it and their logprobs when they were asked for."""
 
     text: str
     logprobs: list[TokenLogprob] | None = None
+    ids: tuple[int, ...] = ()  # the tokens that made it
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class Generation:
             return self._end("stop")
         self.history.append(token)
         noted = None if self.recorder is None else self.recorder.take()
-        events: list[Piece | Done] = [Piece(self.scanner.push(self.decoder.push(token)), noted)]
+        events: list[Piece | Done] = [Piece(self.scanner.push(self.decoder.push(token)), noted, (token,))]
         if self.scanner.stopped:
             self.done = True
             return [*events, Done("stop", self.n_prompt, self.generated)]

@@ -14,6 +14,7 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -61,6 +62,7 @@ class Request:
     tool_choice: str = "auto"  # "auto", or "required": the reply is calls (of `tool_name` only, if set)
     tool_name: str | None = None
     parallel_tool_calls: bool = True  # whether a required reply may hold several calls
+    return_tokens: bool = False  # llama-server's: each choice also carries its tokens' ids ("tokens")
 
     def for_choice(self, index: int) -> Request:
         """The request the `index`th choice is generated for: this one, with its own seed derived
@@ -148,6 +150,9 @@ def parse_request(kind: Kind, body: Any, tool_format: ToolFormat | None = None) 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise LlmxError(f"'stream' must be true or false, got {_shown(stream)}")
+    return_tokens = body.get("return_tokens", False)
+    if not isinstance(return_tokens, bool):
+        raise LlmxError(f"'return_tokens' must be true or false, got {_shown(return_tokens)}")
     return Request(
         kind,
         messages,
@@ -160,6 +165,7 @@ def parse_request(kind: Kind, body: Any, tool_format: ToolFormat | None = None) 
         _top_logprobs(kind, body),
         _schema(body.get("response_format")),
         n,
+        return_tokens=return_tokens,
         **tools,
     )
 
@@ -456,6 +462,7 @@ class Reply:
 
     model: str
     kind: Kind
+    tokens: bool = False  # whether choices carry their tokens' ids (`return_tokens`)
     id: str = field(default_factory=lambda: f"llmx-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -476,9 +483,10 @@ class Reply:
         finish_reason: str,
         logprobs: list[TokenLogprob] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        ids: Sequence[int] = (),
     ) -> dict[str, Any]:
         """One choice of a whole response; `logprobs` None: not asked for; `tool_calls`: OpenAI's
-        call objects (a reply with calls and no text has null content)."""
+        call objects (a reply with calls and no text has null content); `ids`: its tokens'."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text if text or not tool_calls else None}
@@ -487,6 +495,8 @@ class Reply:
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(logprobs, 0)
+        if self.tokens:
+            choice["tokens"] = list(ids)
         return choice
 
     def body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict:
@@ -502,10 +512,11 @@ class Reply:
         logprobs: list[TokenLogprob] | None = None,
         offset: int = 0,
         tool_calls: list[dict[str, Any]] | None = None,
+        ids: Sequence[int] = (),
     ) -> dict:
         """One streamed piece of the `index`th choice; `first` opens a chat reply with the assistant's
         role; `offset`: where `text` starts in the whole reply (for the completions API's text_offset);
-        `tool_calls`: OpenAI's call deltas."""
+        `tool_calls`: OpenAI's call deltas; `ids`: the tokens that made the piece."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -517,6 +528,8 @@ class Reply:
         else:
             choice["text"] = text or ""
         choice["logprobs"] = self._logprobs(logprobs, offset)
+        if self.tokens:
+            choice["tokens"] = list(ids)
         return self._head(True) | {"choices": [choice]}
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict:
