@@ -7,13 +7,14 @@ import json
 import math
 import random
 import socket
+from dataclasses import replace
 
 import pytest
 from test_server_http import Server
 
 from llmx import cli
 from llmx.bench import serve_client
-from llmx.bench.serve_check import first_difference, mismatches
+from llmx.bench.serve_check import NEAR_TIE_NATS, first_difference, mismatches
 from llmx.bench.serve_report import headline, verdict
 from llmx.bench.serve_stats import Streamed, distribution, summary
 from llmx.bench.serve_workload import WORDS, arrival_times, workload
@@ -70,19 +71,55 @@ def test_first_difference():
     assert first_difference("ab", "abc") == 2 and first_difference("", "x") == 0
 
 
+def reply(text: str, ids: tuple[int, ...] = (), tops: tuple[tuple[float, ...], ...] = ()) -> Streamed:
+    return Streamed(0.0, (0.1,), 0.2, 4, len(ids), text, ids, tops)
+
+
 def test_a_response_other_than_the_one_alone_is_a_mismatch():
-    alone = ["The cat sat", "Once upon"]
-    assert mismatches(["The cat sat", "Once upon", "The cat sat"], [0, 1, 0], alone) == []
-    (wrong,) = mismatches(["The cat sat", "Once upon", "The cap sat"], [0, 1, 0], alone)
+    alone = [reply("The cat sat"), reply("Once upon")]
+    assert (
+        mismatches([reply("The cat sat"), reply("Once upon"), reply("The cat sat")], [0, 1, 0], alone) == []
+    )
+    (wrong,) = mismatches([reply("The cat sat"), reply("Once upon"), reply("The cap sat")], [0, 1, 0], alone)
     assert (wrong.request, wrong.position) == (2, 6)
     assert "request 2" in wrong.line() and "'p sat' against 't sat'" in wrong.line()
+    assert (wrong.token, wrong.margin, wrong.near_tie) == (None, None, False)  # no token ids: no tie told
 
 
-def test_the_verdict_lists_every_mismatch():
-    result = {"summary": {"requests": 3}, "check": {"prompts": 2, "mismatches": [{"line": "request 2: x"}]}}
+def test_a_response_that_parts_at_a_near_tie_of_the_run_alone_is_told_apart():
+    tops = ((-0.1, -3.0), (-1.20, -1.25), (-0.5, -2.0))  # the second token nearly tied alone
+    alone = reply("The cat sat", (7, 8, 9), tops)
+    tie, other = mismatches(
+        [reply("The cap sat", (7, 5, 9)), reply("Thy cat sat", (6, 8, 9))], [0, 0], [alone] * 2
+    )
+    assert (tie.token, tie.near_tie) == (1, True) and tie.margin == pytest.approx(0.05)
+    assert "at token 1, a near tie: the top two 0.050 nats apart alone" in tie.line()
+    assert (other.token, other.near_tie) == (0, False) and other.margin == pytest.approx(2.9)
+    assert "at token 0, the top two 2.900 nats apart alone" in other.line()
+    # the run alone ended (an end-of-turn token, whose logprobs are not shown) where the other went on
+    (ended,) = mismatches([reply("The cat sat on", (7, 8, 9, 4))], [0], [alone])
+    assert (ended.token, ended.margin, ended.near_tie) == (3, None, False)
+
+
+def test_the_verdict_lists_every_mismatch_and_counts_near_ties_apart():
+    tie = {"near_tie": True, "line": "request 1: t"}
+    wrong = {"near_tie": False, "line": "request 2: x"}
+    check = {"prompts": 2, "near_tie_nats": 0.1}
+    result = {"summary": {"requests": 3}, "check": check | {"mismatches": [wrong]}}
     assert verdict(result) == [
         "check FAILED: 1 of 3 responses differ from their prompt served alone",
         "request 2: x",
+    ]
+    result["check"]["mismatches"] = [tie, wrong]
+    apart = "1 of 3 responses part from their prompt served alone at a near tie "
+    apart += "(its top two tokens within 0.1 nats"
+    assert verdict(result)[0].startswith(
+        "check FAILED: 1 of 3 responses differ from their prompt served alone; " + apart
+    )
+    result["check"]["mismatches"] = [tie]
+    assert verdict(result) == [
+        f"check: {apart}, where batched kernels may pick either); the other 2 equal it",
+        tie["line"],
     ]
     result["check"]["mismatches"] = []
     assert verdict(result) == ["check: all 3 responses equal their prompt served alone (2 prompts)"]
@@ -111,7 +148,7 @@ def test_a_small_run_measures_every_request_and_passes_its_check(server, capsys)
     assert s["requests"] == 6 and s["prompt_tokens"] == 6 * 16 and 6 <= s["output_tokens"] <= 6 * 8
     assert s["output_tokens_per_s"] > 0 and s["ttft_ms"]["median"] > 0 and s["itl_ms"]["p99"] > 0
     assert s["ttft_ms"]["median"] < s["e2e_ms"]["median"] <= s["e2e_ms"]["p99"]
-    assert result["check"] == {"prompts": 3, "mismatches": []}
+    assert result["check"] == {"prompts": 3, "near_tie_nats": NEAR_TIE_NATS, "mismatches": []}
     assert "check: all 6 responses equal" in err
     assert headline(result).endswith("arriving 50.0 a second (Poisson); 16 prompt tokens, up to 8 out")
 
@@ -120,8 +157,10 @@ def test_a_reply_that_differs_from_the_one_alone_fails_the_command(server, capsy
     served_alone = serve_client.alone
 
     async def one_wrong(*args, **kwargs):
-        texts = await served_alone(*args, **kwargs)
-        return ["?" + texts[0], *texts[1:]]
+        replies = await served_alone(*args, **kwargs)
+        first = replies[0]
+        assert first.ids and len(first.tops) == len(first.ids)  # the server's ids, and two logprobs a token
+        return [replace(first, text="?" + first.text), *replies[1:]]
 
     monkeypatch.setattr(serve_client, "alone", one_wrong)
     run = ["-n", "3", "--distinct", "2", "--prompt-tokens", "8", "--max-tokens", "4"]

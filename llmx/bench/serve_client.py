@@ -82,10 +82,17 @@ class Client:
         body = {"content": text, "add_special": add_special}
         return len((await self._request("/tokenize", "POST", "/tokenize", body))["tokens"])
 
-    async def stream(self, what: str, model: str, prompt: str, max_tokens: int, start: float) -> Streamed:
-        """One greedy completion of `prompt`, streamed; `start`: the run's start on perf_counter's clock."""
+    async def stream(
+        self, what: str, model: str, prompt: str, max_tokens: int, start: float,
+        top_logprobs: int | None = None,
+    ) -> Streamed:  # fmt: skip
+        """One greedy completion of `prompt`, streamed, with its token ids where the server returns them
+        (llama-server's `return_tokens`, which costs it nothing), and each token's `top_logprobs` likeliest
+        logprobs if asked (the server then samples on the host: for the runs alone, not under load);
+        `start`: the run's start on perf_counter's clock."""
         sent = time.perf_counter()
-        chunks, pieces, usage = [], [], None
+        chunks, pieces, ids, tops, usage = [], [], [], [], None
+        logprobs = {} if top_logprobs is None else {"logprobs": top_logprobs}
         with self._answers(what):
             stream = await self.openai.completions.create(
                 model=model,
@@ -94,18 +101,27 @@ class Client:
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
+                extra_body={"return_tokens": True},
+                **logprobs,
             )
             async for chunk in stream:
                 usage = chunk.usage or usage
-                if chunk.choices and chunk.choices[0].text:
+                if not chunk.choices:
+                    continue
+                choice = chunk.choices[0]
+                if choice.text:
                     chunks.append(time.perf_counter() - sent)
-                    pieces.append(chunk.choices[0].text)
+                    pieces.append(choice.text)
+                ids += getattr(choice, "tokens", None) or []
+                if choice.logprobs is not None and choice.logprobs.top_logprobs:
+                    tops += [tuple(sorted(t.values(), reverse=True)) for t in choice.logprobs.top_logprobs]
         done = time.perf_counter() - sent
         if usage is None:
             raise LlmxError(f"{what}: the server's stream has no usage (stream_options.include_usage)")
         return Streamed(
-            sent - start, tuple(chunks), done, usage.prompt_tokens, usage.completion_tokens, "".join(pieces)
-        )
+            sent - start, tuple(chunks), done, usage.prompt_tokens, usage.completion_tokens, "".join(pieces),
+            tuple(ids), tuple(tops),
+        )  # fmt: skip
 
 
 def _json(response: httpx.Response) -> Any:
@@ -187,11 +203,12 @@ async def load_run(
 
 async def alone(
     client: Client, model: str, prompts: Sequence[str], max_tokens: int, tick: Callable[[], None]
-) -> list[str]:
-    """The text each prompt gets served alone: one request at a time."""
-    texts = []
+) -> list[Streamed]:
+    """What each prompt gets served alone, one request at a time, with each token's two likeliest
+    logprobs (how near a tie each choice was: `serve_check`)."""
+    replies = []
     for k, prompt in enumerate(prompts):
-        streamed = await client.stream(f"prompt {k} alone", model, prompt, max_tokens, time.perf_counter())
-        texts.append(streamed.text)
+        what, now = f"prompt {k} alone", time.perf_counter()
+        replies.append(await client.stream(what, model, prompt, max_tokens, now, top_logprobs=2))
         tick()
-    return texts
+    return replies

@@ -50,11 +50,20 @@ def tables(result: dict[str, Any]) -> list[Table]:
 
 
 def verdict(result: dict[str, Any]) -> list[str]:
-    """The check's lines: one saying whether every response equals its prompt served alone, then one
-    per mismatch."""
+    """The check's lines: one saying whether every response equals its prompt served alone (those that
+    part at a near tie counted apart), then one per mismatch."""
     check = result["check"]
     n, wrong = result["summary"]["requests"], check["mismatches"]
     if not wrong:
         return [f"check: all {n} responses equal their prompt served alone ({check['prompts']} prompts)"]
-    head = f"check FAILED: {len(wrong)} of {n} responses differ from their prompt served alone"
+    ties = sum(m["near_tie"] for m in wrong)
+    apart = (
+        f"{ties} of {n} responses part from their prompt served alone at a near tie (its top two "
+        f"tokens within {check['near_tie_nats']} nats, where batched kernels may pick either)"
+    )
+    if ties == len(wrong):
+        head = f"check: {apart}; the other {n - ties} equal it"
+    else:
+        head = f"check FAILED: {len(wrong) - ties} of {n} responses differ from their prompt served alone"
+        head += f"; {apart}" if ties else ""
     return [head, *(m["line"] for m in wrong)]

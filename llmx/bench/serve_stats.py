@@ -19,8 +19,8 @@ PERCENTILES = (50, 99)
 
 @dataclass(frozen=True)
 class Streamed:
-    """One streamed request: its timings, token counts and text. Times are seconds, `sent` from the
-    run's start and the others from `sent`."""
+    """One streamed request: its timings, token counts, text and tokens. Times are seconds, `sent` from
+    the run's start and the others from `sent`."""
 
     sent: float
     chunks: tuple[float, ...]  # when each chunk with text arrived
@@ -28,6 +28,8 @@ class Streamed:
     prompt_tokens: int
     output_tokens: int
     text: str
+    ids: tuple[int, ...] = ()  # its tokens, where the server returns them (`return_tokens`)
+    tops: tuple[tuple[float, ...], ...] = ()  # each token's likeliest logprobs, best first, where asked
 
 
 def distribution(values_s: Sequence[float]) -> dict[str, float | None]:
