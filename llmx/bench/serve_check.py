@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from llmx.bench.serve_stats import Streamed
 
 SHOWN = 24  # characters shown of each text from the first difference
-# Two tokens this close in log-probability (so in logit) are a near tie: a few percent of a logit's size,
-# the rounding of int8 or bfloat16 x through a model's layers (tests/references.py's GPU tolerance)
+# Two tokens this close in log-probability (so in logit) are a near tie: within what rounding x to int8 or
+# bfloat16 in one kernel and not in another moves a logit through a model's layers (a few percent of it)
 NEAR_TIE_NATS = 0.1
 
 
