@@ -6,6 +6,7 @@ requests share is computed once (the prefix cache; its eviction: `test_batch.py`
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -138,6 +139,20 @@ def test_a_shared_system_prompt_is_computed_once_and_the_replies_are_those_witho
     assert cached == shared and ran == len(ids[0]) + len(ids[1]) - shared  # the second ran its suffix
     texts = [r.choices[0].text for r in replies]
     assert texts == [engine_alone.generate(p, REPLY_TOKENS, temperature=0) for p in prompts]
+
+
+def test_metrics_split_the_batched_steps_time(server, client):
+    """/metrics counts the batched steps and where their time went: the forward issued, the wait for the
+    step before's ids, their replies' text, the hand-over to the handlers."""
+    steps = server.metric("llmx_batch_steps_total")
+    _complete(client, PROMPTS[0])
+    server.wait_idle()
+    assert server.metric("llmx_batch_steps_total") > steps
+    with server.http() as http:
+        text = http.get("/metrics").text
+    parts = dict(re.findall(r'^llmx_batch_step_seconds_total\{part="(\w+)"\} (\S+)$', text, re.M))
+    assert set(parts) == {"issue", "wait", "text", "hand_over"}
+    assert float(parts["issue"]) > 0 and all(float(v) >= 0 for v in parts.values())
 
 
 def test_a_requests_choices_run_as_parallel_sequences(client):

@@ -33,6 +33,13 @@ class Metrics:
             "llmx_requests_cancelled", "Generations stopped because the client left", registry=registry
         )
         self.rejected = Counter("llmx_requests_rejected", "Requests refused: queue full", registry=registry)
+        # where a batched step's host time goes (-np > 1): "issue" the forward (all of it on a CPU; its
+        # launches on a GPU) and the sampling, "wait" for the step before's ids (a GPU's time beyond the
+        # host's), "text" those ids through their replies, "hand_over" the events to the HTTP handlers
+        self.batch_steps = Counter("llmx_batch_steps", "Batched steps run", registry=registry)
+        self.batch_step_seconds = Counter(
+            "llmx_batch_step_seconds", "Batched steps' time, by part", ["part"], registry=registry
+        )
         self.running = Gauge("llmx_requests_processing", "Requests being generated for", registry=registry)
         self.queued = Gauge("llmx_requests_deferred", "Requests waiting for the engine", registry=registry)
 

@@ -160,10 +160,16 @@ class Batcher(Worker):
         prompts = [slot.prefilling for slot, _ in work]
         if work:
             self._run(work)
-        if previous is not None:
-            self._settle(previous)
+        t1 = time.perf_counter()
+        waited = self._settle(previous) if previous is not None else 0.0
+        t2 = time.perf_counter()
         self._outbox.flush()
-        seconds = time.perf_counter() - t0  # an issue and a read: a step's time when steps follow on
+        t3 = time.perf_counter()
+        seconds = t3 - t0  # an issue and a read: a step's time when steps follow on
+        parts = {"issue": t1 - t0, "wait": waited, "text": t2 - t1 - waited, "hand_over": t3 - t2}
+        for part, spent in parts.items():
+            self.metrics.batch_step_seconds.labels(part).inc(spent)
+        self.metrics.batch_steps.inc()
         for (slot, chunk), prompt in zip(work, prompts, strict=True):
             t = slot.timings
             if prompt:
@@ -208,17 +214,22 @@ class Batcher(Worker):
             for k, row in zip(on_host, logits[on_host].cpu(), strict=True):
                 self._deliver(wanted[k], wanted[k].reply.step(row))
 
-    def _settle(self, in_flight: InFlight) -> None:
+    def _settle(self, in_flight: InFlight) -> float:
         """Hand the ids of an earlier step to their replies; a slot whose reply goes on ran its id in
-        the step just issued, which its table now records (one that ended meanwhile is skipped)."""
+        the step just issued, which its table now records (one that ended meanwhile is skipped). The
+        seconds spent waiting for the ids."""
         slots, copy = in_flight
-        for slot, token in zip(slots, copy.values(), strict=True):
+        t0 = time.perf_counter()
+        tokens = copy.values()
+        waited = time.perf_counter() - t0
+        for slot, token in zip(slots, tokens, strict=True):
             if slot not in self.running:  # cancelled, or failed, while its id was on its way
                 continue
             events = slot.reply.push(token)
             if not slot.reply.done:
                 self.cache.blocks.commit(slot.table, [token])
             self._deliver(slot, events)
+        return waited
 
     def _deliver(self, slot: Slot, events: list[Piece | Done]) -> None:
         for event in events:
