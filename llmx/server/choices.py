@@ -107,8 +107,8 @@ class ChoiceText:
                 delta = [self.call_delta(piece)]
                 out.append(self.reply.chunk(self.index, None, logprobs=logprobs, tool_calls=delta, ids=ids))
             logprobs, ids = None, ()  # a piece's tokens are shown once, with its first chunk
-        if logprobs or (ids and self.reply.tokens):  # text held back (a stop string's start, a call's
-            # head): the tokens still show
+        # text held back (a stop string's start, a call's head): the tokens still show
+        if logprobs or (ids and self.reply.tokens):
             out.append(self.reply.chunk(self.index, None, logprobs=logprobs, offset=self.offset, ids=ids))
         if isinstance(event, Done):
             out.append(self.reply.chunk(self.index, None, finish_reason=self.finish_reason(event)))
