@@ -21,7 +21,7 @@ from llmx.server.app import ServerConfig, make_app  # noqa: E402
 from llmx.server.errors import ApiError  # noqa: E402
 from llmx.server.generation import Piece  # noqa: E402
 from llmx.server.metrics import Metrics  # noqa: E402
-from llmx.server.protocol import Request, StopScanner  # noqa: E402
+from llmx.server.protocol import Candidate, Request, StopScanner, TokenLogprob, completion_logprobs  # noqa: E402
 from llmx.server.worker import Outbox, Ticket, Worker  # noqa: E402
 
 JSON = {"content-type": "application/json"}
@@ -183,6 +183,19 @@ def test_stop_scanner_holds_back_a_possible_stop_and_cuts_at_the_first():
     assert scan.push("yz") == "" and scan.stopped and scan.push("more") == "" and scan.flush() == ""
     tail = StopScanner(("END",))
     assert tail.push("aE") == "a" and tail.flush() == "E" and not tail.stopped
+
+
+def test_completion_logprobs_keep_the_likelier_of_two_tokens_that_read_the_same():
+    """Pieces of one character each decode to U+FFFD: the completions API's {text: logprob} keeps the
+    likelier one's logprob for the text, as the chosen token's column says."""
+    torn = [
+        Candidate("\ufffd", b"\xe2", -0.5),
+        Candidate("\ufffd", b"\xe3", -0.7),
+        Candidate("a", b"a", -2.0),
+    ]
+    columns = completion_logprobs([TokenLogprob(torn[0], tuple(torn))], 0)
+    assert columns["token_logprobs"] == [-0.5]
+    assert columns["top_logprobs"] == [{"\ufffd": -0.5, "a": -2.0}]
 
 
 def test_the_queue_refuses_past_its_limit_frees_cancelled_places_and_answers_them_at_stop(model):

@@ -451,9 +451,18 @@ def completion_logprobs(tokens: list[TokenLogprob], offset: int) -> dict[str, An
     return {
         "tokens": [t.chosen.text for t in tokens],
         "token_logprobs": [max(t.chosen.logprob, LOWEST_LOGPROB) for t in tokens],
-        "top_logprobs": [{c.text: max(c.logprob, LOWEST_LOGPROB) for c in t.top} for t in tokens],
+        "top_logprobs": [_by_text(t.top) for t in tokens],
         "text_offset": offsets,
     }
+
+
+def _by_text(top: Sequence[Candidate]) -> dict[str, float]:
+    """The completions API's {text: logprob} of the likeliest tokens, best first. Two tokens may read
+    the same (pieces of one character each decode to U+FFFD): the text keeps the likelier one's."""
+    out: dict[str, float] = {}
+    for c in top:
+        out.setdefault(c.text, max(c.logprob, LOWEST_LOGPROB))
+    return out
 
 
 @dataclass(frozen=True)
