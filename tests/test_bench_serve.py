@@ -37,6 +37,8 @@ def test_summary_of_two_streams():
     assert s["requests"] == 3 and s["prompt_tokens"] == 48 and s["output_tokens"] == 6
     assert (s["requests_per_s"], s["output_tokens_per_s"], s["total_tokens_per_s"]) == (1.5, 3.0, 27.0)
     assert s["ttft_ms"] == pytest.approx({"mean": 750.0, "median": 750.0, "p99": 995.0})
+    # a's 400 ms after its first chunk for 2 tokens, b's 800 for 1 (the empty stream has none)
+    assert s["tpot_ms"] == pytest.approx({"mean": 500.0, "median": 500.0, "p99": 794.0})
     # gaps 100, 200, 400 ms
     assert s["itl_ms"] == pytest.approx({"mean": 700 / 3, "median": 200.0, "p99": 396.0})
     assert s["e2e_ms"]["median"] == pytest.approx(900.0)

@@ -9,6 +9,7 @@ from rich.table import Table
 
 LATENCIES = {
     "ttft_ms": "time to first token",
+    "tpot_ms": "time per output token",
     "itl_ms": "inter-token latency",
     "e2e_ms": "end-to-end latency",
 }

@@ -3,7 +3,9 @@ first token (TTFT), inter-token latency (ITL) and end-to-end latency, as vLLM's 
 reports them. Pure: times in, numbers out.
 
 ITL is the gap between consecutive streamed chunks that carry text: a server sends one chunk a token,
-except that a token ending inside a UTF-8 character or a possible stop string comes with the next.
+except that a token ending inside a UTF-8 character or a possible stop string comes with the next. TPOT
+(time per output token) counts tokens instead, a request's time after its first token over the tokens
+after it, so replies whose chunks hold several tokens (random weights' broken characters) read right.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ def summary(timings: Sequence[Streamed], duration_s: float) -> dict[str, Any]:
         "output_tokens_per_s": output / duration_s,
         "total_tokens_per_s": (prompt + output) / duration_s,
         "ttft_ms": distribution([t.chunks[0] for t in timings if t.chunks]),
+        "tpot_ms": distribution(
+            [
+                (t.done - t.chunks[0]) / (t.output_tokens - 1)
+                for t in timings
+                if t.chunks and t.output_tokens > 1
+            ]
+        ),
         "itl_ms": distribution(
             [b - a for t in timings for a, b in zip(t.chunks, t.chunks[1:], strict=False)]
         ),
