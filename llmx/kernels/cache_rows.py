@@ -110,7 +110,8 @@ def load_rows(
             h = tl.arange(0, 2)[None, None, :, None]
             l = tl.arange(0, 16)[None, None, None, :]
             at = (NB * (QB - 16)) + 16 * nb3[:, :, :, None] + l
-            nibbles = tl.load(rows3[:, :, :, None] + at, mask=bmask3[:, :, :, None], other=0).to(tl.int32)
+            raw = tl.load(rows3[:, :, :, None] + at, mask=bmask3[:, :, :, None], other=0)
+            nibbles = raw.to(tl.int32)
             codes = (nibbles >> (4 * h)) & 15
             if QT >= Q5_0 and QT <= Q5_1:  # bit 16h + l of the block's qh word is the value's fifth
                 k = tl.arange(0, 4)[None, None, :]
@@ -120,6 +121,12 @@ def load_rows(
             scale = scale[:, :, None, None]
             if QT == IQ4_NL:
                 values = scale * tl.load(levels_ptr + codes)
+            elif QT == Q4_0 and tl.float16 == DOT:  # four codes at a time into two f16x2 words
+                shape: tl.constexpr = (raw.shape[0], raw.shape[1], 2, 16)
+                shift = tl.broadcast_to((4 * h).to(tl.uint8), shape)
+                values = _q4_times_f16(
+                    tl.broadcast_to(raw, shape), shift, tl.broadcast_to(scale.to(tl.float16), shape)
+                )
             elif QT == Q4_0:
                 values = scale * (codes - 8).to(tl.float32)
             elif QT == Q5_0:
@@ -147,6 +154,34 @@ sub.f16x2 hi, hi, k;
 mul.rn.f16x2 $0, lo, $3;
 mul.rn.f16x2 $1, hi, $4;
 }""")
+
+
+# Four Q4_0 bytes' low (shift 0) or high (shift 4) nibbles times their f16 scales -> two f16x2 words, as
+# Q8_F16_ASM: each nibble spread into a 16-bit lane under f16's exponent of 1024, 1032 subtracted (code
+# - 8, exactly), then the scale multiplied, rounded once.
+Q4_F16_ASM: tl.constexpr = tl.constexpr("""{
+.reg .b32 s, w, lo, hi, k;
+and.b32 s, $3, 0xff;
+shr.b32 w, $2, s;
+prmt.b32 lo, w, 0, 0x7170;
+prmt.b32 hi, w, 0, 0x7372;
+lop3.b32 lo, lo, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 hi, hi, 0x000f000f, 0x64006400, 0xea;
+mov.b32 k, 0x64086408;
+sub.f16x2 lo, lo, k;
+sub.f16x2 hi, hi, k;
+mul.rn.f16x2 $0, lo, $4;
+mul.rn.f16x2 $1, hi, $5;
+}""")
+
+
+@triton.jit
+def _q4_times_f16(raw, shift, scale):
+    """Q4_0's codes, nibble `shift` (0 or 4, equal in each run of four) of the bytes `raw`, minus 8,
+    times `scale` (float16), in float16, four a step; the arguments broadcast to one shape."""
+    return tl.inline_asm_elementwise(
+        Q4_F16_ASM, "=r,=r,r,r,r,r", [raw, shift, scale], dtype=tl.float16, is_pure=True, pack=4
+    )
 
 
 @triton.jit
