@@ -80,13 +80,15 @@ def head_at(kvh, stride, D: tl.constexpr, QT: tl.constexpr, QB: tl.constexpr):
 
 @triton.jit
 def load_rows(
-    row_ptrs, rmask, levels_ptr, D: tl.constexpr, QT: tl.constexpr, QB: tl.constexpr, BLOCK_D: tl.constexpr
+    row_ptrs, rmask, levels_ptr, D: tl.constexpr, QT: tl.constexpr, QB: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT: tl.constexpr,
 ):  # fmt: skip
     """Values 0..D-1 of the cache rows at `row_ptrs` [BLOCK_N, 1] (a head's start in each row) where
-    `rmask` [BLOCK_N, 1], as a [BLOCK_N, BLOCK_D] tile: float32 for a block type (dequantized: d *
-    code (+ m), IQ4_NL's code its level), else in the cache's dtype."""
+    `rmask` [BLOCK_N, 1], as a [BLOCK_N, BLOCK_D] tile: for a block type dequantized (d * code (+ m),
+    IQ4_NL's code its level) into DOT, the type it meets q in (q8_0 into float16 four codes at a time:
+    `_q8_times_f16`); else in the cache's dtype."""
     # One return at the end: Triton 3.6 compiles the statements after a constexpr branch's return
-    # too, and refuses returns of different types (the cache's dtype, float32).
+    # too, and refuses returns of different types (the cache's dtype, DOT).
     if QT == 0:
         d = tl.arange(0, BLOCK_D)[None, :]
         values = tl.load(row_ptrs + d, mask=rmask & (d < D), other=0.0)
@@ -100,12 +102,16 @@ def load_rows(
             j = tl.arange(0, 32)[None, None, :]
             at = (2 * NB) + 32 * nb3 + j
             codes = tl.load((rows3 + at).to(tl.pointer_type(tl.int8)), mask=bmask3, other=0)
-            values = scale[:, :, None] * codes.to(tl.float32)
+            if tl.float16 == DOT:  # a GPU's tensor cores: four codes at a time into two f16x2 words
+                values = _q8_times_f16(codes, scale[:, :, None].to(tl.float16))
+            else:
+                values = scale[:, :, None] * codes.to(tl.float32)
         else:  # [BLOCK_N, BLOCK_D / 32, 2, 16]: value 16h + l of each block, byte l's nibble h
             h = tl.arange(0, 2)[None, None, :, None]
             l = tl.arange(0, 16)[None, None, None, :]
             at = (NB * (QB - 16)) + 16 * nb3[:, :, :, None] + l
-            nibbles = tl.load(rows3[:, :, :, None] + at, mask=bmask3[:, :, :, None], other=0).to(tl.int32)
+            raw = tl.load(rows3[:, :, :, None] + at, mask=bmask3[:, :, :, None], other=0)
+            nibbles = raw.to(tl.int32)
             codes = (nibbles >> (4 * h)) & 15
             if QT >= Q5_0 and QT <= Q5_1:  # bit 16h + l of the block's qh word is the value's fifth
                 k = tl.arange(0, 4)[None, None, :]
@@ -115,6 +121,12 @@ def load_rows(
             scale = scale[:, :, None, None]
             if QT == IQ4_NL:
                 values = scale * tl.load(levels_ptr + codes)
+            elif QT == Q4_0 and tl.float16 == DOT:  # four codes at a time into two f16x2 words
+                shape: tl.constexpr = (raw.shape[0], raw.shape[1], 2, 16)
+                shift = tl.broadcast_to((4 * h).to(tl.uint8), shape)
+                values = _q4_times_f16(
+                    tl.broadcast_to(raw, shape), shift, tl.broadcast_to(scale.to(tl.float16), shape)
+                )
             elif QT == Q4_0:
                 values = scale * (codes - 8).to(tl.float32)
             elif QT == Q5_0:
@@ -122,8 +134,63 @@ def load_rows(
             else:
                 m = _f16_fields(row_ptrs, 2 * NB, rmask, NB, BLOCK_D)
                 values = scale * codes.to(tl.float32) + m[:, :, None, None]
-        values = tl.reshape(values, (row_ptrs.shape[0], BLOCK_D))
+        values = tl.reshape(values, (row_ptrs.shape[0], BLOCK_D)).to(DOT)
     return values
+
+
+# Four int8 codes (one 32-bit word) times their f16 scales (two f16x2 words) -> two f16x2 words: each
+# byte made unsigned (xor 0x80) and placed under f16's exponent of 1024 (0x64XX is 1024 + XX, exactly),
+# 1152 (0x6480) subtracted (the code, exactly), then multiplied by the scale, rounded once: the bits
+# that rounding the float32 product to f16 gives. ~1.5 instructions a value where the compiler's int8 ->
+# f32 -> f16 path takes ~2.5 (bytes picked out one by one, two conversions).
+Q8_F16_ASM: tl.constexpr = tl.constexpr("""{
+.reg .b32 u, lo, hi, k;
+xor.b32 u, $2, 0x80808080;
+prmt.b32 lo, u, 0x64646464, 0x4140;
+prmt.b32 hi, u, 0x64646464, 0x4342;
+mov.b32 k, 0x64806480;
+sub.f16x2 lo, lo, k;
+sub.f16x2 hi, hi, k;
+mul.rn.f16x2 $0, lo, $3;
+mul.rn.f16x2 $1, hi, $4;
+}""")
+
+
+# Four Q4_0 bytes' low (shift 0) or high (shift 4) nibbles times their f16 scales -> two f16x2 words, as
+# Q8_F16_ASM: each nibble spread into a 16-bit lane under f16's exponent of 1024, 1032 subtracted (code
+# - 8, exactly), then the scale multiplied, rounded once.
+Q4_F16_ASM: tl.constexpr = tl.constexpr("""{
+.reg .b32 s, w, lo, hi, k;
+and.b32 s, $3, 0xff;
+shr.b32 w, $2, s;
+prmt.b32 lo, w, 0, 0x7170;
+prmt.b32 hi, w, 0, 0x7372;
+lop3.b32 lo, lo, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 hi, hi, 0x000f000f, 0x64006400, 0xea;
+mov.b32 k, 0x64086408;
+sub.f16x2 lo, lo, k;
+sub.f16x2 hi, hi, k;
+mul.rn.f16x2 $0, lo, $4;
+mul.rn.f16x2 $1, hi, $5;
+}""")
+
+
+@triton.jit
+def _q4_times_f16(raw, shift, scale):
+    """Q4_0's codes, nibble `shift` (0 or 4, equal in each run of four) of the bytes `raw`, minus 8,
+    times `scale` (float16), in float16, four a step; the arguments broadcast to one shape."""
+    return tl.inline_asm_elementwise(
+        Q4_F16_ASM, "=r,=r,r,r,r,r", [raw, shift, scale], dtype=tl.float16, is_pure=True, pack=4
+    )
+
+
+@triton.jit
+def _q8_times_f16(codes, scale):
+    """codes (int8) times scale (float16, broadcast to the codes' shape) in float16, four a step."""
+    scale = tl.broadcast_to(scale, codes.shape)
+    return tl.inline_asm_elementwise(
+        Q8_F16_ASM, "=r,=r,r,r,r", [codes, scale], dtype=tl.float16, is_pure=True, pack=4
+    )
 
 
 @triton.jit

@@ -287,7 +287,7 @@ def attention_kernel(
             r64 = (block * BR + rows % BR)[:, None]
         else:
             r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
-        keys = load_rows(kc_ptr + r64 * skc_n, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D)
+        keys = load_rows(kc_ptr + r64 * skc_n, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D, DOT)
         keys = tl.where(fresh, k_new[None, :], keys)
         s = dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
         # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
@@ -296,7 +296,7 @@ def attention_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a visible key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        values = load_rows(vc_ptr + r64 * svc_n, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D)
+        values = load_rows(vc_ptr + r64 * svc_n, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D, DOT)
         values = tl.where(fresh, v_new[None, :], values)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(p, values, DOT)

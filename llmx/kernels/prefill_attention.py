@@ -185,7 +185,7 @@ def _attend(
         rows = n + tl.arange(0, BLOCK_N)
         rmask = rows < n_read
         r64 = rows.to(tl.int64)[:, None]
-        keys = load_rows(k_ptr + r64 * sk_n, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D)
+        keys = load_rows(k_ptr + r64 * sk_n, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D, DOT)
         s = dot(q, tl.trans(keys.to(DOT)), DOT)  # [BLOCK_M, BLOCK_N]
         # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
         # (in log2 units, for exp2)
@@ -208,7 +208,7 @@ def _attend(
             m_use = m_new
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
-        values = load_rows(v_ptr + r64 * sv_n, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D)
+        values = load_rows(v_ptr + r64 * sv_n, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D, DOT)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(p, values.to(DOT), DOT)
         m_i = m_new
