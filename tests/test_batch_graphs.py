@@ -71,15 +71,19 @@ class _Cycle:
         self.me = self
 
 
-def test_a_capture_collects_first_then_holds_the_collector_off():
-    """Garbage made before a capture is collected before it starts; during it the collector is off
-    (a collection could free pinned memory through calls a capture forbids); after it, the
-    collector is as the caller had it."""
-    garbage = weakref.ref(_Cycle())
+def test_a_capture_holds_the_collector_off():
+    """During a capture the collector is off (a collection could free pinned memory through calls a
+    capture forbids): garbage made then outlives allocations past the collector's threshold and is
+    collected after; the collector is then as the caller had it."""
     assert gc.isenabled()
     with collection_paused():
-        assert garbage() is None and not gc.isenabled()
+        assert not gc.isenabled()
+        garbage = weakref.ref(_Cycle())
+        _ = [[] for _ in range(10 * gc.get_threshold()[0])]  # would start a young collection
+        assert garbage() is not None
     assert gc.isenabled()
+    gc.collect()
+    assert garbage() is None
     gc.disable()
     try:
         with collection_paused():

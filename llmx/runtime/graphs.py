@@ -365,10 +365,10 @@ class GraphCache:
 def collection_paused():
     """Python's garbage collector held off while a graph is captured: what it collects may hold pinned
     host memory (an earlier model's trips to its CPU experts), which torch frees through CUDA calls
-    that a capture forbids, invalidating it (cudaErrorStreamCaptureInvalidated). Garbage made before
-    is collected first, as torch.cuda.graph does only under torch.compiler.config.force_cudagraph_gc
-    (a full collection took ~100 ms with SmolLM2 loaded on the 2-core CPU)."""
-    gc.collect()
+    that a capture forbids, invalidating it (cudaErrorStreamCaptureInvalidated). Nothing is collected
+    first (torch.cuda.graph does that only under torch.compiler.config.force_cudagraph_gc): garbage
+    waits for the next collection after the capture, where a full one before each capture cost ~100 ms
+    (SmolLM2 loaded, the 2-core CPU), and a server captures a graph per batch bucket."""
     enabled = gc.isenabled()
     gc.disable()
     try:
