@@ -1,11 +1,13 @@
 """The grouped expert kernels (`llmx.quant.triton.moe`) at Qwen3-30B-A3B's shapes, one MoE layer.
 
 For each T (tokens), a top-8 routing of 128 experts (softmax of random logits) and the layer's
-gate and up (default Q4_K) and down (default Q6_K) as prepared random blocks: the median time of
-the fused gate+up, of the weighted down projection and of the whole routed FFN (fused, and
--no-fmoe). Decode sizes (the grouped GEMV) are timed replayed from a CUDA graph, as decode runs
-them, with GB/s of the chosen experts' blocks (each used expert's rows read once: the floor); prompt
-sizes with triton.testing.do_bench (L2 cleared before each call), with TFLOP/s.
+gate and up (default Q4_K) and down (default Q6_K) as prepared random blocks, rows placed as a GPU
+load places them (`layout.row_pitch`): the median time of the fused gate+up, of the weighted down
+projection and of the whole routed FFN (fused, and -no-fmoe). Decode sizes (the grouped GEMVs) are
+timed replayed from a CUDA graph, as decode runs them, once per kernel of --kernels ("dot8": the
+integer-dot GEMV, x and h quantized per 32; "gemv": the float one; "auto": `choice.moe`'s), with
+GB/s of the chosen experts' blocks (each used expert's rows read once: the floor); prompt sizes
+with triton.testing.do_bench (L2 cleared before each call), with TFLOP/s.
 
 `--sweep` times the prompt path's grouped GEMM (fused gate+up, then the weighted down projection,
 on one route made for the tile) for each tile BM/BN/BK/warps/stages of `--tiles` (else SWEEP_TILES)
@@ -13,6 +15,7 @@ at each T of `--sweep-t`, and ends with the tile of least total time over those 
 put in `llmx/quant/triton/launch_shapes.json` (the device kind's "moe_gemm").
 
     python bench/moe_kernels.py [--t 1,2,4,8,64,512,2048] [--gate Q4_K] [--down Q6_K] [--dtype float32]
+        [--kernels dot8,gemv]
     python bench/moe_kernels.py --sweep [--sweep-t 512,2048] [--tiles 32/64/64/4/3,64/128/64/4/3]
 """
 
@@ -28,7 +31,7 @@ from triton.runtime.errors import OutOfResources
 from llmx.bench.blocks import chunk_rng, random_data
 from llmx.quant import choice, qtype
 from llmx.quant.triton import moe
-from llmx.quant.triton.layout import prepare
+from llmx.quant.triton.layout import prepare, row_pitch, with_pitch
 from llmx.quant.triton.tuning import GemmConfig, for_device
 
 EXPERTS, N_EMBD, N_FF, TOP_K = 128, 2048, 768, 8
@@ -55,7 +58,8 @@ class Experts:
             None,
         )
         prepared = prepare(self)
-        self.raw, self.packed, self.shape = prepared.raw, prepared.packed, (e, n, k)
+        self.raw = with_pitch(prepared.raw, row_pitch(name, prepared.raw.shape[1]))
+        self.packed, self.shape = prepared.packed, (e, n, k)
 
     def expert_bytes(self) -> int:
         return self.raw.shape[1] * self.shape[1]
@@ -76,22 +80,29 @@ def routing(t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, tor
     return ids.to(torch.int32), top / top.sum(-1, keepdim=True), x
 
 
-def row(t: int, gate: Experts, up: Experts, down: Experts, dtype: torch.dtype) -> str:
-    """The table's row for T = t tokens."""
+def row(t: int, gate: Experts, up: Experts, down: Experts, dtype: torch.dtype, kernel: str) -> str:
+    """The table's row for T = t tokens on `kernel` (forced, or "auto")."""
     ids, topw, x = routing(t, dtype)
-    h = moe.moe_swiglu(x, gate, up, ids)
-    graph = choice.moe(t) == "gemv"
+    kw = {"kernel": None if kernel == "auto" else kernel}
+    h = moe.moe_swiglu(x, gate, up, ids, **kw)
+    graph = choice.moe(t) != "gemm"
     ms = [
-        timed_ms(lambda: moe.moe_swiglu(x, gate, up, ids), graph),
-        timed_ms(lambda: moe.moe_linear(h, down, ids, topw), graph),
-        timed_ms(lambda: moe.moe_ffn(x, gate, up, down, ids, topw), graph),
-        timed_ms(lambda: moe.moe_ffn(x, gate, up, down, ids, topw, fused=False), graph),
+        timed_ms(lambda: moe.moe_swiglu(x, gate, up, ids, **kw), graph),
+        timed_ms(lambda: moe.moe_linear(h, down, ids, topw, **kw), graph),
+        timed_ms(lambda: moe.moe_ffn(x, gate, up, down, ids, topw, **kw), graph),
+        timed_ms(lambda: moe.moe_ffn(x, gate, up, down, ids, topw, fused=False, **kw), graph),
     ]
+    chosen = f"{moe.kernel_of(t, [gate, up], kw['kernel'])}, {moe.kernel_of(t, [down], kw['kernel'])}"
     used = int(ids.unique().numel())
-    nbytes = used * (gate.expert_bytes() + up.expert_bytes() + down.expert_bytes())
+    gate_up, down_bytes = used * (gate.expert_bytes() + up.expert_bytes()), used * down.expert_bytes()
     flops = 2 * t * TOP_K * 3 * N_EMBD * N_FF
-    cells = [f"{v:.4f}" for v in ms] + [f"{nbytes / ms[2] / 1e6:.0f}", f"{flops / ms[2] / 1e9:.2f}"]
-    return f"| {t} | {choice.moe(t)} | " + " | ".join(cells) + " |"
+    cells = [f"{v:.4f}" for v in ms] + [
+        f"{gate_up / ms[0] / 1e6:.0f}",
+        f"{down_bytes / ms[1] / 1e6:.0f}",
+        f"{(gate_up + down_bytes) / ms[2] / 1e6:.0f}",
+        f"{flops / ms[2] / 1e9:.2f}",
+    ]
+    return f"| {t} | {chosen} | " + " | ".join(cells) + " |"
 
 
 def gemm_ms(
@@ -101,8 +112,8 @@ def gemm_ms(
     the weighted down projection of h."""
     gate, up, down = layer
     return [
-        triton.testing.do_bench(lambda: moe.moe_swiglu(x, gate, up, ids, r)),
-        triton.testing.do_bench(lambda: moe.moe_linear(h, down, ids, topw, r)),
+        triton.testing.do_bench(lambda: moe.moe_swiglu(x, gate, up, ids, r, "gemm")),
+        triton.testing.do_bench(lambda: moe.moe_linear(h, down, ids, topw, r, "gemm")),
     ]
 
 
@@ -114,7 +125,7 @@ def sweep(ts: list[int], tiles: list[GemmConfig], layer: Layer, dtype: torch.dty
     totals: dict[GemmConfig, float] = {}
     for t in ts:
         ids, topw, x = routing(t, dtype)
-        h = moe.moe_swiglu(x, gate, up, ids)
+        h = moe.moe_swiglu(x, gate, up, ids, kernel="gemm")
         for tile in tiles:
             try:
                 ms = gemm_ms(moe.route(ids, EXPERTS, tile), ids, topw, x, h, layer)
@@ -138,6 +149,7 @@ def main() -> None:
     ap.add_argument("--gate", default="Q4_K")
     ap.add_argument("--down", default="Q6_K")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--kernels", default="dot8,gemv", help="decode sizes' kernels: dot8, gemv, auto")
     ap.add_argument("--sweep", action="store_true", help="time the prompt GEMM's tiles instead")
     ap.add_argument("--sweep-t", default="512,2048", help="the sweep's prompt sizes")
     ap.add_argument("--tiles", default=SWEEP_TILES, help="the sweep's tiles BM/BN/BK/warps/stages")
@@ -147,14 +159,14 @@ def main() -> None:
     down = Experts(args.down, EXPERTS, N_EMBD, N_FF, 3)
     if args.sweep:
         ts = [int(v) for v in args.sweep_t.split(",")]
-        if any(choice.moe(t) != "gemm" for t in ts):
-            ap.error(f"--sweep-t: the grouped GEMM takes more than {choice.MOE_GEMV_MAX_TOKENS} tokens")
         sweep(ts, [GemmConfig.parse(v) for v in args.tiles.split(",")], (gate, up, down), dtype)
         return
-    print("| T | kernel | gate+up ms | down ms | ffn ms | -no-fmoe ms | GB/s | TFLOP/s |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    columns = "gate+up ms | down ms | ffn ms | -no-fmoe ms | gate+up GB/s | down GB/s | ffn GB/s | TFLOP/s"
+    print(f"| T | kernel (gate+up, down) | {columns} |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for t in (int(v) for v in args.t.split(",")):
-        print(row(t, gate, up, down, dtype))
+        for kernel in args.kernels.split(",") if choice.moe(t) != "gemm" else ["auto"]:
+            print(row(t, gate, up, down, dtype, kernel), flush=True)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,7 @@ def test_out_of_memory_for_the_weights_names_the_device_and_the_sizes(monkeypatc
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 << 30, 80 << 30))
     piece = weights.Piece("w@cuda:0", None, "cuda:0")
     monkeypatch.setattr(weights.Piece, "nbytes", property(lambda self: 5 << 20))
+    monkeypatch.setattr(weights.Piece, "arena_bytes", property(lambda self: 5 << 20))
     with pytest.raises(
         LlmxError, match=r"out of memory on cuda:0: its weights need [\d.]+ GiB and 3\.00 GiB are"
     ):

@@ -475,11 +475,15 @@ def test_a_cpu_step_counts_the_bytes_of_the_experts_a_token_uses(tiny):
 # --- on a GPU -----------------------------------------------------------------------------------
 
 # A GPU multiplies prompts on tensor cores and decodes quantized weights on int8-quantized x (as
-# test_gpu.py's LOGITS_TOL explains), so its logits differ from the CPU's by ~1e-3; where a token's
-# k-th and (k+1)-th experts are nearly tied, that is enough to route it elsewhere, which moves its row
-# of logits by ~1. So the checks are per row: most rows within ROW_TOL, and a greedy step compared only
-# where its top two logits are decisively apart (random tiny models have near-ties a few steps in).
-ROW_TOL = 1e-2
+# test_gpu.py's LOGITS_TOL explains), the routed experts of up to 8 tokens too; the reference (the
+# all-GPU model, `tiny`) takes the same kernels as the all-GPU placements, but experts in RAM are
+# multiplied on the CPU (x in 16 bits) or, for a prompt, staged in GGUF order for the float GEMV.
+# Rounding x and the experts' heavy-tailed silu(gate) * up to int8 per 32 values moves these tiny
+# models' rows by up to ~1.7% (Q8_0 qwen3moe and mixtral, emulated in float64 on the CPU). Where a
+# token's k-th and (k+1)-th experts are nearly tied, that is enough to route it elsewhere, which moves
+# its row of logits by ~1. So the checks are per row: most rows within ROW_TOL, and a greedy step
+# compared only where its top two logits are decisively apart (random tiny models have near-ties).
+ROW_TOL = 2e-2
 MOST_ROWS = 0.9
 GPU_PLACEMENTS = {
     "all-gpu": dict(n_gpu_layers="all"),

@@ -114,6 +114,11 @@ def test_every_gpu_kind_has_valid_shapes() -> None:
         for name in choice.DOT8_TYPES:
             assert t.dot8_rows(name).bk % qtype(name).block_elems == 0
         assert t.dot8_rows("Q5_K") == t.dot8_rows_shapes["any"]
+        for summed in (False, True):  # the grouped expert GEMV's, for the rows of a decode step's experts
+            for name in choice.DOT8_TYPES:
+                assert t.moe_dot8(name, summed).bk % qtype(name).block_elems == 0
+            shapes = t.moe_dot8_sum_shapes if summed else t.moe_dot8_shapes
+            assert t.moe_dot8("Q5_K", summed) == shapes["any"]
         for shape in [*t.dot8_by_type.values(), *t.dot8_one_step.values(), *t.dot8_long_rows.values()]:
             assert LaunchShape.parse(str(shape)) == shape
         assert all(GemmConfig.parse(str(c)) == c for c in t.gemm)
@@ -186,3 +191,19 @@ def test_the_type_table_holds_the_kernels_block_facts() -> None:
         offsets = qtype(name).half_fields
         start = 0 if first else nbytes - 2 * nf
         assert offsets == tuple(range(start, start + 2 * nf, 2))
+
+
+def test_choice_of_the_expert_kernel() -> None:
+    """Stacked experts (`triton.moe`): the integer-dot GEMV for decode batches whose launch's weights
+    it reads, the float GEMV for the rest, the GEMM over sorted pairs for more tokens."""
+    moe_of, top = choice.moe, choice.MOE_GEMV_MAX_TOKENS
+    assert [moe_of(t, ("Q4_K",), choice.WORDS) for t in (1, top, top + 1)] == ["dot8", "dot8", "gemm"]
+    assert moe_of(1, ("Q4_K", "Q6_K"), choice.WORDS) == "dot8"  # gate and up of two types in one launch
+    assert moe_of(1, ("Q4_K", "Q5_K"), choice.WORDS) == "gemv"  # one the integer dots cannot read
+    assert moe_of(1, ("Q8_0",), choice.SPLIT) == "gemv"  # rows not word-aligned
+    assert moe_of(1) == "gemv" and moe_of(top + 1) == "gemm"  # sort the pairs or not
+    assert moe_of(1, ("Q4_K",), choice.WORDS, "gemv") == "gemv"  # forced
+    assert moe_of(top + 1, ("Q4_K",), choice.WORDS, "dot8") == "dot8"
+    assert moe_of(1, ("Q4_0",), choice.WORDS, "dot8") == "gemv"
+    with pytest.raises(LlmxError, match="unknown expert kernel"):
+        moe_of(1, ("Q4_K",), choice.WORDS, "dequant")

@@ -3,14 +3,18 @@
 Expert weights are random valid blocks (`test_triton.random_weight`), dequantized by gguf-py for the
 reference. Without CUDA the kernels run in Triton's interpreter on small shapes: ragged routings
 (unused experts, one expert taken by more pairs than a GEMM tile holds), T = 1, few tokens (the
-grouped GEMV) and more than a tile (the grouped GEMM). The `gpu`-marked tests add Qwen3-30B-A3B's
+grouped GEMVs) and more than a tile (the grouped GEMM). The `gpu`-marked tests add Qwen3-30B-A3B's
 shapes (2048 x 768 experts, 128 of them, top-8), with the reference dequantized on the GPU, and
-CUDA-graph capture. Tolerances are test_triton's: float32 sums for the GEMV; for the GEMM, its
-tiles' type (`gemm_tol`).
+CUDA-graph capture. Tolerances are test_triton's: float32 sums for the GEMVs; for the GEMM, its
+tiles' type (`gemm_tol`). The integer-dot GEMV ("dot8") multiplies x quantized to int8 per 32
+values: as the dense one, it is held to the float32 tolerance against the reference on x so quantized
+(`quantized_x_ref`), and to DOT8_FLOAT_TOL (x's rounding, at most 1/254 of a group's largest |x|
+a value) against the plain float x.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
 import numpy as np
@@ -24,7 +28,18 @@ from llmx.quant.triton import autotune, moe
 from llmx.quant.triton import layout as lay
 from llmx.quant.triton import matmul as tops
 from llmx.quant.triton.tuning import GemmConfig
-from tests.test_triton import DEVICE, GEMM_TOL, TOL, Weight, laid_out, random_weight, rel_err, width
+from tests.test_triton import (
+    DEVICE,
+    DOT8_FLOAT_TOL,
+    GEMM_TOL,
+    TOL,
+    Weight,
+    laid_out,
+    quantized_x_ref,
+    random_weight,
+    rel_err,
+    width,
+)
 
 GEMV_T = choice.MOE_GEMV_MAX_TOKENS  # the most tokens the grouped GEMV takes
 BM = autotune.INTERPRETED.bm if DEVICE == "cpu" else None  # the interpreter's GEMM tile
@@ -37,9 +52,13 @@ def gemm_tol(dtype: torch.dtype) -> float:
 
 
 def experts(name: str, e: int, n: int, k: int, seed: int, layout: str = "raw") -> tuple[Weight, np.ndarray]:
-    """A stacked expert weight (E, N, K) of random valid blocks, and its float64 [E, N, K] reference."""
+    """A stacked expert weight (E, N, K) of random valid blocks, and its float64 [E, N, K] reference.
+    layout: "raw" (the GGUF's), "prepared" (`layout.prepare`'s), "aligned" (prepared, rows at
+    `layout.row_pitch`, as a GPU load places them)."""
     w, ref = random_weight(name, e * n, k, seed)
-    w = laid_out(w, name, layout)
+    w = laid_out(w, name, "prepared" if layout == "aligned" else layout)
+    if layout == "aligned":
+        w.raw = lay.with_pitch(w.raw, lay.row_pitch(name, w.raw.shape[1]))
     w.shape = (e, n, k)
     return w, ref.reshape(e, n, k)
 
@@ -112,11 +131,12 @@ OTHER_TYPES = ["Q4_0", "Q5_1", "Q2_K", "Q5_K", "IQ4_XS"]
 @pytest.mark.parametrize("name", KEY_TYPES)
 @pytest.mark.parametrize("layout", ["raw", "prepared"])
 def test_gemv_reads_each_pairs_expert(name: str, layout: str) -> None:
-    # 5 experts (0 and 3 unused), N = 9 (a partial program), 2 blocks a row
+    # 5 experts (0 and 3 unused), N = 9 (a partial program), 2 blocks a row; the float GEMV forced
+    # (prepared rows of these types take the integer-dot one by default)
     w, ref = experts(name, 5, 9, width(name, 2), seed=1, layout=layout)
     ids = ids_tensor([[4, 1], [1, 4], [2, 1]])
     x = randn(3, w.shape[2], seed=2)
-    y = moe.moe_linear(x.to(DEVICE), w, ids)
+    y = moe.moe_linear(x.to(DEVICE), w, ids, kernel="gemv")
     assert y.shape == (3, 2, 9) and y.dtype == torch.float32
     assert rel_err(y, per_slot(x.double().numpy(), ref, ids)) < TOL[torch.float32]
 
@@ -159,6 +179,160 @@ def test_gemv_down_sums_the_slots_weighted() -> None:
     assert y.shape == (4, 9)
     assert rel_err(y, np.einsum("tjn,tj->tn", per, topw.double().numpy())) < TOL[torch.float32]
     assert rel_err(moe.moe_linear(h.to(DEVICE), w, ids), per) < TOL[torch.float32]  # per slot: [T, k, N]
+
+
+# --- few tokens on integer dot products: the grouped integer-dot GEMV ---------------------------------
+
+
+def check_dot8(y: torch.Tensor, x: torch.Tensor, ref_of: Callable[[np.ndarray], np.ndarray]) -> None:
+    """y against ref_of(x) with x as the kernel quantizes it (float32 sums), and with x as it is."""
+    shape = x.shape
+    xq = quantized_x_ref(x.float().reshape(-1, shape[-1]).cpu().numpy()).reshape(shape)
+    assert rel_err(y, ref_of(xq)) < TOL[torch.float32]
+    assert rel_err(y, ref_of(x.double().cpu().numpy())) < DOT8_FLOAT_TOL
+
+
+@pytest.mark.parametrize("name", KEY_TYPES)
+def test_gemv8_reads_each_pairs_expert(name: str) -> None:
+    # 6 experts (0 unused), T = 3 tokens x k = 3 slots, one expert twice in a token, N = 5 (a partial
+    # program of every launch shape), 2 blocks a row
+    w, ref = experts(name, 6, 5, width(name, 2) if name != "Q8_0" else 128, seed=40, layout="prepared")
+    ids = ids_tensor([[4, 1, 4], [1, 5, 2], [3, 2, 1]])
+    x = randn(3, w.shape[2], seed=41)
+    y = moe.moe_linear(x.to(DEVICE), w, ids)
+    assert y.shape == (3, 3, 5) and y.dtype == torch.float32
+    assert moe.kernel_of(3, [w]) == "dot8"
+    check_dot8(y, x, lambda xs: per_slot(xs, ref, ids))
+
+
+@pytest.mark.parametrize("name", KEY_TYPES)
+def test_gemv8_down_sums_the_slots_weighted(name: str) -> None:
+    # the down projection's [T, k, K] input, one row a pair, summed over the slots in the program;
+    # 3 blocks a row (Q4_K, Q6_K: a step of 4 with one past the row; Q8_0: 96 weights, 102-byte rows,
+    # not word-aligned: 128)
+    k = width(name, 3) if name != "Q8_0" else 128
+    w, ref = experts(name, 5, 6, k, seed=42, layout="aligned")  # Q6_K: 630-byte rows, 640 apart
+    ids = ids_tensor([[4, 2], [2, 2], [0, 4]])
+    h, topw = randn(3, 2, k, seed=43), torch.rand(3, 2, generator=torch.Generator().manual_seed(44))
+    y = moe.moe_linear(h.to(DEVICE), w, ids, topw.to(DEVICE))
+    assert y.shape == (3, 6) and moe.kernel_of(3, [w]) == "dot8"
+    check_dot8(y, h, lambda hs: np.einsum("tjn,tj->tn", per_slot(hs, ref, ids), topw.double().numpy()))
+
+
+@pytest.mark.parametrize(("gate_type", "up_type"), [("Q4_K", "Q4_K"), ("Q6_K", "Q8_0")])
+def test_gemv8_fused_gate_and_up(gate_type: str, up_type: str) -> None:
+    gate, ref_g = experts(gate_type, 5, 6, 512, seed=45, layout="prepared")
+    up, ref_u = experts(up_type, 5, 6, 512, seed=46, layout="prepared")
+    ids = ids_tensor([[0, 3], [4, 4]])
+    x = gate_input(2, ref_g, seed=47)
+    h = moe.moe_swiglu(x.to(DEVICE), gate, up, ids)
+    assert h.shape == (2, 2, 6) and moe.kernel_of(2, [gate, up]) == "dot8"
+    check_dot8(h, x, lambda xs: silu(per_slot(xs, ref_g, ids)) * per_slot(xs, ref_u, ids))
+
+
+def test_gemv8_rows_of_several_steps() -> None:
+    # rows longer than a step (Q8_0: 2048 weights a step, 2080 a row: a second step of one block) take
+    # each pair through dot8.row_dots, gated and summed; 2210-byte rows, 2224 apart
+    k = 2080
+    gate, ref_g = experts("Q8_0", 3, 3, k, seed=53, layout="aligned")
+    up, ref_u = experts("Q8_0", 3, 3, k, seed=54, layout="aligned")
+    ids = ids_tensor([[2, 0], [1, 2]])
+    x, topw = gate_input(2, ref_g, seed=55), torch.rand(2, 2, generator=torch.Generator().manual_seed(56))
+    h = moe.moe_swiglu(x.to(DEVICE), gate, up, ids)
+    assert moe.kernel_of(2, [gate, up]) == "dot8" and moe._gemv8_shape(gate, k, False)[1] < k
+    check_dot8(h, x, lambda xs: silu(per_slot(xs, ref_g, ids)) * per_slot(xs, ref_u, ids))
+    xs = randn(2, 2, k, seed=57)
+    y = moe.moe_linear(xs.to(DEVICE), up, ids, topw.to(DEVICE))
+    check_dot8(y, xs, lambda v: np.einsum("tjn,tj->tn", per_slot(v, ref_u, ids), topw.double().numpy()))
+
+
+def test_moe_ffn_on_integer_dots() -> None:
+    # Q4_K gate and up, a Q8_0 down of short rows (few programs for the interpreter; each type's
+    # down projection is tested above); h = silu(gate) * up quantized again for the down
+    # projection: against the float reference, twice x's rounding at most
+    d, f, e, k, t = 256, 64, 4, 2, 2
+    gate, ref_g = experts("Q4_K", e, f, d, seed=48, layout="prepared")
+    up, ref_u = experts("Q4_K", e, f, d, seed=49, layout="prepared")
+    down, ref_d = experts("Q8_0", e, d, f, seed=50, layout="aligned")
+    ids = ids_tensor([[1, 3], [3, 3]])
+    x, topw = gate_input(t, ref_g, seed=51), torch.rand(t, k, generator=torch.Generator().manual_seed(52))
+    y = moe.moe_ffn(x.to(DEVICE), gate, up, down, ids, topw.to(DEVICE))
+    xd = x.double().numpy()
+    h = silu(per_slot(xd, ref_g, ids)) * per_slot(xd, ref_u, ids)
+    y_ref = np.einsum("tjn,tj->tn", per_slot(h, ref_d, ids), topw.double().numpy())
+    assert y.shape == (t, d) and rel_err(y, y_ref) < 2 * DOT8_FLOAT_TOL
+
+
+@pytest.mark.parametrize(("name", "width"), [("Q8_0", 96), ("Q6_K", 256)])
+@pytest.mark.parametrize("placed", ["staged", "packed", "arena"])
+def test_a_decode_batch_reads_its_experts_as_they_were_placed(name: str, width: int, placed: str) -> None:
+    """Each way a stack reaches the grouped kernels, at widths whose prepared rows are not whole words
+    (Q8_0's 3 blocks: 102 bytes; Q6_K's super-block: 210): a GPU load's ("arena": prepared rows at
+    `layout.row_pitch`, 112 and 224 bytes apart) takes the integer-dot GEMV; prepared rows packed one
+    after another ("packed") and a prompt's experts copied from RAM (`expert_staging.compact_stack`:
+    GGUF rows as the CPU holds them, a compact stack of the used experts, ids renumbered) the float
+    GEMV. The whole FFN against float64 either way (twice x's rounding on integer dots)."""
+    from llmx.runtime.expert_staging import compact_ids, compact_stack
+
+    e, used = 5, [1, 4]
+    layout = {"staged": "raw", "packed": "prepared", "arena": "aligned"}[placed]
+    (gate, ref_g), (up, ref_u), (down, ref_d) = (
+        experts(name, e, width, width, seed=60 + i, layout=layout) for i in range(3)
+    )
+    ids = ids_tensor([[4, 1]])
+    x, topw = gate_input(1, ref_g, seed=63), torch.tensor([[0.7, 0.3]])
+    xd = x.double().numpy()
+    h = silu(per_slot(xd, ref_g, ids)) * per_slot(xd, ref_u, ids)
+    y_ref = np.einsum("tjn,tj->tn", per_slot(h, ref_d, ids), topw.double().numpy())
+    if placed == "staged":
+        gate, up, down = (compact_stack(w, w.raw, used, torch.device(DEVICE)) for w in (gate, up, down))
+        ids = compact_ids(ids, used, e)
+    kernel = "dot8" if placed == "arena" else "gemv"
+    assert moe.kernel_of(1, [gate, up]) == moe.kernel_of(1, [down]) == kernel
+    y = moe.moe_ffn(x.to(DEVICE), gate, up, down, ids, topw.to(DEVICE))
+    assert rel_err(y, y_ref) < (2 * DOT8_FLOAT_TOL if kernel == "dot8" else 1e-4)
+
+
+def test_a_gpu_arena_spaces_out_the_rows_the_integer_dots_read() -> None:
+    # Qwen3-30B-A3B's Q6_K down projection: 630-byte rows, 640 apart in a GPU's arena (`layout.row_pitch`);
+    # Q4_K's 432-byte rows are whole 16-byte units already, and CPU tensors stay the file's bytes
+    from llmx.gguf import TensorInfo
+    from llmx.runtime.weights import Piece, _arena_view
+
+    def piece(name: str, device: str) -> Piece:
+        qt = qtype(name)
+        info = TensorInfo("blk.0.ffn_down_exps.weight", qt, (4, 3, 768), 0, qt.nbytes((4, 3, 768)), None)
+        return Piece(info.name, info, device)
+
+    q6, q4 = piece("Q6_K", "cuda:0"), piece("Q4_K", "cuda:0")
+    assert (q6.pitch, q6.arena_bytes, q6.nbytes) == (640, 12 * 640, 12 * 630)
+    assert q4.pitch is None and q4.arena_bytes == q4.nbytes and piece("Q6_K", "cpu").pitch is None
+    arena = torch.zeros(256 + q6.arena_bytes, dtype=torch.uint8)
+    view = _arena_view(arena, 256, q6)
+    assert view.shape == (12, 630) and view.stride() == (640, 1) and view.data_ptr() == arena.data_ptr() + 256
+    assert _arena_view(arena, 0, q4).shape == (12, 432)
+
+
+@pytest.mark.gpu
+def test_gpu_upload_places_each_row_at_its_pitch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # staging buffers of a row and a half: chunks of one whole row for the spaced-out stack
+    from llmx.gguf import TensorInfo
+    from llmx.runtime import weights
+
+    monkeypatch.setattr(weights, "STAGING_BYTES", 1000)
+    rng = np.random.default_rng(5)
+    infos = []
+    for name, shape in (("Q6_K", (4, 3, 768)), ("Q4_K", (5, 512)), ("Q6_K", (2, 2, 256))):
+        qt = qtype(name)
+        data = rng.integers(0, 256, qt.nbytes(shape), dtype=np.uint8)
+        infos.append(TensorInfo(f"t{len(infos)}", qt, shape, 0, data.nbytes, data))
+    views = weights.upload_arena(
+        [weights.Piece(i.name, i, DEVICE) for i in infos], torch.device(DEVICE), lambda n: None
+    )
+    for info in infos:
+        raw = views[info.name]
+        assert torch.equal(raw.cpu(), torch.from_numpy(info.data).view(raw.shape))
+    assert views["t0"].stride(0) == 640 and views["t2"].stride(0) == 224 and views["t1"].is_contiguous()
 
 
 # --- prompts: the grouped GEMM ------------------------------------------------------------------------
@@ -212,8 +386,7 @@ def test_gemm_runs_the_tile_its_route_was_made_for() -> None:
     tile = GemmConfig(32, 16, 32, 4, 1)
     r = moe.route(ids, 4, tile)
     assert r.block_m == 32 and r.tile == tile
-    assert choice.moe(12) == "gemm"
-    y = moe.moe_linear(x.to(DEVICE), w, ids, route=r)
+    y = moe.moe_linear(x.to(DEVICE), w, ids, route=r, kernel="gemm")
     assert rel_err(y, per_slot(x.double().numpy(), ref, ids)) < gemm_tol(torch.float32)
 
 
@@ -258,11 +431,13 @@ QWEN3_30B = (128, 2048, 768, 8)  # experts, n_embd, n_ff_exp, top-k
 
 
 def gpu_experts(name: str, e: int, n: int, k: int, seed: int) -> tuple[Weight, torch.Tensor]:
-    """A prepared stacked expert weight on the GPU (random valid blocks, `llmx.bench.blocks`) and its
-    float32 [E, N, K] dequantization there (`matmul.dequantize`, bit-exact with gguf-py)."""
+    """A prepared stacked expert weight on the GPU (random valid blocks, `llmx.bench.blocks`), its rows
+    at `layout.row_pitch` as a load places them, and its float32 [E, N, K] dequantization there
+    (`matmul.dequantize`, bit-exact with gguf-py)."""
     qt = qtype(name)
     raw = torch.from_numpy(random_data(qt, e * n * k, 0.02, chunk_rng(seed, qt.ggml_id))).to(DEVICE)
     w = lay.prepare(Weight(raw.view(e * n, -1), qt, (e * n, k)))
+    w.raw = lay.with_pitch(w.raw, lay.row_pitch(name, w.raw.shape[1]))
     dense = tops.dequantize(w).view(e, n, k)
     w.shape = (e, n, k)
     return w, dense
@@ -303,6 +478,9 @@ def test_gpu_qwen3_30b_experts(t: int, dtype: torch.dtype) -> None:
     ids, topw = qwen3_30b_routing(t, seed=t)
     x = torch.randn(t, QWEN3_30B[1], generator=torch.Generator().manual_seed(t + 1)).to(DEVICE, dtype)
     tol = max(TOL[dtype] if choice.moe(t) == "gemv" else gemm_tol(dtype), 1e-4)  # a chain of three products
+    if moe.kernel_of(t, [gate, up]) == "dot8":  # x, then h, quantized per 32 (exact x: check_gpu_dot8)
+        assert moe.kernel_of(t, [down]) == "dot8"
+        tol = 2 * DOT8_FLOAT_TOL
     h = moe.moe_swiglu(x, gate, up, ids)
     h_ref = torch.nn.functional.silu(dense_per_slot(x, dg, ids)) * dense_per_slot(x, du, ids)
     assert h.dtype == dtype and rel_err(h, h_ref.double().cpu().numpy()) < tol
@@ -339,3 +517,43 @@ def test_gpu_moe_ffn_needs_no_host_sync_and_replays_in_a_cuda_graph(t: int) -> N
     x.copy_(torch.randn(t, QWEN3_30B[1], generator=torch.Generator().manual_seed(8)).to(DEVICE))
     graph.replay()
     assert torch.equal(out, moe.moe_ffn(x, gate, up, down, ids, topw))
+
+
+@cache
+def qwen3_30b_down(name: str) -> tuple[Weight, torch.Tensor]:
+    """A down projection of Qwen3-30B-A3B's experts in type `name`."""
+    e, d, f, _ = QWEN3_30B
+    return gpu_experts(name, e, d, f, 4)
+
+
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the integer-dot GEMV sees it (`quantized_x_ref`), float32 on x's device."""
+    q = quantized_x_ref(x.float().reshape(-1, x.shape[-1]).cpu().numpy())
+    return torch.from_numpy(q).float().reshape(x.shape).to(x.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("down_type", ["Q6_K", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_gpu_gemv8_at_qwen3_30b_shapes(down_type: str, t: int) -> None:
+    """The integer-dot grouped GEMV on Qwen3-30B-A3B's experts (Q4_K gate and up; Q6_K down, 630-byte
+    rows 640 apart, or Q4_K, Q8_0) against the dense reference on x and h as it quantizes them, and
+    the whole FFN against the float GEMV's."""
+    (gate, dg), (up, du), _ = qwen3_30b_layer()
+    d = QWEN3_30B[1]
+    down, dd = qwen3_30b_down(down_type)
+    ids, topw = qwen3_30b_routing(t, seed=300 + t)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(t + 2)).to(DEVICE)
+    assert moe.kernel_of(t, [gate, up]) == "dot8" and moe.kernel_of(t, [down]) == "dot8"
+    h = moe.moe_swiglu(x, gate, up, ids)
+    xq = quantized(x)
+    h_ref = torch.nn.functional.silu(dense_per_slot(xq, dg, ids)) * dense_per_slot(xq, du, ids)
+    assert rel_err(h, h_ref.double().cpu().numpy()) < 1e-4
+    y = moe.moe_linear(h, down, ids, topw)
+    y_ref = (dense_per_slot(quantized(h), dd, ids) * topw[:, :, None]).sum(1)
+    assert rel_err(y, y_ref.double().cpu().numpy()) < 1e-4
+    on_floats = moe.moe_ffn(x, gate, up, down, ids, topw, kernel="gemv")
+    assert (
+        rel_err(moe.moe_ffn(x, gate, up, down, ids, topw), on_floats.double().cpu().numpy())
+        < 2 * DOT8_FLOAT_TOL
+    )

@@ -22,8 +22,10 @@ CPU kernels (`llmx.quant.weight`):
 - "native_chunks": the same weights for more rows, dequantized by the C kernels a chunk at a time;
 - "packed": `cpu_pack`'s repacked codes (PACKED layout);
 - "chunks": the raw blocks dequantized a chunk at a time for torch.mm.
-Stacked expert weights (`llmx.quant.triton.moe`, by `moe` on the tokens): "gemv" for decode batches,
-"gemm" over the pairs sorted by expert for more.
+Stacked expert weights (`llmx.quant.triton.moe`, by `moe` on the tokens and the launch's types):
+"dot8" for decode batches of Q4_K/Q6_K/Q8_0 rows in WORDS layout (x quantized to int8 per 32, as
+the dense "dot8"), "gemv" (fp32 FMAs on unpacked codes) for decode batches of other types and
+layouts, "gemm" over the pairs sorted by expert for more tokens.
 Both: "emulated", the whole weight dequantized then one dense matmul: the numerics reference
 (torchao's KernelPreference.EMULATED), forced everywhere by LLMX_KERNEL=emulated.
 
@@ -59,6 +61,7 @@ ROWS8_MAX_M = 15
 INT8_X_MAX_M = max(DOT8_MAX_M, ROWS8_MAX_M)  # rows of x that the integer-dot GEMVs take
 DEQUANT_MIN_M = 16  # from here "dequant" beats "gemm" (bench/kernels.py)
 MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a GPU
+MOE_KERNELS = ("dot8", "gemv", "gemm")  # the grouped expert kernels (`moe`'s answers)
 # rows of x the native GEMV takes (it can take cpu_native.MAX_ROWS): from 16, chunks dequantized for
 # torch.mm are faster on the CI machine's Zen 3 (one thread, CPU time: even at 16 rows, 1.5x at 32;
 # the GEMV 1.4x faster at 8), and 15 closes one of BUCKET_TOPS' buckets
@@ -80,12 +83,25 @@ BUCKET_OF = tuple(next(b for b, top in enumerate(BUCKET_TOPS) if m <= top) for m
 LAST_BUCKET = len(BUCKET_TOPS)
 
 
-def moe(tokens: int) -> str:
-    """The grouped expert kernel for `tokens` rows of x (`triton.moe`): "gemv" reads each (token,
-    slot) pair's expert rows by itself, which costs nothing extra while few pairs share an expert;
-    "gemm" sorts the pairs by expert on the device and reads each expert's blocks once for up to
-    a tile of its pairs."""
-    return "gemv" if tokens <= MOE_GEMV_MAX_TOKENS else "gemm"
+def moe(tokens: int, names: tuple[str, ...] = (), layout: str = GGUF, preference: str = "auto") -> str:
+    """The grouped expert kernel for `tokens` rows of x (`triton.moe`) whose launch multiplies
+    weights of types `names` (gate and up together, or one) in `layout` (WORDS where every one's
+    rows are): "dot8" and "gemv" read each (token, slot) pair's expert rows by themselves, which
+    costs nothing extra while few pairs share an expert, "dot8" on integer dot products where it
+    reads the weights; "gemm" sorts the pairs by expert on the device and reads each expert's blocks
+    once for up to a tile of its pairs. `preference`: "auto", or one of MOE_KERNELS forced
+    (benchmarks, tests); "dot8" becomes "gemv" for weights it cannot read. Without `names`, "gemv"
+    stands for either GEMV (the question is then only whether to sort the pairs)."""
+    if preference in MOE_KERNELS:
+        choice = preference
+    elif preference == "auto":
+        choice = "gemm" if tokens > MOE_GEMV_MAX_TOKENS else "dot8"
+    else:
+        raise LlmxError(f"unknown expert kernel {preference!r}; choose one of {', '.join(MOE_KERNELS)}")
+    readable = bool(names) and layout == WORDS and all(name in DOT8_TYPES for name in names)
+    if choice == "dot8" and not readable:
+        return "gemv"
+    return choice
 
 
 def bucket(m: int) -> int:

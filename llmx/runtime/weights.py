@@ -3,7 +3,10 @@
 CPU tensors are zero-copy views of the file's mmap (nothing is read until a kernel touches it),
 optionally repacked once into a faster CPU layout. GPU tensors live in one arena per device: a
 single allocation filled with the raw blocks through two pinned staging buffers, so reading the
-file and copying to the GPU overlap and no tensor gets an allocation of its own.
+file and copying to the GPU overlap and no tensor gets an allocation of its own. There, the rows of
+an expert stack of the integer-dot types are placed `layout.row_pitch` bytes apart (whole 16-byte
+units, as the grouped integer-dot GEMV reads them: Qwen3-30B-A3B's Q6_K down projections have
+630-byte rows), the only tensors whose arena bytes exceed the file's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from llmx.models.naming import group_key
 from llmx.ops import RowSplit
 from llmx.plan.placement import Plan
 from llmx.quant import QType
+from llmx.quant.triton.layout import row_pitch
 from llmx.quant.weight import QWeight, prepare_cpu, prepare_gpu, prepare_shared
 
 # Matrices of a layer that the models multiply by the same x in one call (`ops.linear_many`,
@@ -106,6 +110,22 @@ class Piece:
         return self.info.qtype.nbytes(self.shape)
 
     @property
+    def pitch(self) -> int | None:
+        """Bytes from one row to the next where the arena spaces them out (`layout.row_pitch`: GPU
+        expert stacks of the integer-dot types whose rows are not whole 16-byte units), else None."""
+        shape, qt = self.shape, self.info.qtype
+        if len(shape) != 3 or self.device == "cpu" or qt.name in _TORCH_FLOAT:
+            return None
+        pitch = row_pitch(qt.name, qt.row_bytes(shape[-1]))
+        return pitch if pitch != qt.row_bytes(shape[-1]) else None
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes the piece takes in a GPU arena: its own, or its rows at `pitch`."""
+        pitch = self.pitch
+        return self.nbytes if pitch is None else int(np.prod(self.shape[:-1])) * pitch
+
+    @property
     def data(self) -> np.ndarray:
         row_bytes = self.info.nbytes // self.info.shape[0]
         if self.rows is not None:
@@ -142,7 +162,7 @@ def upload_arena(
     offsets, total = {}, 0
     for piece in parts:
         offsets[piece.key] = total
-        total += -(-piece.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        total += -(-piece.arena_bytes // ARENA_ALIGN) * ARENA_ALIGN
     try:
         arena = torch.empty(total, dtype=torch.uint8, device=device)
     except torch.OutOfMemoryError:
@@ -155,24 +175,39 @@ def upload_arena(
     done = [torch.cuda.Event() for _ in staging]
     stream = torch.cuda.Stream(device)
     turn = 0
+    views = {p.key: _arena_view(arena, offsets[p.key], p) for p in parts}
     with torch.cuda.stream(stream):
         for piece in parts:
             src = piece.data
-            for start in range(0, src.nbytes, STAGING_BYTES):
-                n = min(STAGING_BYTES, src.nbytes - start)
+            # chunks of whole rows where the rows are spaced out (each lands at its row), else of bytes
+            unit = src.nbytes // views[piece.key].shape[0] if piece.pitch else 1
+            step = max(unit, STAGING_BYTES // unit * unit)
+            for start in range(0, src.nbytes, step):
+                n = min(step, src.nbytes - start)
                 buf = staging[turn]
                 done[turn].synchronize()  # the copy that last used this buffer has finished
                 buf[:n].numpy()[:] = src[start : start + n]  # the file read (page cache or disk)
-                dst = offsets[piece.key] + start
-                arena[dst : dst + n].copy_(buf[:n], non_blocking=True)
+                if piece.pitch:
+                    rows = views[piece.key][start // unit : (start + n) // unit]
+                    rows.copy_(buf[:n].view(-1, unit), non_blocking=True)
+                else:
+                    dst = offsets[piece.key] + start
+                    arena[dst : dst + n].copy_(buf[:n], non_blocking=True)
                 done[turn].record(stream)
                 turn ^= 1
                 progress(n)
     stream.synchronize()
-    return {
-        p.key: shape_raw(arena[offsets[p.key] : offsets[p.key] + p.nbytes], p.info.qtype, p.shape)
-        for p in parts
-    }
+    return views
+
+
+def _arena_view(arena: torch.Tensor, offset: int, piece: Piece) -> torch.Tensor:
+    """The piece's tensor in the arena from `offset`: its bytes in their logical layout
+    (`shape_raw`), or with a `pitch`, rows [N, row bytes] that many bytes apart."""
+    if piece.pitch is None:
+        return shape_raw(arena[offset : offset + piece.nbytes], piece.info.qtype, piece.shape)
+    rows = int(np.prod(piece.shape[:-1]))
+    grid = arena[offset : offset + rows * piece.pitch].view(rows, piece.pitch)
+    return grid[:, : piece.info.qtype.row_bytes(piece.shape[-1])]
 
 
 def sharded(

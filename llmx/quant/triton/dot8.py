@@ -401,10 +401,11 @@ def row_dots(
 ):  # fmt: skip
     """[BN, BU * QUADS] partial sums of the dot products of the rows at word offsets row_w [BN] (int64)
     of w_ptr with one quantized x (xq_ptr, dx_ptr, xs_ptr: its row), BU blocks of UNIT weights a
-    step; their sum along axis 1 is the rows' products. `gemv8_kernel`'s loop: each step loads the
-    next step's weights (`load_step`) before computing on the current ones (`dot_step`), and the last
-    step is taken after the loop (see `gemv8_kernel` for LATE and PDL: with PDL, x is read only after
-    `gdc_wait`, the first step's weights before)."""
+    step; their sum along axis 1 is the rows' products. The loop of the one-row integer-dot kernels
+    (`gemv8_kernel`, `moe_kernels.moe_gemv8_kernel`): each step loads the next step's weights
+    (`load_step`) before computing on the current ones (`dot_step`), and the last step is taken
+    after the loop (see `gemv8_kernel` for LATE and PDL: with PDL, x is read only after `gdc_wait`,
+    the first step's weights before)."""
     BN: tl.constexpr = row_w.shape[0]
     n_units = K // UNIT
     last = (n_units - 1) // BU * BU  # the last step's first block

@@ -19,12 +19,14 @@ import torch
 
 from llmx.errors import LlmxError
 from llmx.quant import BLOCK_TYPES, QType, qtype
+from llmx.quant.choice import DOT8_TYPES
 
 # Types whose rows `prepare` splits into bodies, then fp16 fields. The unpack helpers read the same
 # facts (their `block_parts` calls); the tests check they agree with `split_fields`.
 SPLIT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q6_K")
 PREPARED_TYPES = (*SPLIT_TYPES, "Q4_K")  # the types `prepare` repacks
 TRITON_TYPES = BLOCK_TYPES  # every block type the GPU kernels unpack
+ROW_ALIGN = 16  # bytes: `row_pitch`'s unit
 
 
 class Blocks(Protocol):
@@ -99,6 +101,27 @@ def prepare_q4_k_scales(blocks: torch.Tensor) -> torch.Tensor:
     out = blocks.clone()
     out[..., 4:12] = lows.flatten(-2)
     out[..., 12:16] = (sc0 >> 4) | ((sc1 >> 4) << 2) | ((mn0 >> 4) << 4) | ((mn1 >> 4) << 6)
+    return out
+
+
+def row_pitch(name: str, row_bytes: int) -> int:
+    """The distance in bytes between the rows of a stacked expert weight of type `name` on a GPU:
+    rows of the integer-dot GEMV's types start 16 bytes apart (whole 16-byte units: its vector
+    loads), so a row of an odd number of Q6_K super-blocks (Qwen3-30B-A3B's 768-weight down
+    projection: 630 bytes) is followed by 10 bytes of padding; other types' rows are packed."""
+    if name not in DOT8_TYPES:
+        return row_bytes
+    return -(-row_bytes // ROW_ALIGN) * ROW_ALIGN
+
+
+def with_pitch(raw: torch.Tensor, pitch: int) -> torch.Tensor:
+    """Rows raw [N, row bytes] (uint8) copied `pitch` bytes apart: a [N, row bytes] view of a new
+    [N, pitch] tensor (raw itself where its rows are already so placed)."""
+    n, row_bytes = raw.shape
+    if raw.stride(0) == pitch:
+        return raw
+    out = torch.zeros((n, pitch), dtype=torch.uint8, device=raw.device)[:, :row_bytes]
+    out.copy_(raw)
     return out
 
 

@@ -8,15 +8,15 @@ values on the host, and every shape follows from T and k alone, so each call is 
 syncs and a CUDA graph can capture it. Results are in x's dtype (float32, float16, bfloat16),
 accumulated in float32.
 
-    moe_ffn(x, gate, up, down, expert_ids, topk_weights, fused=True) -> Tensor
+    moe_ffn(x, gate, up, down, expert_ids, topk_weights, fused=True, kernel=None) -> Tensor
         x [T, D] -> [T, D]: sum over j of topk_weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t])
         with e = expert_ids[t, j]; topk_weights [T, k] float. fused=False runs gate and up as two
-        launches (-no-fmoe).
-    moe_linear(x, w, expert_ids, topk_weights=None, route=None) -> Tensor
+        launches (-no-fmoe). `kernel` (each call's) forces one of `choice.MOE_KERNELS` (benchmarks).
+    moe_linear(x, w, expert_ids, topk_weights=None, route=None, kernel=None) -> Tensor
         x [T, K] (every slot of token t multiplies x[t]) or [T, k, K] (slot j multiplies x[t, j])
         -> y [T, k, N], y[t, j] = W[expert_ids[t, j]] @ x; with topk_weights [T, k] the weighted
         sum over the slots instead, [T, N].
-    moe_swiglu(x, gate, up, expert_ids, route=None) -> Tensor
+    moe_swiglu(x, gate, up, expert_ids, route=None, kernel=None) -> Tensor
         x [T, K] -> [T, k, N]: silu(gate_e x[t]) * up_e x[t] in one launch (ik_llama.cpp's -fmoe);
         gate and up of one shape, their types may differ.
     route(expert_ids, n_expert, tile=None) -> Route
@@ -24,11 +24,18 @@ accumulated in float32.
         device's, `tuning`'s moe_gemm), on the device: made once a layer and passed to its
         projections (made by each call otherwise), which run that tile.
 
-Which kernel runs is `choice.moe`'s call on T:
-- few tokens ("gemv"): one program a (token, slot) pair and BN output rows, reading only the chosen
-  experts' rows (`moe_kernels.moe_gemv_kernel`); the down projection sums the k slots, weighted,
-  inside its program: one launch and no [T, k, N] buffer, where a sum after it would cost a launch
-  and that buffer's write and read;
+Which kernel runs is `choice.moe`'s call on T and the weights' types and layout:
+- few tokens ("dot8", "gemv"): one program a (token, slot) pair and BN output rows, reading only the
+  chosen experts' rows; the down projection sums the k slots, weighted, inside its program: one
+  launch and no [T, k, N] buffer, where a sum after it would cost a launch and that buffer's write
+  and read. "dot8" (Q4_K, Q6_K, Q8_0 rows in `layout.prepare`'s layout, 4-byte aligned:
+  `moe_kernels.moe_gemv8_kernel`) multiplies x quantized to int8 per 32 values by the weights'
+  codes in integer dot products, with the dense integer-dot GEMV's loop (`dot8.row_dots`): x is
+  quantized once a token for gate and up (by the kernel that wrote it, where that one did:
+  `activation.PENDING`), and the down projection's input, silu(gate) * up per pair, by one
+  `quantize_x` launch (a program of BN rows holds no whole group of 32 of it to quantize as it
+  writes). "gemv" (`moe_kernels.moe_gemv_kernel`) multiplies float x by the unpacked codes, for
+  every other type and layout;
 - prompts ("gemm"): `route` sorts the pairs by expert (vLLM's moe_align_block_size, in torch ops),
   and one grouped GEMM launch multiplies every expert's blocks of pairs, dequantizing weight tiles
   for tl.dot (`moe_kernels.moe_gemm_kernel`: on a GPU x and the weight tiles in bf16, f16 for f16 x,
@@ -47,10 +54,11 @@ import torch
 from llmx.errors import LlmxError
 from llmx.quant import choice as C
 from llmx.quant.triton import autotune
+from llmx.quant.triton.activation import PENDING, QuantizedX, quantize_x
 from llmx.quant.triton.launch import cdiv, interpreting, lut, moe_kernels
-from llmx.quant.triton.layout import Blocks, label, rows
-from llmx.quant.triton.matmul import unit_rows
-from llmx.quant.triton.tuning import GemmConfig, for_device
+from llmx.quant.triton.layout import Blocks, label, rows, word_rows
+from llmx.quant.triton.matmul import DOT8_QUADS, unit_rows
+from llmx.quant.triton.tuning import GemmConfig, LaunchShape, for_device
 
 GROUP_M = 8  # blocks of pairs walked down before moving along N: an expert's tiles stay in L2
 
@@ -84,16 +92,18 @@ def moe_ffn(
     expert_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     fused: bool = True,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """The routed experts' SwiGLU FFN, weighted and summed: x [T, D] -> [T, D] (see the module
     docstring)."""
-    r = route(expert_ids, gate.shape[0]) if C.moe(x.shape[0]) == "gemm" else None
+    r = route(expert_ids, gate.shape[0]) if C.moe(x.shape[0], preference=kernel or "auto") == "gemm" else None
     if fused:
-        h = moe_swiglu(x, gate, up, expert_ids, r)
+        h = moe_swiglu(x, gate, up, expert_ids, r, kernel)
     else:
-        g, u = moe_linear(x, gate, expert_ids, route=r), moe_linear(x, up, expert_ids, route=r)
+        g = moe_linear(x, gate, expert_ids, route=r, kernel=kernel)
+        u = moe_linear(x, up, expert_ids, route=r, kernel=kernel)
         h = torch.nn.functional.silu(g) * u
-    return moe_linear(h, down, expert_ids, topk_weights, r)
+    return moe_linear(h, down, expert_ids, topk_weights, r, kernel)
 
 
 def moe_linear(
@@ -102,14 +112,20 @@ def moe_linear(
     expert_ids: torch.Tensor,
     topk_weights: torch.Tensor | None = None,
     route: Route | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """x [T, K] or [T, k, K] times the chosen experts of W [E, N, K] -> [T, k, N], or with
     topk_weights [T, k] their weighted sum [T, N] (see the module docstring)."""
-    return _run(x, w, None, expert_ids, topk_weights, route)
+    return _run(x, w, None, expert_ids, topk_weights, route, kernel)
 
 
 def moe_swiglu(
-    x: torch.Tensor, gate: Blocks, up: Blocks, expert_ids: torch.Tensor, route: Route | None = None
+    x: torch.Tensor,
+    gate: Blocks,
+    up: Blocks,
+    expert_ids: torch.Tensor,
+    route: Route | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """silu(x [T, K] @ gate_e.T) * (x @ up_e.T) for each slot's expert e -> [T, k, N], one launch."""
     if tuple(gate.shape) != tuple(up.shape):
@@ -118,7 +134,7 @@ def moe_swiglu(
         )
     if x.dim() != 2:
         raise LlmxError(f"the fused gate and up take x [T, K], got {tuple(x.shape)}")
-    return _run(x, gate, up, expert_ids, None, route)
+    return _run(x, gate, up, expert_ids, None, route, kernel)
 
 
 def route(expert_ids: torch.Tensor, n_expert: int, tile: GemmConfig | None = None) -> Route:
@@ -148,6 +164,13 @@ def route(expert_ids: torch.Tensor, n_expert: int, tile: GemmConfig | None = Non
     return Route(pairs, block_expert, n, tile)
 
 
+def kernel_of(tokens: int, ws: list[Blocks], kernel: str | None = None) -> str:
+    """The grouped kernel (`choice.moe`) of a launch over `tokens` rows of x that multiplies `ws` (one
+    weight, or gate and up), or `kernel` forced (where it can read them)."""
+    layout = C.WORDS if all(word_rows(w) for w in ws) else C.GGUF  # GGUF: any layout but WORDS
+    return C.moe(tokens, tuple(w.qtype.name for w in ws), layout, kernel or "auto")
+
+
 # --- launches ---------------------------------------------------------------------------------------
 
 
@@ -169,6 +192,7 @@ def _run(
     expert_ids: torch.Tensor,
     topk_weights: torch.Tensor | None,
     r: Route | None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """x times W's chosen experts, gated by W2's (silu(x W) * x W2) where given, or weighted and
     summed over the slots with topk_weights: the launches behind the public calls."""
@@ -185,13 +209,17 @@ def _run(
     x2 = unit_rows(x)
     x_div = slots if x.dim() == 2 else 1
     weights = ids if topk_weights is None else topk_weights.contiguous()  # read only with SUM/SCALE
+    choice = kernel_of(t, [w] if w2 is None else [w, w2], kernel)
     table = lut(raw.device)
     g, g2 = w.qtype.scale_group, (w2 or w).qtype.scale_group
-    if C.moe(t) == "gemv":
+    if choice in ("dot8", "gemv"):
         out = torch.empty((t if topk_weights is not None else t * slots, n), dtype=x.dtype, device=x.device)
         cfg = for_device(raw.device).gemv(name, 1)
         bk = min(cfg.bk, 1 << (k - 1).bit_length())  # short rows (a down projection's) in one step
-        if out.numel():
+        if out.numel() and choice == "dot8":  # x quantized once for all pairs (gate and up share it)
+            qx = PENDING.quantized(x) or quantize_x(x2)
+            _gemv8(qx, w, w2, ids, None if topk_weights is None else weights, out, x_div)
+        elif out.numel():
             moe_kernels().moe_gemv_kernel[(cdiv(n, cfg.bn), out.shape[0])](
                 x2, raw, raw2, table, ids, weights, out, n, k, n_expert, slots, x_div, x2.stride(0),
                 raw.stride(0), raw2.stride(0), out.stride(0),
@@ -217,6 +245,49 @@ def _run(
     if topk_weights is not None:
         return out.reshape(t, slots, n).sum(dim=1)
     return out.reshape(t, slots, n)
+
+
+def _gemv8(
+    qx: QuantizedX,
+    w: Blocks,
+    w2: Blocks | None,
+    ids: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    out: torch.Tensor,
+    x_div: int,
+) -> None:
+    """The integer-dot grouped GEMV's launch (`moe_kernels.moe_gemv8_kernel`): out = x (quantized,
+    `qx`) times the experts `ids` [T, k] of W, gated by W2's where given, or summed over the slots
+    weighted by `topk_weights`; x row p // x_div for pair p."""
+    raw, _, _, (n_expert, n, k) = _experts(w)
+    raw2 = raw if w2 is None else _experts(w2)[0]
+    cfg, bk = _gemv8_shape(w, k, topk_weights is not None)
+    consts: dict[str, object] = {}
+    row_units, one_step = [], True
+    for suffix, v, r in (("", w, raw), ("2", w2 or w, raw2)):
+        unit, name = v.qtype.block_elems, v.qtype.name
+        bu = max(1, bk // unit)
+        row_words = 4 if r.stride(0) % 16 == 0 else 1  # whole 16-byte units a row: vector loads
+        row_units.append(r.stride(0) // (4 * row_words))
+        one_step &= k <= bu * unit
+        consts |= {
+            f"QT{suffix}": name, f"UNIT{suffix}": unit, f"QUADS{suffix}": DOT8_QUADS[name], f"BU{suffix}": bu,
+            f"EVEN{suffix}": k % (bu * unit) == 0, f"ROW_WORDS{suffix}": row_words,
+        }  # fmt: skip
+    weights = ids if topk_weights is None else topk_weights  # read only with SUM
+    moe_kernels().moe_gemv8_kernel[(cdiv(n, cfg.bn), out.shape[0])](
+        qx.q, qx.dx, qx.sums, raw, raw2, ids, weights, out, n, k, n_expert, x_div, *row_units, out.stride(0),
+        BN=cfg.bn, LATE=cfg.late_headers, SLOTS=ids.shape[1], ONE_STEP=one_step, ASM=not interpreting(),
+        GATED=w2 is not None, SUM=topk_weights is not None, num_warps=cfg.num_warps,
+        maxnreg=cfg.max_registers, **consts,
+    )  # fmt: skip
+
+
+def _gemv8_shape(w: Blocks, k: int, summed: bool) -> tuple[LaunchShape, int]:
+    """The integer-dot grouped GEMV's launch shape for W's type, one pair a program or a token's
+    `summed`, and the weights of a step: its BK, or less for short rows (768 weights: one step)."""
+    cfg = for_device(w.raw.device).moe_dot8(w.qtype.name, summed)
+    return cfg, min(cfg.bk, 1 << (k - 1).bit_length())
 
 
 def _gemm_config(device: torch.device) -> GemmConfig:

@@ -10,6 +10,9 @@ gate and up projections of a SwiGLU expert, ik_llama.cpp's -fmoe), whose types m
     moe_gemv_kernel: grid (N / BN, pairs), or (N / BN, tokens) with SUM: one program, BN outputs of
                      one pair, or of one token summed over its k slots weighted by topw (the down
                      projection's weighted sum, with no [T, k, N] buffer and no atomics)
+    moe_gemv8_kernel: `moe_gemv_kernel` on integer dot products (`dot8`): x quantized per 32 values,
+                     the weights' words met in dp4a, for the types `dot8` reads (Q4_K, Q6_K, Q8_0) in
+                     `layout.prepare`'s layout
     moe_gemm_kernel: grid (blocks * N / BN): one program, a BM x BN tile of one block of `moe.Route`'s
                      pairs sorted by expert (all of one expert); its rows are scattered to out[pair],
                      times topw[pair] with SCALE
@@ -19,6 +22,7 @@ Expert ids are read on the device: no host sync, and launches that a CUDA graph 
 import triton
 import triton.language as tl
 
+from llmx.quant.triton.dot8 import dot_step, load_step, row_dots
 from llmx.quant.triton.kernels import group_dot, grouped_tile, unpack, weight_tile
 
 
@@ -75,6 +79,95 @@ def moe_gemv_kernel(
         if GATED:
             y2 += tl.sum(acc2, axis=1)
     if GATED:
+        y = y * tl.sigmoid(y) * y2
+    tl.store(out_ptr + row.to(tl.int64) * som + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _pair(ids_ptr, pair, E, N, rn, row_units, ROW_WORDS: tl.constexpr):
+    """The word offsets [BN] (int64) of rows rn of pair `pair`'s expert (rows past N clamped to the
+    last one; an id out of range clamped too: a wrong expert rather than a read past the tensor)."""
+    e = tl.minimum(tl.maximum(tl.load(ids_ptr + pair), 0), E - 1)
+    return (e.to(tl.int64) * N + tl.minimum(rn, N - 1)) * row_units * ROW_WORDS
+
+
+@triton.jit
+def _pair_dots(
+    QT: tl.constexpr, a, b, c, d, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, topw_ptr, pair, x_div, K,
+    UNIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, LATE: tl.constexpr, SUM: tl.constexpr,
+):  # fmt: skip
+    """`dot8.dot_step` of one-step rows loaded for pair `pair` (`dot8.load_step`) with its x row,
+    times its topw with SUM."""
+    x_row = (pair // x_div).to(tl.int64)
+    xq, dx, xs = xq_ptr + x_row * K, dx_ptr + x_row * (K // 32), xs_ptr + x_row * (K // 16)
+    part = dot_step(QT, a, b, c, d, w_ptr, row_w, xq, dx, xs, 0, K // UNIT, K, ASM, EVEN, LATE)
+    return tl.load(topw_ptr + pair).to(tl.float32) * part if SUM else part
+
+
+@triton.jit
+def moe_gemv8_kernel(
+    xq_ptr, dx_ptr, xs_ptr, w_ptr, w2_ptr, ids_ptr, topw_ptr, out_ptr, N, K, E, x_div, row_units, row_units2,
+    som, QT: tl.constexpr, QT2: tl.constexpr, UNIT: tl.constexpr, UNIT2: tl.constexpr, QUADS: tl.constexpr,
+    QUADS2: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr, BU2: tl.constexpr, EVEN: tl.constexpr,
+    EVEN2: tl.constexpr, ROW_WORDS: tl.constexpr, ROW_WORDS2: tl.constexpr, LATE: tl.constexpr,
+    SLOTS: tl.constexpr, ONE_STEP: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr, SUM: tl.constexpr,
+):  # fmt: skip
+    """One program: BN outputs of pair program_id(1), or with SUM of token program_id(1) over its
+    SLOTS pairs, from x quantized per 32 values (xq, dx, xs: `dot8.store_quantized`'s buffers, one
+    row a token, or a pair with x_div = 1), by `dot8`'s steps. The partial sums stay
+    [BN, BU * QUADS] (with SUM, each pair's weighted by topw) and are reduced once, at the end.
+
+    ONE_STEP (rows of at most one step, as a decode step's experts: 2048 and 768 weights): the
+    pairs are the pipeline's steps, each pair's weights (gate's and up's) loaded before the previous
+    pair's dots, so a program keeps two pairs' loads in flight where its rows are few (the down
+    projection's weighted sum: 2048 rows a token in all, ~16 an SM). Longer rows take each pair in
+    turn through `dot8.row_dots`, pipelined along the row."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    row = tl.program_id(1)
+    COUNT: tl.constexpr = SLOTS if SUM else 1
+    first = row * COUNT
+    acc = tl.zeros([BN, BU * QUADS], tl.float32)
+    acc2 = tl.zeros([BN, BU2 * QUADS2], tl.float32)
+    n_units, n_units2 = K // UNIT, K // UNIT2
+    if ONE_STEP:
+        row_w = _pair(ids_ptr, first, E, N, rn, row_units, ROW_WORDS)
+        a, b, c, d = load_step(QT, w_ptr, row_w, 0, n_units, BU, EVEN, LATE)
+        if GATED:  # same expert, the up projection's rows
+            row_w2 = _pair(ids_ptr, first, E, N, rn, row_units2, ROW_WORDS2)
+            a2, b2, c2, d2 = load_step(QT2, w2_ptr, row_w2, 0, n_units2, BU2, EVEN2, LATE)
+        for j in range(1, COUNT):  # pair j's weights loaded, then pair j - 1's dots
+            next_w = _pair(ids_ptr, first + j, E, N, rn, row_units, ROW_WORDS)
+            na, nb, nc, nd = load_step(QT, w_ptr, next_w, 0, n_units, BU, EVEN, LATE)
+            acc += _pair_dots(
+                QT, a, b, c, d, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, topw_ptr, first + j - 1, x_div, K, UNIT,
+                ASM, EVEN, LATE, SUM,
+            )  # fmt: skip
+            a, b, c, d, row_w = na, nb, nc, nd, next_w
+        acc += _pair_dots(
+            QT, a, b, c, d, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, topw_ptr, first + COUNT - 1, x_div, K, UNIT,
+            ASM, EVEN, LATE, SUM,
+        )  # fmt: skip
+        if GATED:  # (one pair a program: no loop above)
+            acc2 += _pair_dots(
+                QT2, a2, b2, c2, d2, w2_ptr, row_w2, xq_ptr, dx_ptr, xs_ptr, topw_ptr, first, x_div, K, UNIT2,
+                ASM, EVEN2, LATE, False,
+            )  # fmt: skip
+    else:
+        for j in range(COUNT):
+            pair = first + j
+            x_row = (pair // x_div).to(tl.int64)
+            xq, dx, xs = xq_ptr + x_row * K, dx_ptr + x_row * (K // 32), xs_ptr + x_row * (K // 16)
+            row_w = _pair(ids_ptr, pair, E, N, rn, row_units, ROW_WORDS)
+            part = row_dots(QT, w_ptr, row_w, xq, dx, xs, K, UNIT, QUADS, BU, ASM, EVEN, LATE, False)
+            acc += tl.load(topw_ptr + pair).to(tl.float32) * part if SUM else part
+            if GATED:  # gate and up of one pair in one program: silu(gate) * up at the end
+                row_w2 = _pair(ids_ptr, pair, E, N, rn, row_units2, ROW_WORDS2)
+                acc2 += row_dots(
+                    QT2, w2_ptr, row_w2, xq, dx, xs, K, UNIT2, QUADS2, BU2, ASM, EVEN2, LATE, False
+                )
+    y = tl.sum(acc, axis=1)
+    if GATED:
+        y2 = tl.sum(acc2, axis=1)
         y = y * tl.sigmoid(y) * y2
     tl.store(out_ptr + row.to(tl.int64) * som + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 

@@ -16,6 +16,12 @@ An entry holds, per kernel:
 - `gemm`: the GEMM autotuner's candidates (`autotune.py`);
 - `moe_gemm`: the grouped expert GEMM's tile (`moe.py`), whose BM is also the block its pairs are
   sorted into (`bench/moe_kernels.py --sweep` times candidates and prints the line to put here).
+- `moe_dot8`, `moe_dot8_sum`: the grouped expert GEMV on integer dot products (`moe.py`), per type
+  (`any` for the rest), for one (token, slot) pair a program (gate and up) and for a token's pairs
+  summed in one (the down projection): BN rows a program, BK weights a step (at most the row's,
+  rounded up to a power of two). Picked without a GPU from what Triton compiles for sm_90
+  (`bench/ptx_moe.py`): the dense shapes for gate and up; for the down projection's 768-weight
+  rows, the shapes whose loop moves no data between threads.
 """
 
 from __future__ import annotations
@@ -105,6 +111,8 @@ class Tuning:
     long_row: int
     gemm: tuple[GemmConfig, ...]
     moe_gemm: GemmConfig
+    moe_dot8_shapes: dict[str, LaunchShape]
+    moe_dot8_sum_shapes: dict[str, LaunchShape]
 
     def gemv(self, name: str, bm: int) -> LaunchShape:
         """The float GEMV's shape for type `name` and BM input rows (a power of two)."""
@@ -126,6 +134,12 @@ class Tuning:
     def dot8_rows(self, name: str) -> LaunchShape:
         """The several-row integer-dot GEMV's shape for rows of type `name`."""
         return self.dot8_rows_shapes.get(name, self.dot8_rows_shapes["any"])
+
+    def moe_dot8(self, name: str, summed: bool) -> LaunchShape:
+        """The grouped expert GEMV's shape (integer dot products) for expert rows of type `name`, for a
+        launch of one pair a program, or of a token's pairs `summed` in one."""
+        shapes = self.moe_dot8_sum_shapes if summed else self.moe_dot8_shapes
+        return shapes.get(name, shapes["any"])
 
 
 def _shapes(entry: dict[str, str]) -> dict[str, LaunchShape]:
@@ -153,6 +167,8 @@ def table() -> dict[str, Tuning]:
             long_row=int(e["long_row"]),
             gemm=tuple(GemmConfig.parse(c) for c in e["gemm"]),
             moe_gemm=GemmConfig.parse(e["moe_gemm"]),
+            moe_dot8_shapes=_shapes(e["moe_dot8"]),
+            moe_dot8_sum_shapes=_shapes(e["moe_dot8_sum"]),
         )
     return out
 
