@@ -53,7 +53,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmx.kernels import cache_rows
-from llmx.kernels.cache_rows import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TL_DTYPE, dot, head_at, load_rows
+from llmx.kernels.cache_rows import TL_DTYPE, dot, head_at, load_rows
+from llmx.kernels.cache_store import blocks_value, quantize_head, store_head
 from llmx.quant import QType
 from llmx.quant.triton import activation, launch
 from llmx.quant.triton.dot8 import store_quantized_block
@@ -265,13 +266,13 @@ def attention_kernel(
     if KT == 0:
         k_new = k_new.to(kc_ptr.dtype.element_ty)
     else:
-        k_codes, k_d, k_m = _quantize(k_new, levels_ptr, KT, BLOCK_D)
-        k_new = _blocks_value(k_codes, k_d, k_m, levels_ptr, KT, BLOCK_D)
+        k_codes, k_d, k_m = quantize_head(k_new, levels_ptr, KT, BLOCK_D)
+        k_new = blocks_value(k_codes, k_d, k_m, levels_ptr, KT, BLOCK_D)
     if VT == 0:
         v_new = v_new.to(vc_ptr.dtype.element_ty)
     else:
-        v_codes, v_d, v_m = _quantize(v_new, levels_ptr, VT, BLOCK_D)
-        v_new = _blocks_value(v_codes, v_d, v_m, levels_ptr, VT, BLOCK_D)
+        v_codes, v_d, v_m = quantize_head(v_new, levels_ptr, VT, BLOCK_D)
+        v_new = blocks_value(v_codes, v_d, v_m, levels_ptr, VT, BLOCK_D)
 
     kc_ptr += head_at(kvh, skc_h, D, KT, KB)  # this KV head's start in a row
     vc_ptr += head_at(kvh, svc_h, D, VT, VB)
@@ -314,118 +315,17 @@ def attention_kernel(
     if KT == 0:
         tl.store(kc_ptr + slot * skc_n + d, k_new, mask=mine)
     else:
-        _store_blocks(kc_ptr + slot * skc_n, k_codes, k_d, k_m, holds_pos, D, KT, KB, BLOCK_D)
+        store_head(kc_ptr + slot * skc_n, k_codes, k_d, k_m, holds_pos, D, KT, KB, BLOCK_D)
     if VT == 0:
         tl.store(vc_ptr + slot * svc_n + d, v_new, mask=mine)
     else:
-        _store_blocks(vc_ptr + slot * svc_n, v_codes, v_d, v_m, holds_pos, D, VT, VB, BLOCK_D)
+        store_head(vc_ptr + slot * svc_n, v_codes, v_d, v_m, holds_pos, D, VT, VB, BLOCK_D)
 
     # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 in combine.
     base = (b * (tl.num_programs(0) * G) + heads) * n_splits + split
     tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=qmask)
     tl.store(stats_ptr + base * 2, m_i, mask=gmask)
     tl.store(stats_ptr + base * 2 + 1, l_i, mask=gmask)
-
-
-# --- cache blocks: the grouped layout (`llmx.quant.kv_layout`), written a head's row at a time -------
-# The layout is described with the reader, `cache_rows.load_rows`.
-
-
-@triton.jit
-def _quantize(x, levels_ptr, QT: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A head's values x [BLOCK_D] float32 as blocks: codes [BLOCK_D / 32, 32] int32 (unsigned but
-    Q8_0's; IQ4_NL's the level's index), d and m [BLOCK_D / 32] float32 (m 0 for the symmetric types),
-    rounded as `llmx.quant.quantize` (gguf's reference) rounds."""
-    xb = tl.reshape(x, (BLOCK_D // 32, 32))
-    j = tl.arange(0, 32)[None, :]
-    ax = tl.abs(xb)
-    amax = tl.max(ax, 1)
-    m = tl.zeros([BLOCK_D // 32], tl.float32)
-    if QT == Q8_0:
-        d = tl.math.div_rn(amax, 127.0)
-        v = xb * _inverse(d)[:, None]
-        a = tl.abs(v)
-        whole = tl.floor(a)
-        r = whole + tl.floor(2.0 * (a - whole))  # half away from zero, as roundf
-        codes = tl.where(v < 0, -r, r).to(tl.int32)
-    elif QT >= Q5_1:
-        levels: tl.constexpr = 16 if QT == Q4_1 else 32
-        m = tl.min(xb, 1)
-        d = tl.math.div_rn(tl.max(xb, 1) - m, levels - 1.0)
-        c = tl.floor((xb - m[:, None]) * _inverse(d)[:, None] + 0.5)
-        codes = tl.minimum(tl.maximum(c, 0.0), levels - 1.0).to(tl.int32)
-    else:  # the value of the largest magnitude (the first of equals) sets the scale
-        first = tl.min(tl.where(ax == amax[:, None], j, 32), 1)
-        vmax = tl.sum(tl.where(j == first[:, None], xb, 0.0), 1)
-        if QT == IQ4_NL:
-            d = tl.math.div_rn(vmax, -127.0)
-            v = xb * _inverse(d)[:, None]
-            codes = tl.zeros([BLOCK_D // 32, 32], tl.int32)
-            for i in tl.static_range(15):  # the nearest level, the upper of two as near (ggml's)
-                lo, hi = tl.load(levels_ptr + i), tl.load(levels_ptr + i + 1)
-                codes += tl.where(v - lo < hi - v, 0, 1)
-            level = tl.load(levels_ptr + codes)
-            w = xb * xb
-            sumqx, sumq2 = tl.sum(w * level * xb, 1), tl.sum(w * level * level, 1)
-            d = tl.where(sumq2 > 0, tl.math.div_rn(sumqx, tl.where(sumq2 > 0, sumq2, 1.0)), d)
-        else:
-            levels: tl.constexpr = 16 if QT == Q4_0 else 32
-            d = tl.math.div_rn(vmax, -(levels // 2) * 1.0)
-            c = tl.floor(xb * _inverse(d)[:, None] + (levels // 2 + 0.5))
-            codes = tl.minimum(tl.maximum(c, 0.0), levels - 1.0).to(tl.int32)
-    return codes, d.to(tl.float16).to(tl.float32), m.to(tl.float16).to(tl.float32)
-
-
-@triton.jit
-def _inverse(d):
-    return tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
-
-
-@triton.jit
-def _blocks_value(codes, d, m, levels_ptr, QT: tl.constexpr, BLOCK_D: tl.constexpr):
-    """What `cache_rows.load_rows` reads back from `_quantize`'s blocks: [BLOCK_D] float32."""
-    if QT == IQ4_NL:
-        v = d[:, None] * tl.load(levels_ptr + codes)
-    elif QT == Q4_0:
-        v = d[:, None] * (codes - 8).to(tl.float32)
-    elif QT == Q5_0:
-        v = d[:, None] * (codes - 16).to(tl.float32)
-    elif QT == Q8_0:
-        v = d[:, None] * codes.to(tl.float32)
-    else:
-        v = d[:, None] * codes.to(tl.float32) + m[:, None]
-    return tl.reshape(v, (BLOCK_D,))
-
-
-@triton.jit
-def _store_blocks(
-    head_ptr, codes, d, m, store, D: tl.constexpr, QT: tl.constexpr, QB: tl.constexpr, BLOCK_D: tl.constexpr
-):  # fmt: skip
-    """`_quantize`'s blocks of a head, at its start `head_ptr` in the cache row, where `store`, in the
-    grouped layout: a field at byte o of a block starts at byte NB * o of the head. The blocks past
-    D (BLOCK_D > D) are not the row's."""
-    NB: tl.constexpr = D // 32
-    nb = tl.arange(0, BLOCK_D // 32)
-    mine = tl.where(store, nb < NB, False)
-    tl.store((head_ptr + 2 * nb).to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=mine)
-    j = tl.arange(0, 32)[None, :]
-    if QT == Q8_0:
-        at = (2 * NB) + 32 * nb[:, None] + j
-        tl.store((head_ptr + at).to(tl.pointer_type(tl.int8)), codes.to(tl.int8), mask=mine[:, None])
-    else:
-        if QT >= Q5_1:
-            m_ptrs = (head_ptr + 2 * NB + 2 * nb).to(tl.pointer_type(tl.float16))
-            tl.store(m_ptrs, m.to(tl.float16), mask=mine)
-        shifted = (codes & 15) << ((j // 16) * 4)  # values l and l + 16 share byte l
-        packed = tl.sum(tl.reshape(shifted, (BLOCK_D // 32, 2, 16)), 1)
-        l16 = tl.arange(0, 16)[None, :]
-        at = (NB * (QB - 16)) + 16 * nb[:, None] + l16
-        tl.store(head_ptr + at, packed.to(tl.uint8), mask=mine[:, None])
-        if QT >= Q5_0 and QT <= Q5_1:
-            bits = ((codes >> 4) & 1) << (j % 8)
-            qh = tl.sum(tl.reshape(bits, (BLOCK_D // 32, 4, 8)), 2)
-            l4 = tl.arange(0, 4)[None, :]
-            tl.store(head_ptr + (NB * (QB - 20)) + 4 * nb[:, None] + l4, qh.to(tl.uint8), mask=mine[:, None])
 
 
 @triton.jit

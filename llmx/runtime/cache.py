@@ -59,7 +59,12 @@ def kv_buffer(rows: int, n_head_kv: int, dim: int, qt: QType, device: str | torc
 def store_rows(buffer: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, qt: QType | None = None) -> None:
     """Write x [T, Hk, D] into rows `slots` of `buffer`, quantized first where `qt` is a block type
     (in the layout of the buffer's device, `kv_layout`; None or a float type: converted to the
-    buffer's dtype). The cache's one way in."""
+    buffer's dtype). The cache's one way in: on a GPU, a block type's rows in one Triton launch."""
+    if qt is not None and not qt.is_float and buffer.is_cuda and x.device == buffer.device and has_triton():
+        from llmx.kernels import cache_store
+
+        cache_store.store(buffer, slots, x, qt)
+        return
     stored = x if qt is None or qt.is_float else kv_layout.stored(quantize(x, qt), qt, buffer.device)
     buffer.index_copy_(0, slots, stored.to(buffer.device, buffer.dtype))
 
