@@ -14,7 +14,8 @@ The cache is the only writer of its buffers: a step's keys and values go in thro
 object (`LayerWriter`), either stored by it or by the fused kernel it runs (`rope_store_attend`),
 which rotates, stores and attends in one call. It holds the attention kernels chosen at load.
 Block types are quantized as they are stored (by the fused kernels, or by `BlockWriter` for the
-step's rows only) and dequantized by the kernels that read them.
+step's rows only: `store_rows`, on a GPU one launch, `kernels.cache_store`) and dequantized by the
+kernels that read them.
 """
 
 from __future__ import annotations
