@@ -33,10 +33,8 @@ def expected(buffer: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, name: s
 
 
 def stale_buffer(name: str, d: int, device: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 256, (ROWS, HEADS, qtype(name).row_bytes(d)), generator=g, dtype=torch.uint8).to(
-        device
-    )
+    shape, g = (ROWS, HEADS, qtype(name).row_bytes(d)), torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(device)
 
 
 SLOTS = [7, 0, 3, 8, 4]  # out of order, rows 1, 2, 5, 6 left alone
@@ -44,7 +42,7 @@ SLOTS = [7, 0, 3, 8, 4]  # out of order, rows 1, 2, 5, 6 left alone
 
 @pytest.mark.parametrize("d", [32, 96, 128])
 @pytest.mark.parametrize("name", KV_BLOCK_TYPES)
-def test_the_kernel_writes_quantizes_bytes_grouped_in_the_rows_named(name, d):
+def test_the_kernel_writes_the_bytes_of_quantize_grouped_in_the_rows_named(name, d):
     x, slots = prompt_rows(d), torch.tensor(SLOTS)
     buffer = stale_buffer(name, d, "cpu")
     want = expected(buffer, slots, x, name)
