@@ -142,17 +142,20 @@ def test_a_shared_system_prompt_is_computed_once_and_the_replies_are_those_witho
 
 
 def test_metrics_split_the_batched_steps_time(server, client):
-    """/metrics counts the batched steps and where their time went: the forward issued, the wait for the
-    step before's ids, their replies' text, the hand-over to the handlers."""
-    steps = server.metric("llmx_batch_steps_total")
+    """/metrics counts the batched steps, those with a prompt chunk, and where their time went: the
+    chunks planned, the forward issued, the sampling, the wait for the step before's ids, their
+    replies' text, the hand-over to the handlers."""
+    counters = ("llmx_batch_steps_total", "llmx_batch_prompt_steps_total")
+    before = [server.metric(name) for name in counters]
     _complete(client, PROMPTS[0])
     server.wait_idle()
-    assert server.metric("llmx_batch_steps_total") > steps
+    steps, prompt_steps = (server.metric(name) - b for name, b in zip(counters, before, strict=True))
+    assert 1 <= prompt_steps < steps  # the prompt's chunk, then its decode steps
     with server.http() as http:
         text = http.get("/metrics").text
     parts = dict(re.findall(r'^llmx_batch_step_seconds_total\{part="(\w+)"\} (\S+)$', text, re.M))
-    assert set(parts) == {"issue", "wait", "text", "hand_over"}
-    assert float(parts["issue"]) > 0 and all(float(v) >= 0 for v in parts.values())
+    assert set(parts) == {"plan", "forward", "sample", "wait", "text", "hand_over"}
+    assert float(parts["forward"]) > 0 and all(float(v) >= 0 for v in parts.values())
 
 
 def test_a_requests_choices_run_as_parallel_sequences(client):

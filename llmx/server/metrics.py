@@ -33,10 +33,15 @@ class Metrics:
             "llmx_requests_cancelled", "Generations stopped because the client left", registry=registry
         )
         self.rejected = Counter("llmx_requests_rejected", "Requests refused: queue full", registry=registry)
-        # where a batched step's host time goes (-np > 1): "issue" the forward (all of it on a CPU; its
-        # launches on a GPU) and the sampling, "wait" for the step before's ids (a GPU's time beyond the
-        # host's), "text" those ids through their replies, "hand_over" the events to the HTTP handlers
+        # where a batched step's host time goes (-np > 1): "plan" the step's chunks, "forward" the
+        # forward (all of it on a CPU; its launches on a GPU, a graph's replay or, with a prompt chunk,
+        # every kernel), "sample" the sampling issued and the host's picks, "wait" for the step before's
+        # ids (a GPU's time beyond the host's), "text" those ids through their replies, "hand_over" the
+        # events to the HTTP handlers
         self.batch_steps = Counter("llmx_batch_steps", "Batched steps run", registry=registry)
+        self.prompt_steps = Counter(
+            "llmx_batch_prompt_steps", "Batched steps that carried a prompt chunk", registry=registry
+        )
         self.batch_step_seconds = Counter(
             "llmx_batch_step_seconds", "Batched steps' time, by part", ["part"], registry=registry
         )

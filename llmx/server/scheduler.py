@@ -158,18 +158,23 @@ class Batcher(Worker):
         t0 = time.perf_counter()
         work, previous, self._in_flight = self._chunks(), self._in_flight, None
         prompts = [slot.prefilling for slot, _ in work]
-        if work:
-            self._run(work)
         t1 = time.perf_counter()
-        waited = self._settle(previous) if previous is not None else 0.0
+        forward = self._run(work) if work else 0.0
         t2 = time.perf_counter()
-        self._outbox.flush()
+        waited = self._settle(previous) if previous is not None else 0.0
         t3 = time.perf_counter()
-        seconds = t3 - t0  # an issue and a read: a step's time when steps follow on
-        parts = {"issue": t1 - t0, "wait": waited, "text": t2 - t1 - waited, "hand_over": t3 - t2}
+        self._outbox.flush()
+        t4 = time.perf_counter()
+        seconds = t4 - t0  # an issue and a read: a step's time when steps follow on
+        parts = {
+            "plan": t1 - t0, "forward": forward, "sample": t2 - t1 - forward, "wait": waited,
+            "text": t3 - t2 - waited, "hand_over": t4 - t3,
+        }  # fmt: skip
         for part, spent in parts.items():
             self.metrics.batch_step_seconds.labels(part).inc(spent)
         self.metrics.batch_steps.inc()
+        if any(prompts):
+            self.metrics.prompt_steps.inc()
         for (slot, chunk), prompt in zip(work, prompts, strict=True):
             t = slot.timings
             if prompt:
@@ -180,9 +185,11 @@ class Batcher(Worker):
             else:
                 t.gen_tokens, t.gen_seconds = t.gen_tokens + 1, t.gen_seconds + seconds
 
-    def _run(self, work: list[tuple[Slot, Chunk]]) -> None:
+    def _run(self, work: list[tuple[Slot, Chunk]]) -> float:
         """Run `work`'s step: the slots sampled on the device get their next ids there (in flight to
-        the host), the others theirs from their logits on the host."""
+        the host), the others theirs from their logits on the host. The seconds the forward took to
+        issue (on a CPU: to run)."""
+        t0 = time.perf_counter()
         try:
             logits = forward_batch(
                 self.model.engine.executor, self.cache, [c for _, c in work], on_device=True
@@ -190,12 +197,13 @@ class Batcher(Worker):
         except LlmxError as e:
             for slot, _ in work:
                 self._end(slot, ApiError(400, first_line(e)))
-            return
+            return time.perf_counter() - t0
         except Exception as e:  # a bug: the clients hear of it, the server goes on
             log.exception("a batched step failed")
             for slot, _ in work:
                 self._end(slot, ApiError(500, f"internal error: {first_line(e)}"))
-            return
+            return time.perf_counter() - t0
+        forward = time.perf_counter() - t0
         for slot, chunk in work:
             if slot.prefilling:
                 slot.fed += len(chunk.ids)
@@ -213,6 +221,7 @@ class Batcher(Worker):
         if on_host:
             for k, row in zip(on_host, logits[on_host].cpu(), strict=True):
                 self._deliver(wanted[k], wanted[k].reply.step(row))
+        return forward
 
     def _settle(self, in_flight: InFlight) -> float:
         """Hand the ids of an earlier step to their replies; a slot whose reply goes on ran its id in
