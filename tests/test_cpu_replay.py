@@ -129,9 +129,10 @@ def test_a_recording_keeps_only_its_own_thread_s_calls() -> None:
 SCHEDULE = [(0, 1, 2)] * 3 + [(0, 1, 2, 3)] * 3 + [(1, 3)] * 3 + [(1, 3, 4)] * 2 + [(0, 1, 2)] * 2
 
 
-def batched_run(model, replay: bool) -> list[torch.Tensor]:
+def batched_run(model, replay: bool, sampled: bool = False) -> list[torch.Tensor]:
     """Logits of the SCHEDULE's batched steps (`forward_batch`), replayed or eager: a sequence's prompt
-    is read in a step of its own when it first comes, then each step feeds it its greedy token."""
+    is read in a step of its own when it first comes, then each step feeds it its greedy token (with
+    `sampled`, as the server's sampler leaves it: a tensor, which the caller commits once read)."""
     executor = model.engine.executor
     executor.use_graphs = replay
     paged = PagedKVCache.over(executor.cache, 4, caching=False)
@@ -146,7 +147,11 @@ def batched_run(model, replay: bool) -> list[torch.Tensor]:
                         0
                     ].argmax()
                 )
-        logits = forward_batch(executor, paged, [Chunk(tables[j], [last[j]]) for j in seqs])
+        ids = {j: torch.tensor([last[j]]) if sampled else [last[j]] for j in seqs}
+        logits = forward_batch(executor, paged, [Chunk(tables[j], ids[j]) for j in seqs])
+        if sampled:
+            for j in seqs:
+                paged.blocks.commit(tables[j], [last[j]])
         last |= {j: int(row.argmax()) for j, row in zip(seqs, logits, strict=True)}
         out.append(logits)
     return out
@@ -166,6 +171,17 @@ def test_smollm2_batched_decode_replays_bit_for_bit_as_sequences_join_and_leave(
     it comes back with other sequences (other positions and block tables)."""
     replays = check_batch_replays(llmx.load(smollm2_path, ctx_size=128))
     assert replays.refused == {} and replays._checked == {2, 3, 4}
+
+
+def test_sampled_ids_replay_as_host_ids_and_their_caller_commits_them(smollm2_path) -> None:
+    """A server's steps feed the ids its sampler left as tensors, which the step must not commit to
+    the tables (the caller does, once it has read them): replayed so, the logits are the eager steps'
+    on host ids."""
+    model = llmx.load(smollm2_path, ctx_size=128)
+    eager = batched_run(model, False)
+    replayed = batched_run(model, True, sampled=True)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, eager, strict=True))
+    assert model.engine.executor._cpu_batch._checked == {2, 3, 4}
 
 
 @pytest.mark.parametrize(("arch", "type_name"), [("llama", "Q8_0"), ("gemma3", "Q8_0")])

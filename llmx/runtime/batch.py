@@ -194,7 +194,7 @@ def forward_batch(
         if out is not None:
             return out
     replays = executor.cpu_batch(cache)
-    if replays is not None and all(len(c.ids) == 1 and not isinstance(c.ids, torch.Tensor) for c in chunks):
+    if replays is not None and all(len(c.ids) == 1 for c in chunks):
         out = cpu_decode(executor, cache, chunks, replays, on_device)
         if out is not None:
             return out
@@ -332,7 +332,8 @@ def cpu_decode(
     executor: Executor, cache: PagedKVCache, chunks: Sequence[Chunk], replays: CpuBatchReplay,
     on_device: bool = False,
 ) -> torch.Tensor | None:  # fmt: skip
-    """`forward_batch` of decode tokens alone (each chunk one host token) on a CPU-only executor, as
+    """`forward_batch` of decode tokens alone (each chunk one token: on the host, or a tensor the
+    sampler left, which the caller commits) on a CPU-only executor, as
     `decode_padded` runs it (`decode_rows`: one attention call a layer, no row gathered) but unpadded,
     its block tables as wide as a sequence's context: replayed from its native calls (`replays`, per
     batch size; `runtime.cpu_replay`). Logits as `forward_batch`'s (left "on the device", they are the
@@ -345,12 +346,13 @@ def cpu_decode(
         cache.blocks.reserve(c.table, 1)
     positions, tables = padded_inputs(cache, chunks, len(chunks), 0, cache.seq_ctx // cache.block_rows)
     step = BatchStep(positions, True, cache.seq_ctx)
-    ids = torch.tensor([c.ids[0] for c in chunks], dtype=torch.long)
+    ids = torch.cat([torch.as_tensor(c.ids, dtype=torch.long).reshape(1) for c in chunks])
     logits = replays.decode(ids, step, tables, partial(_cpu_rows, executor, cache))
     if logits is None:
         return None
     for c in chunks:
-        cache.blocks.commit(c.table, c.ids)
+        if not isinstance(c.ids, torch.Tensor):
+            cache.blocks.commit(c.table, c.ids)
     wanted = [j for j, c in enumerate(chunks) if c.logits]
     if len(wanted) < len(chunks):
         return logits[wanted]
