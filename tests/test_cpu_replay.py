@@ -1,5 +1,6 @@
 """A CPU-only model's decode steps replayed from their recorded native calls (`runtime.cpu_replay`):
-logits bit for bit the eager steps', a step with another torch op refused at its check and run eagerly."""
+logits bit for bit the eager steps', a step with another torch op refused at its check and run eagerly;
+the same for a batch's decode steps over a paged cache, per batch size."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from tiny_models import random_prompt, write_tiny
 
 import llmx
 from llmx.quant import cpu_native
+from llmx.runtime.batch import Chunk, forward_batch
+from llmx.runtime.blocks import BlockTable
+from llmx.runtime.cpu_replay import CpuBatchReplay
+from llmx.runtime.paged import PagedKVCache
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels did not build")
 
@@ -116,3 +121,74 @@ def test_a_recording_keeps_only_its_own_thread_s_calls() -> None:
         assert [entry.__name__ for entry, _, _ in recording.calls] == ["llmx_rms_norm"]
     finally:
         cpu_native.recording = None
+
+
+# --- batched decode steps over a paged cache ---------------------------------------------------------
+
+# the sequences in each step, as they join and leave: batches of 3, 4, 2 and 3, each B met again later
+SCHEDULE = [(0, 1, 2)] * 3 + [(0, 1, 2, 3)] * 3 + [(1, 3)] * 3 + [(1, 3, 4)] * 2 + [(0, 1, 2)] * 2
+
+
+def batched_run(model, replay: bool, sampled: bool = False) -> list[torch.Tensor]:
+    """Logits of the SCHEDULE's batched steps (`forward_batch`), replayed or eager: a sequence's prompt
+    is read in a step of its own when it first comes, then each step feeds it its greedy token (with
+    `sampled`, as the server's sampler leaves it: a tensor, which the caller commits once read)."""
+    executor = model.engine.executor
+    executor.use_graphs = replay
+    paged = PagedKVCache.over(executor.cache, 4, caching=False)
+    tables = [BlockTable() for _ in range(5)]
+    last: dict[int, int] = {}
+    out = []
+    for seqs in SCHEDULE:
+        for j in seqs:
+            if j not in last:
+                last[j] = int(
+                    forward_batch(executor, paged, [Chunk(tables[j], random_prompt(3 + 2 * j, j))])[
+                        0
+                    ].argmax()
+                )
+        ids = {j: torch.tensor([last[j]]) if sampled else [last[j]] for j in seqs}
+        logits = forward_batch(executor, paged, [Chunk(tables[j], ids[j]) for j in seqs])
+        if sampled:
+            for j in seqs:
+                paged.blocks.commit(tables[j], [last[j]])
+        last |= {j: int(row.argmax()) for j, row in zip(seqs, logits, strict=True)}
+        out.append(logits)
+    return out
+
+
+def check_batch_replays(model) -> CpuBatchReplay:
+    eager = batched_run(model, False)
+    replayed = batched_run(model, True)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, eager, strict=True))
+    replays = model.engine.executor._cpu_batch
+    assert replays is not None
+    return replays
+
+
+def test_smollm2_batched_decode_replays_bit_for_bit_as_sequences_join_and_leave(smollm2_path) -> None:
+    """Each batch size is recorded at its first step, checked at its second, replayed after, also when
+    it comes back with other sequences (other positions and block tables)."""
+    replays = check_batch_replays(llmx.load(smollm2_path, ctx_size=128))
+    assert replays.refused == {} and replays._checked == {2, 3, 4}
+
+
+def test_sampled_ids_replay_as_host_ids_and_their_caller_commits_them(smollm2_path) -> None:
+    """A server's steps feed the ids its sampler left as tensors, which the step must not commit to
+    the tables (the caller does, once it has read them): replayed so, the logits are the eager steps'
+    on host ids."""
+    model = llmx.load(smollm2_path, ctx_size=128)
+    eager = batched_run(model, False)
+    replayed = batched_run(model, True, sampled=True)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, eager, strict=True))
+    assert model.engine.executor._cpu_batch._checked == {2, 3, 4}
+
+
+@pytest.mark.parametrize(("arch", "type_name"), [("llama", "Q8_0"), ("gemma3", "Q8_0")])
+def test_tiny_batched_decode_replays_or_runs_eagerly(arch, type_name, tmp_path) -> None:
+    """Gemma 3's torch ops between its native calls show at the check: its batches run eagerly."""
+    replays = check_batch_replays(llmx.load(write_tiny(arch, type_name, tmp_path), ctx_size=128))
+    if arch == "gemma3":
+        assert set(replays.refused) == {2, 3, 4} and not replays._checked
+    else:
+        assert replays.refused == {} and replays._checked == {2, 3, 4}

@@ -33,6 +33,7 @@ from llmx.ops import current_device
 from llmx.ops.cached_attention import cached_attention
 from llmx.ops.rope import Rope
 from llmx.runtime.blocks import BlockTable
+from llmx.runtime.cpu_replay import CpuBatchReplay
 from llmx.runtime.executor import Executor, ids_on
 from llmx.runtime.graphs import batch_bucket, width_bucket
 from llmx.runtime.paged import PagedKVCache, SequenceKV
@@ -192,6 +193,11 @@ def forward_batch(
         out = decode_padded(executor, cache, chunks, on_device)
         if out is not None:
             return out
+    replays = executor.cpu_batch(cache)
+    if replays is not None and all(len(c.ids) == 1 for c in chunks):
+        out = cpu_decode(executor, cache, chunks, replays, on_device)
+        if out is not None:
+            return out
     for c in chunks:
         cache.blocks.reserve(c.table, len(c.ids))
     layout = _Layout(cache, chunks)
@@ -238,26 +244,25 @@ class PaddedKV:
 
 def decode_rows(
     executor: Executor, cache: PagedKVCache, seg: Segment, x: torch.Tensor, positions: torch.Tensor,
-    tables: torch.Tensor,
+    tables: torch.Tensor, step: BatchStep | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Segment `seg` of a padded decode step, eagerly (what its CUDA graph holds): x [B, E] -> its
     output (the logits of every row, padding rows too, where the head is in it). Reads nothing back
-    to the host: the launches' shapes come from B and the tables' width W alone."""
+    to the host: the launches' shapes come from B and the tables' width W alone. `step`: the step of
+    `positions` over W blocks, where the caller holds it (its RoPE angles)."""
     model = executor.model
-    step = BatchStep(positions, True, tables.shape[1] * cache.block_rows)
+    step = step or BatchStep(positions, True, tables.shape[1] * cache.block_rows)
     for i in seg.layers:
         x = model.block(i, model.layers[i], x, step, PaddedKV(cache, i, tables, positions))
     return model.head(x) if seg.with_head else x
 
 
 def padded_inputs(
-    cache: PagedKVCache, chunks: Sequence[Chunk], bucket: int, scratch: int
+    cache: PagedKVCache, chunks: Sequence[Chunk], bucket: int, scratch: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's positions (int64 [bucket]) and block tables (int32 [bucket, width bucket]) on
-    the host: each sequence's row, then the padding rows', at position 0 of the `scratch` block (a
+    """A decode step's positions (int64 [bucket]) and block tables (int32 [bucket, width]) on the
+    host: each sequence's row, then the padding rows', at position 0 of the `scratch` block (a
     sequence's row past its blocks holds `scratch` too: never read)."""
-    n_read = max(c.table.length for c in chunks) + 1
-    width = width_bucket(n_read, cache.block_rows, cache.seq_ctx)
     tables = np.full((bucket, width), scratch, dtype=np.int32)
     positions = np.zeros(bucket, dtype=np.int64)
     for j, c in enumerate(chunks):
@@ -286,7 +291,8 @@ def decode_padded(
     scratch = cache.blocks.scratch() if bucket > b else 0  # without padding rows nothing reads it
     if scratch is None:
         return None
-    positions, tables = padded_inputs(cache, chunks, bucket, scratch)
+    width = width_bucket(max(c.table.length for c in chunks) + 1, cache.block_rows, cache.seq_ctx)
+    positions, tables = padded_inputs(cache, chunks, bucket, scratch, width)
     cuda = torch.cuda.is_available()
     if cuda:  # pinned, so the copies to the GPUs need not wait (torch keeps them until copied)
         positions, tables = positions.pin_memory(), tables.pin_memory()
@@ -319,3 +325,46 @@ def decode_padded(
     wanted = [j for j, c in enumerate(chunks) if c.logits]
     x = x[:b] if len(wanted) == b else x[torch.tensor(wanted, device=x.device)]
     return x.float() if on_device else x.float().cpu()
+
+
+@torch.inference_mode()
+def cpu_decode(
+    executor: Executor, cache: PagedKVCache, chunks: Sequence[Chunk], replays: CpuBatchReplay,
+    on_device: bool = False,
+) -> torch.Tensor | None:  # fmt: skip
+    """`forward_batch` of decode tokens alone (each chunk one token: on the host, or a tensor the
+    sampler left, which the caller commits) on a CPU-only executor, as
+    `decode_padded` runs it (`decode_rows`: one attention call a layer, no row gathered) but unpadded,
+    its block tables as wide as a sequence's context: replayed from its native calls (`replays`, per
+    batch size; `runtime.cpu_replay`). Logits as `forward_batch`'s (left "on the device", they are the
+    replay's buffer: valid until the next step). None, nothing run, where the paged decode kernel does
+    not take every layer or `replays` refuses the step; `forward_batch` then runs it eagerly."""
+    model = executor.model
+    if not cache.decodes_every_layer(model.config.head_dim):
+        return None
+    for c in chunks:
+        cache.blocks.reserve(c.table, 1)
+    positions, tables = padded_inputs(cache, chunks, len(chunks), 0, cache.seq_ctx // cache.block_rows)
+    step = BatchStep(positions, True, cache.seq_ctx)
+    ids = torch.cat([torch.as_tensor(c.ids, dtype=torch.long).reshape(1) for c in chunks])
+    logits = replays.decode(ids, step, tables, partial(_cpu_rows, executor, cache))
+    if logits is None:
+        return None
+    for c in chunks:
+        if not isinstance(c.ids, torch.Tensor):
+            cache.blocks.commit(c.table, c.ids)
+    wanted = [j for j, c in enumerate(chunks) if c.logits]
+    if len(wanted) < len(chunks):
+        return logits[wanted]
+    return logits if on_device else logits.clone()
+
+
+def _cpu_rows(
+    executor: Executor, cache: PagedKVCache, ids: torch.Tensor, step: BatchStep, tables: torch.Tensor
+) -> torch.Tensor:
+    """`cpu_decode`'s step eagerly (what its replay records): logits [B, vocab]."""
+    with current_device(executor.embed_device):
+        x = executor.model.embed(ids)
+        for seg in executor.segments:
+            x = decode_rows(executor, cache, seg, x, step.positions, tables, step)
+    return x

@@ -149,3 +149,94 @@ class _Replay:
             if entry(*args):
                 raise RuntimeError(f"{entry.__name__} failed in a replayed step at position {position}")
         return self.logits
+
+
+class CpuBatchReplay:
+    """The decode-only steps of a batch over one paged cache (`runtime.batch.cpu_decode`) of a CPU-only
+    executor, as `CpuReplay` makes a single sequence's: per batch size B, the first step is recorded,
+    the second run both ways and checked (logits bit-equal, else that B is refused), the later ones
+    replayed. Between two steps of one B only the inputs change, and the calls read them from memory:
+    the B tokens, their positions, their block tables (int32 [B, W], W fixed: every block a sequence
+    may hold, so a table that grows needs no other call) and the RoPE angles; a replay writes them
+    into the recorded tensors and makes the calls again. Sequences that join or leave change B: that
+    B's recording serves, or one is made. Its calls hold `cache`'s pools: another cache needs another
+    `CpuBatchReplay`."""
+
+    def __init__(self, cache: object, ropes: Sequence[Rope], vocab: int) -> None:
+        self.cache, self.ropes, self.vocab = cache, tuple(ropes), vocab
+        self.refused: dict[int, str] = {}  # by B: why its steps cannot be replayed
+        self._replays: dict[int, _BatchReplay] = {}
+        self._checked: set[int] = set()  # the B whose replay has given an eager step's logits
+
+    def decode(
+        self,
+        ids: torch.Tensor,
+        step: Step,
+        tables: torch.Tensor,
+        run: Callable[[torch.Tensor, Step, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor | None:
+        """Logits [B, vocab] of tokens `ids` (int64 [B]) at `step.positions` in their blocks `tables`:
+        replayed, or computed by `run(ids, step, tables)` while recorded (the first time for this B)
+        or checked against a replay (the second); None where none of them may be done (the caller
+        runs the step eagerly). The inputs are the recording's after the first time: the caller
+        makes new ones for each step."""
+        b = ids.shape[0]
+        if b in self.refused or not bool(((ids >= 0) & (ids < self.vocab)).all()):
+            return None
+        replay = self._replays.get(b)
+        if replay is not None and b in self._checked:
+            return replay(ids, step, tables)
+        if replay is None:
+            return self._record(ids, step, tables, run)
+        eager = run(ids, step, tables).clone()
+        if torch.equal(replay(ids, step, tables), eager):
+            self._checked.add(b)
+            return eager
+        self.refused[b] = "a replayed step differs from the eager one: it computes between its native calls"
+        del self._replays[b]
+        return run(ids, step, tables)  # the cache rows the replay wrote, written again
+
+    def _record(
+        self,
+        ids: torch.Tensor,
+        step: Step,
+        tables: torch.Tensor,
+        run: Callable[[torch.Tensor, Step, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        angles = [(rope, *step.rope(rope)) for rope in self.ropes]  # made before: the step's inputs
+        recording = cpu_native.Recording(0)
+        cpu_native.recording = recording
+        try:
+            logits = run(ids, step, tables)
+        finally:
+            cpu_native.recording = None
+        b, refused = ids.shape[0], _unusable(recording, ids, logits)
+        if refused is None:
+            self._replays[b] = _BatchReplay(recording, (ids, step.positions, tables), angles, logits)
+        else:
+            self.refused[b] = refused
+        return logits.clone()  # the recorded buffer: the check's replay writes it again
+
+
+class _BatchReplay:
+    def __init__(
+        self,
+        recording: cpu_native.Recording,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        angles: list[tuple[Rope, torch.Tensor, torch.Tensor]],
+        logits: torch.Tensor,
+    ) -> None:
+        self.inputs, self.angles, self.logits = inputs, angles, logits
+        self._calls = _Replay(recording, inputs[0], angles, logits)  # its calls by thread count
+
+    def __call__(self, ids: torch.Tensor, step: Step, tables: torch.Tensor) -> torch.Tensor:
+        for recorded, given in zip(self.inputs, (ids, step.positions, tables), strict=True):
+            recorded.copy_(given)
+        for rope, cos, sin in self.angles:
+            new_cos, new_sin = step.rope(rope)
+            cos.copy_(new_cos)
+            sin.copy_(new_sin)
+        for entry, args, _ in self._calls._calls_for(cpu_native.threads()):
+            if entry(*args):
+                raise RuntimeError(f"{entry.__name__} failed in a replayed batched step")
+        return self.logits

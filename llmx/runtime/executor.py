@@ -29,7 +29,7 @@ from llmx.ops.rope import Rope
 from llmx.plan.memory import kv_read_bytes
 from llmx.runtime.cache import KVCache
 from llmx.runtime.counters import StepCounters, host_reads
-from llmx.runtime.cpu_replay import CpuReplay
+from llmx.runtime.cpu_replay import CpuBatchReplay, CpuReplay
 from llmx.runtime.expert_staging import ExpertStager
 from llmx.runtime.graphs import GraphCache
 from llmx.runtime.offload import WeightStreamer
@@ -86,6 +86,7 @@ class Executor:
     _stager: ExpertStager | None = field(default=None, init=False)
     _staging: PinnedStaging = field(default_factory=PinnedStaging, init=False)
     _cpu_replay: CpuReplay | None = field(default=None, init=False)  # a CPU-only model's decode steps
+    _cpu_batch: CpuBatchReplay | None = field(default=None, init=False)  # and its batches' (`cpu_batch`)
     # per segment: (weight bytes, its CPU caches as (K+V bytes a position, positions held))
     _cpu_reads: list[tuple[int, tuple[tuple[float, int], ...]]] = field(init=False)
 
@@ -132,6 +133,16 @@ class Executor:
             and not self._host_experts[k]
             and k not in self.graphs.batch_off
         )
+
+    def cpu_batch(self, cache: object) -> CpuBatchReplay | None:
+        """The replays of a CPU-only model's batched decode steps over the paged cache `cache`
+        (`runtime.batch.cpu_decode`), made anew for another cache (their calls hold its pools); None
+        where steps are not replayed (`use_graphs` off, a GPU in the placement)."""
+        if not self.use_graphs or self._cpu_replay is None:
+            return None
+        if self._cpu_batch is None or self._cpu_batch.cache is not cache:
+            self._cpu_batch = CpuBatchReplay(cache, self._cpu_replay.ropes, self._cpu_replay.vocab)
+        return self._cpu_batch
 
     def _offloads(self, seg: Segment, t: int) -> bool:
         """Whether this CPU segment's prompt batch of `t` tokens runs on the GPU with streamed weights."""
