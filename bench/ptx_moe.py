@@ -23,8 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from llmx.quant import choice, qtype
-from llmx.quant.triton import moe_kernels
-from llmx.quant.triton.matmul import DOT8_QUADS
+from llmx.quant.triton import moe, moe_kernels
 from llmx.quant.triton.tuning import LaunchShape
 
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "w2_ptr": "*u8"}
@@ -36,16 +35,9 @@ SLOTS = 8
 def compiled(name: str, k: int, cfg: LaunchShape, summed: bool) -> dict[str, str | bytes]:
     """The PTX and cubin of one launch: gate and up of type `name` (or a summed down projection)."""
     names = list(moe_kernels.moe_gemv8_kernel.arg_names)
-    bk = min(cfg.bk, 1 << (k - 1).bit_length())
-    unit = qtype(name).block_elems
-    bu = max(1, bk // unit)
     consts: dict[str, object] = {"BN": cfg.bn, "LATE": cfg.late_headers, "SLOTS": SLOTS, "ASM": True}
-    consts |= {"ONE_STEP": k <= bu * unit, "GATED": not summed, "SUM": summed}
-    for suffix in ("", "2"):
-        consts |= {
-            f"QT{suffix}": name, f"UNIT{suffix}": unit, f"QUADS{suffix}": DOT8_QUADS[name], f"BU{suffix}": bu,
-            f"EVEN{suffix}": k % (bu * unit) == 0, f"ROW_WORDS{suffix}": 4,
-        }  # fmt: skip
+    consts |= {"GATED": not summed, "SUM": summed}
+    consts |= moe.gemv8_constants([(qtype(name), 4)] * 2, k, moe.step_weights(cfg.bk, k))
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in names}
     aligned = [i for i, n in enumerate(names) if n not in consts and n not in UNALIGNED]
     src = ASTSource(

@@ -98,8 +98,7 @@ def moe(tokens: int, names: tuple[str, ...] = (), layout: str = GGUF, preference
         choice = "gemm" if tokens > MOE_GEMV_MAX_TOKENS else "dot8"
     else:
         raise LlmxError(f"unknown expert kernel {preference!r}; choose one of {', '.join(MOE_KERNELS)}")
-    readable = bool(names) and layout == WORDS and all(name in DOT8_TYPES for name in names)
-    if choice == "dot8" and not readable:
+    if choice == "dot8" and not _int8_readable(names, layout):
         return "gemv"
     return choice
 
@@ -135,7 +134,7 @@ def choose(qt: QType, device: str, layout: str, m: int, preference: str = "auto"
 def _gpu(qt: QType, layout: str, m: int, preference: str) -> str:
     if qt.is_float:
         return "float"
-    readable = layout == WORDS and qt.name in DOT8_TYPES  # by the integer-dot GEMVs
+    readable = _int8_readable((qt.name,), layout)
     if preference in CPU_PREFERENCES:  # LLMX_KERNEL's CPU paths leave GPUs to the table
         return _gpu_table(qt.name, readable, m)
     if preference not in GPU_KERNELS:
@@ -145,6 +144,11 @@ def _gpu(qt: QType, layout: str, m: int, preference: str) -> str:
     ):
         return "gemv"  # rows (of W or x) it cannot read
     return preference
+
+
+def _int8_readable(names: tuple[str, ...], layout: str) -> bool:
+    """Whether the integer-dot GEMVs read weights of types `names` (at least one) in `layout`."""
+    return bool(names) and layout == WORDS and all(name in DOT8_TYPES for name in names)
 
 
 def _gpu_table(name: str, readable: bool, m: int) -> str:

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from llmx.errors import LlmxError
+from llmx.quant import QType
 from llmx.quant import choice as C
 from llmx.quant.triton import autotune
 from llmx.quant.triton.activation import PENDING, QuantizedX, quantize_x
@@ -214,17 +215,17 @@ def _run(
     g, g2 = w.qtype.scale_group, (w2 or w).qtype.scale_group
     if choice in ("dot8", "gemv"):
         out = torch.empty((t if topk_weights is not None else t * slots, n), dtype=x.dtype, device=x.device)
-        cfg = for_device(raw.device).gemv(name, 1)
-        bk = min(cfg.bk, 1 << (k - 1).bit_length())  # short rows (a down projection's) in one step
         if out.numel() and choice == "dot8":  # x quantized once for all pairs (gate and up share it)
             qx = PENDING.quantized(x) or quantize_x(x2)
-            _gemv8(qx, w, w2, ids, None if topk_weights is None else weights, out, x_div)
+            _gemv8(qx, w, raw, w2, raw2, ids, None if topk_weights is None else weights, out, x_div)
         elif out.numel():
+            cfg = for_device(raw.device).gemv(name, 1)
             moe_kernels().moe_gemv_kernel[(cdiv(n, cfg.bn), out.shape[0])](
                 x2, raw, raw2, table, ids, weights, out, n, k, n_expert, slots, x_div, x2.stride(0),
                 raw.stride(0), raw2.stride(0), out.stride(0),
-                QT=name, QT2=name2, PACKED=packed, PACKED2=packed2, G=g, G2=g2, BN=cfg.bn, BK=bk,
-                GATED=w2 is not None, SUM=topk_weights is not None, num_warps=cfg.num_warps,
+                QT=name, QT2=name2, PACKED=packed, PACKED2=packed2, G=g, G2=g2, BN=cfg.bn,
+                BK=step_weights(cfg.bk, k), GATED=w2 is not None, SUM=topk_weights is not None,
+                num_warps=cfg.num_warps,
             )  # fmt: skip
         return out if topk_weights is not None else out.reshape(t, slots, n)
     r = r or route(ids, n_expert)
@@ -250,7 +251,9 @@ def _run(
 def _gemv8(
     qx: QuantizedX,
     w: Blocks,
+    raw: torch.Tensor,
     w2: Blocks | None,
+    raw2: torch.Tensor,
     ids: torch.Tensor,
     topk_weights: torch.Tensor | None,
     out: torch.Tensor,
@@ -258,36 +261,50 @@ def _gemv8(
 ) -> None:
     """The integer-dot grouped GEMV's launch (`moe_kernels.moe_gemv8_kernel`): out = x (quantized,
     `qx`) times the experts `ids` [T, k] of W, gated by W2's where given, or summed over the slots
-    weighted by `topk_weights`; x row p // x_div for pair p."""
-    raw, _, _, (n_expert, n, k) = _experts(w)
-    raw2 = raw if w2 is None else _experts(w2)[0]
+    weighted by `topk_weights`; x row p // x_div for pair p. `raw`, `raw2`: W's and W2's
+    `layout.rows` (W's again without W2)."""
+    n_expert, n, k = w.shape
     cfg, bk = _gemv8_shape(w, k, topk_weights is not None)
-    consts: dict[str, object] = {}
-    row_units, one_step = [], True
-    for suffix, v, r in (("", w, raw), ("2", w2 or w, raw2)):
-        unit, name = v.qtype.block_elems, v.qtype.name
-        bu = max(1, bk // unit)
+    types, row_units = [], []
+    for v, r in ((w, raw), (w2 or w, raw2)):
         row_words = 4 if r.stride(0) % 16 == 0 else 1  # whole 16-byte units a row: vector loads
+        types.append((v.qtype, row_words))
         row_units.append(r.stride(0) // (4 * row_words))
-        one_step &= k <= bu * unit
-        consts |= {
-            f"QT{suffix}": name, f"UNIT{suffix}": unit, f"QUADS{suffix}": DOT8_QUADS[name], f"BU{suffix}": bu,
-            f"EVEN{suffix}": k % (bu * unit) == 0, f"ROW_WORDS{suffix}": row_words,
-        }  # fmt: skip
+    consts = gemv8_constants(types, k, bk)
     weights = ids if topk_weights is None else topk_weights  # read only with SUM
     moe_kernels().moe_gemv8_kernel[(cdiv(n, cfg.bn), out.shape[0])](
         qx.q, qx.dx, qx.sums, raw, raw2, ids, weights, out, n, k, n_expert, x_div, *row_units, out.stride(0),
-        BN=cfg.bn, LATE=cfg.late_headers, SLOTS=ids.shape[1], ONE_STEP=one_step, ASM=not interpreting(),
-        GATED=w2 is not None, SUM=topk_weights is not None, num_warps=cfg.num_warps,
-        maxnreg=cfg.max_registers, **consts,
+        BN=cfg.bn, LATE=cfg.late_headers, SLOTS=ids.shape[1], ASM=not interpreting(), GATED=w2 is not None,
+        SUM=topk_weights is not None, num_warps=cfg.num_warps, maxnreg=cfg.max_registers, **consts,
     )  # fmt: skip
+
+
+def gemv8_constants(weights: list[tuple[QType, int]], k: int, bk: int) -> dict[str, object]:
+    """`moe_gemv8_kernel`'s constants of its two weights (W's unsuffixed, W2's with "2"), each given
+    as its type and ROW_WORDS, for rows of k weights at BK weights a step; and ONE_STEP."""
+    consts: dict[str, object] = {"ONE_STEP": True}
+    for suffix, (qt, row_words) in zip(("", "2"), weights, strict=True):
+        unit = qt.block_elems
+        bu = max(1, bk // unit)
+        consts["ONE_STEP"] = consts["ONE_STEP"] and k <= bu * unit
+        consts |= {
+            f"QT{suffix}": qt.name, f"UNIT{suffix}": unit, f"QUADS{suffix}": DOT8_QUADS[qt.name],
+            f"BU{suffix}": bu, f"EVEN{suffix}": k % (bu * unit) == 0, f"ROW_WORDS{suffix}": row_words,
+        }  # fmt: skip
+    return consts
+
+
+def step_weights(bk: int, k: int) -> int:
+    """The weights a GEMV step takes of rows of k: the launch shape's BK, or the row's rounded up to a
+    power of two where it is shorter (a down projection's 768-weight rows in one step)."""
+    return min(bk, 1 << (k - 1).bit_length())
 
 
 def _gemv8_shape(w: Blocks, k: int, summed: bool) -> tuple[LaunchShape, int]:
     """The integer-dot grouped GEMV's launch shape for W's type, one pair a program or a token's
-    `summed`, and the weights of a step: its BK, or less for short rows (768 weights: one step)."""
+    `summed`, and the weights of a step (`step_weights`)."""
     cfg = for_device(w.raw.device).moe_dot8(w.qtype.name, summed)
-    return cfg, min(cfg.bk, 1 << (k - 1).bit_length())
+    return cfg, step_weights(cfg.bk, k)
 
 
 def _gemm_config(device: torch.device) -> GemmConfig:

@@ -92,14 +92,20 @@ def _pair(ids_ptr, pair, E, N, rn, row_units, ROW_WORDS: tl.constexpr):
 
 
 @triton.jit
+def _x_of(xq_ptr, dx_ptr, xs_ptr, pair, x_div, K):
+    """Pair `pair`'s row of the quantized x (row pair // x_div): its codes, scales and sums."""
+    x_row = (pair // x_div).to(tl.int64)
+    return xq_ptr + x_row * K, dx_ptr + x_row * (K // 32), xs_ptr + x_row * (K // 16)
+
+
+@triton.jit
 def _pair_dots(
     QT: tl.constexpr, a, b, c, d, w_ptr, row_w, xq_ptr, dx_ptr, xs_ptr, topw_ptr, pair, x_div, K,
     UNIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, LATE: tl.constexpr, SUM: tl.constexpr,
 ):  # fmt: skip
     """`dot8.dot_step` of one-step rows loaded for pair `pair` (`dot8.load_step`) with its x row,
     times its topw with SUM."""
-    x_row = (pair // x_div).to(tl.int64)
-    xq, dx, xs = xq_ptr + x_row * K, dx_ptr + x_row * (K // 32), xs_ptr + x_row * (K // 16)
+    xq, dx, xs = _x_of(xq_ptr, dx_ptr, xs_ptr, pair, x_div, K)
     part = dot_step(QT, a, b, c, d, w_ptr, row_w, xq, dx, xs, 0, K // UNIT, K, ASM, EVEN, LATE)
     return tl.load(topw_ptr + pair).to(tl.float32) * part if SUM else part
 
@@ -155,8 +161,7 @@ def moe_gemv8_kernel(
     else:
         for j in range(COUNT):
             pair = first + j
-            x_row = (pair // x_div).to(tl.int64)
-            xq, dx, xs = xq_ptr + x_row * K, dx_ptr + x_row * (K // 32), xs_ptr + x_row * (K // 16)
+            xq, dx, xs = _x_of(xq_ptr, dx_ptr, xs_ptr, pair, x_div, K)
             row_w = _pair(ids_ptr, pair, E, N, rn, row_units, ROW_WORDS)
             part = row_dots(QT, w_ptr, row_w, xq, dx, xs, K, UNIT, QUADS, BU, ASM, EVEN, LATE, False)
             acc += tl.load(topw_ptr + pair).to(tl.float32) * part if SUM else part
