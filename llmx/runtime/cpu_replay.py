@@ -85,19 +85,29 @@ class CpuReplay:
     def _record(
         self, ids: torch.Tensor, step: Step, run: Callable[[torch.Tensor, Step], torch.Tensor]
     ) -> torch.Tensor:
-        n_past = int(step.positions[0])
-        tables = [(rope, *step.rope(rope)) for rope in self.ropes]  # made before: the step's inputs
-        recording = cpu_native.Recording(n_past)
-        cpu_native.recording = recording
-        try:
-            logits = run(ids, step)
-        finally:
-            cpu_native.recording = None
-        self.refused = _unusable(recording, ids, logits)
+        recording, tables, logits, self.refused = _recorded(
+            self.ropes, int(step.positions[0]), ids, step, lambda: run(ids, step)
+        )
         if self.refused is None:
             self._replay = _Replay(recording, ids, tables, logits)
             self.last_position = recording.last_position
         return logits.clone()  # the recorded buffer: the check's replay writes it again
+
+
+def _recorded(
+    ropes: Sequence[Rope], position: int, ids: torch.Tensor, step: Step, run: Callable[[], torch.Tensor]
+) -> tuple[cpu_native.Recording, list[tuple[Rope, torch.Tensor, torch.Tensor]], torch.Tensor, str | None]:
+    """A step `run` while its native calls are recorded (positions as offsets from `position`): the
+    recording, the RoPE angles it reads (made first: the step's inputs), its logits, and why it
+    cannot be replayed (None: it can)."""
+    angles = [(rope, *step.rope(rope)) for rope in ropes]
+    recording = cpu_native.Recording(position)
+    cpu_native.recording = recording
+    try:
+        logits = run()
+    finally:
+        cpu_native.recording = None
+    return recording, angles, logits, _unusable(recording, ids, logits)
 
 
 def _unusable(recording: cpu_native.Recording, ids: torch.Tensor, logits: torch.Tensor) -> str | None:
@@ -203,14 +213,10 @@ class CpuBatchReplay:
         tables: torch.Tensor,
         run: Callable[[torch.Tensor, Step, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        angles = [(rope, *step.rope(rope)) for rope in self.ropes]  # made before: the step's inputs
-        recording = cpu_native.Recording(0)
-        cpu_native.recording = recording
-        try:
-            logits = run(ids, step, tables)
-        finally:
-            cpu_native.recording = None
-        b, refused = ids.shape[0], _unusable(recording, ids, logits)
+        b = ids.shape[0]
+        recording, angles, logits, refused = _recorded(
+            self.ropes, 0, ids, step, lambda: run(ids, step, tables)
+        )
         if refused is None:
             self._replays[b] = _BatchReplay(recording, (ids, step.positions, tables), angles, logits)
         else:
