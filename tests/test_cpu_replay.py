@@ -13,6 +13,7 @@ from tiny_models import random_prompt, write_tiny
 
 import llmx
 from llmx.quant import cpu_native
+from llmx.runtime import cpu_replay
 from llmx.runtime.batch import Chunk, forward_batch
 from llmx.runtime.blocks import BlockTable
 from llmx.runtime.cpu_replay import CpuBatchReplay
@@ -171,6 +172,16 @@ def test_smollm2_batched_decode_replays_bit_for_bit_as_sequences_join_and_leave(
     it comes back with other sequences (other positions and block tables)."""
     replays = check_batch_replays(llmx.load(smollm2_path, ctx_size=128))
     assert replays.refused == {} and replays._checked == {2, 3, 4}
+    # each recording's own buffers: its rows' activations (~0.9 MiB a row), not the weights every one holds
+    assert 5 << 20 < replays.held_bytes() < 20 << 20
+
+
+def test_batch_recordings_past_their_budget_drop_the_least_recently_used(smollm2_path, monkeypatch) -> None:
+    """With room for one recording, each new batch size drops the last one's, which is recorded and
+    checked again when it comes back; the logits stay the eager steps'."""
+    monkeypatch.setattr(cpu_replay, "RECORDINGS_BYTES", 1)
+    replays = check_batch_replays(llmx.load(smollm2_path, ctx_size=128))
+    assert replays.refused == {} and list(replays._replays) == [3] and replays._checked == {3}
 
 
 def test_sampled_ids_replay_as_host_ids_and_their_caller_commits_them(smollm2_path) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -41,6 +42,11 @@ import torch
 from llmx.models.common import Step
 from llmx.ops.rope import Rope
 from llmx.quant import cpu_native
+
+# What a CPU-only executor's batch recordings may hold of their own (each keeps its step's buffers:
+# ~0.9 MiB a row of SmolLM2, ~7 MiB of Llama-3-8B's widths): past it the least recently used batch
+# size is dropped, and recorded and checked again if it comes back (two eager steps).
+RECORDINGS_BYTES = 256 << 20
 
 
 class CpuReplay:
@@ -169,13 +175,14 @@ class CpuBatchReplay:
     the B tokens, their positions, their block tables (int32 [B, W], W fixed: every block a sequence
     may hold, so a table that grows needs no other call) and the RoPE angles; a replay writes them
     into the recorded tensors and makes the calls again. Sequences that join or leave change B: that
-    B's recording serves, or one is made. Its calls hold `cache`'s pools: another cache needs another
+    B's recording serves, or one is made; the recordings' own buffers stay within RECORDINGS_BYTES,
+    the least recently used dropped first. Its calls hold `cache`'s pools: another cache needs another
     `CpuBatchReplay`."""
 
     def __init__(self, cache: object, ropes: Sequence[Rope], vocab: int) -> None:
         self.cache, self.ropes, self.vocab = cache, tuple(ropes), vocab
         self.refused: dict[int, str] = {}  # by B: why its steps cannot be replayed
-        self._replays: dict[int, _BatchReplay] = {}
+        self._replays: OrderedDict[int, _BatchReplay] = OrderedDict()  # least recently used first
         self._checked: set[int] = set()  # the B whose replay has given an eager step's logits
 
     def decode(
@@ -194,10 +201,11 @@ class CpuBatchReplay:
         if b in self.refused or not bool(((ids >= 0) & (ids < self.vocab)).all()):
             return None
         replay = self._replays.get(b)
-        if replay is not None and b in self._checked:
-            return replay(ids, step, tables)
         if replay is None:
             return self._record(ids, step, tables, run)
+        self._replays.move_to_end(b)
+        if b in self._checked:
+            return replay(ids, step, tables)
         eager = run(ids, step, tables).clone()
         if torch.equal(replay(ids, step, tables), eager):
             self._checked.add(b)
@@ -219,9 +227,19 @@ class CpuBatchReplay:
         )
         if refused is None:
             self._replays[b] = _BatchReplay(recording, (ids, step.positions, tables), angles, logits)
+            while len(self._replays) > 1 and self.held_bytes() > RECORDINGS_BYTES:
+                dropped, _ = self._replays.popitem(last=False)
+                self._checked.discard(dropped)
         else:
             self.refused[b] = refused
         return logits.clone()  # the recorded buffer: the check's replay writes it again
+
+    def held_bytes(self) -> int:
+        """The bytes only one recording holds (its step's buffers), summed over the recordings: what
+        dropping them would free. The weights and the cache's pools, which every recording holds, do
+        not count (nor anything with a single recording, which has nothing to be set against)."""
+        holders = Counter(ptr for r in self._replays.values() for ptr in r.storages)
+        return sum(n for r in self._replays.values() for ptr, n in r.storages.items() if holders[ptr] == 1)
 
 
 class _BatchReplay:
@@ -234,6 +252,11 @@ class _BatchReplay:
     ) -> None:
         self.inputs, self.angles, self.logits = inputs, angles, logits
         self._calls = _Replay(recording, inputs[0], angles, logits)  # its calls by thread count
+        self.storages = {  # the memory its calls point into, by address: bytes
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in recording.kept
+            if isinstance(t, torch.Tensor)
+        }
 
     def __call__(self, ids: torch.Tensor, step: Step, tables: torch.Tensor) -> torch.Tensor:
         for recorded, given in zip(self.inputs, (ids, step.positions, tables), strict=True):
