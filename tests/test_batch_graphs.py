@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from references import DECISIVE_MARGIN, decisive  # noqa: E402
+from references import GPU_BATCH_TOLERANCE, decisive  # noqa: E402
 from tiny_models import random_prompt, write_tiny  # noqa: E402
 
 import llmx  # noqa: E402
@@ -251,10 +251,10 @@ def _served(model, graphs: bool) -> list[torch.Tensor]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_batched_decode_graphs_match_eager_steps(arch, tmp_path):
-    """Graphs on and off give every step's logits within 1e-2 of the largest (the padded batch's
-    matmuls may take other kernels than the unpadded one's: float16 rounding), the same greedy token
-    where it is decisive; every decode step with graphs on is a replay, each (bucket, width)
-    captured once."""
+    """Graphs on and off give every step's logits within GPU_BATCH_TOLERANCE of the largest (the padded
+    batch's matmuls may take other kernels than the unpadded one's, which round x otherwise: see
+    references), the same greedy token where the top two lie further apart than the logits may move; every
+    decode step with graphs on is a replay, each (bucket, width) captured once."""
     model = llmx.load(write_tiny(arch, "Q8_0", tmp_path), ctx_size=8192, n_gpu_layers="all")
     executor = model.engine.executor
     assert all(executor.batch_graphs(k) for k in range(len(executor.segments)))
@@ -266,6 +266,6 @@ def test_batched_decode_graphs_match_eager_steps(arch, tmp_path):
     assert graphs.batch_captures == len(graphs.batch) < graphs.batch_replays
     for want, got in zip(eager, graphed, strict=True):
         assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=0)
-        sure = decisive(want, DECISIVE_MARGIN)
+        torch.testing.assert_close(got, want, atol=GPU_BATCH_TOLERANCE * want.abs().max().item(), rtol=0)
+        sure = decisive(want, 2 * GPU_BATCH_TOLERANCE)
         assert torch.equal(got.argmax(-1)[sure], want.argmax(-1)[sure])
