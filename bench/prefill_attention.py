@@ -7,6 +7,7 @@ caches `ops.block_attention` (dequantize and matmul, a chunk of keys at a time).
 of CUDA-event timings; TFLOP/s counts the visible keys' 4 * D flops a query head.
 
     python bench/prefill_attention.py [--n-read 512,8192,32768] [--types f16,q8_0] [--t 512]
+                                      [--first auto|on|off]  # block rows converted first, or not
     python bench/prefill_attention.py --sweep 128x64x8x3,64x64x4x3  # the kernel's tiles: BLOCK_M x
         BLOCK_N x num_warps x num_stages, in place of `_tiles`' choice (then no old path)
 """
@@ -26,6 +27,7 @@ from llmx.ops.masks import causal_mask
 from llmx.quant import kv_layout, qtype
 from llmx.quant.quantize import quantize
 
+FIRST = {"auto": None, "on": True, "off": False}  # --first: prefill_attention's dequantize_first
 FLOATS = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
@@ -58,8 +60,10 @@ def inputs(name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int):
     return q, k, v, positions, (qt, qt)
 
 
-def case(name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int) -> tuple[float, float, float]:
-    """(old ms, kernel ms, max |kernel - old|) for cache type `name`."""
+def case(
+    name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int, first: bool | None
+) -> tuple[float, float, float]:
+    """(old ms, kernel ms, max |kernel - old|) for cache type `name` (`first`: `dequantize_first`)."""
     q, kc, vc, positions, types = inputs(name, t, n_read, n_head, n_kv, d)
     if types is None:
 
@@ -72,7 +76,7 @@ def case(name: str, t: int, n_read: int, n_head: int, n_kv: int, d: int) -> tupl
             return block_attention(q, kc, vc, types, mask)
 
     def new():
-        return prefill_attention(q, kc, vc, positions, types=types)
+        return prefill_attention(q, kc, vc, positions, types=types, dequantize_first=first)
 
     diff = (new().float() - old().float()).abs().max().item()
     return milliseconds(old), milliseconds(new), diff
@@ -103,6 +107,7 @@ def main() -> None:
     ap.add_argument("--t", type=int, default=512, help="the prompt chunk's tokens (-ub)")
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
     ap.add_argument("--sweep", help="the kernel alone with these tiles (BMxBNxWARPSxSTAGES,...)")
+    ap.add_argument("--first", choices=FIRST, default="auto", help="block rows converted first")
     args = ap.parse_args()
     n_head, n_kv, d = (int(x) for x in args.heads.split(","))
     print(f"{torch.cuda.get_device_name()}: T={args.t}, {n_head} heads, {n_kv} KV heads, D={d}")
@@ -118,7 +123,7 @@ def main() -> None:
     for name in args.types.split(","):
         for n_read in (int(x) for x in args.n_read.split(",")):
             t = min(args.t, n_read)
-            old, new, diff = case(name, t, n_read, n_head, n_kv, d)
+            old, new, diff = case(name, t, n_read, n_head, n_kv, d, FIRST[args.first])
             visible = t * (n_read - t) + t * (t + 1) / 2  # keys each query sees, summed
             tflops = 4 * d * n_head * visible / (new * 1e-3) / 1e12
             speedup = f"{old / new:.2f}x"

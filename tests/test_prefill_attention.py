@@ -93,7 +93,10 @@ class Case:
         return f"t{self.t}of{self.n_read}-h{self.n_head}kv{self.n_head_kv}-d{self.d}{extra}"
 
 
-def check_kernel(c: Case, kt: str, vt: str, block: int | None = None, seed: int = 0) -> None:
+def check_kernel(
+    c: Case, kt: str, vt: str, block: int | None = None, seed: int = 0, first: bool | None = None
+) -> torch.Tensor:
+    """The kernel's output for case `c` against the reference (`first`: its `dequantize_first`)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(c.t, c.n_head, c.d, generator=g)
     k, v = (torch.randn(c.n_read, c.n_head_kv, c.d, generator=g) for _ in range(2))
@@ -103,13 +106,14 @@ def check_kernel(c: Case, kt: str, vt: str, block: int | None = None, seed: int 
     q, kc, vc, positions = (x.to(DEVICE) for x in (q, kc, vc, positions))
     out = kernel.prefill_attention(
         q, kc, vc, positions, types=types, window=c.window, scale=c.scale, softcap=c.softcap,
-        block_m=block, block_n=block,
+        block_m=block, block_n=block, dequantize_first=first,
     )  # fmt: skip
     assert out.shape == (c.t, c.n_head * c.d) and out.dtype == q.dtype
     mask = causal_mask(positions, c.n_read, c.window)
     ref = reference(q, kf.to(DEVICE), vf.to(DEVICE), mask, c.scale, c.softcap)
     err = relative_error(out, ref)
     assert err < tolerance(kt), f"relative error {err:.2e}"
+    return out
 
 
 @pytest.mark.parametrize(("kt", "vt"), PAIRS, ids=lambda p: p)
@@ -124,6 +128,26 @@ def test_heads_of_blocks_that_start_2_aligned(kt: str, vt: str) -> None:
     """Three blocks a head (D = 96: 102 bytes of q8_0, 54 of q4_0) put every other head at an odd
     multiple of 2, its codes and Q5's fifth-bit words too."""
     check_kernel(Case(t=21, n_read=53, d=96), kt, vt)
+
+
+@pytest.mark.parametrize(
+    ("kt", "vt"), [("Q8_0", "Q8_0"), ("Q4_0", "Q5_1"), ("IQ4_NL", "Q4_1"), ("Q5_0", "F32")], ids=lambda p: p
+)
+def test_block_rows_converted_first_give_what_the_tiles_do(kt: str, vt: str) -> None:
+    """A prompt of many query tiles converts the block rows once (`cache_rows.dequantized`) and reads
+    the copy as a float cache: the same operands in the same tiles, the same output bit for bit; a
+    float cache beside a block one is read as it is."""
+    case = Case(t=21, n_read=53, window=30)
+    converted, tiles = (check_kernel(case, kt, vt, first=first) for first in (True, False))
+    assert torch.equal(converted, tiles)
+
+
+def test_dequantized_rows_hold_the_blocks_values() -> None:
+    x = torch.randn(37, 3, 96, generator=torch.Generator().manual_seed(1))
+    for name in KV_BLOCK_TYPES:
+        rows, values = cache_rows(name, x)
+        got = kernel.cache_rows.dequantized(rows, qtype(name), 96, torch.float32)
+        assert got.shape == (37, 3, 96) and torch.equal(got.double().cpu(), values), name
 
 
 CASES = [
@@ -237,7 +261,10 @@ LLAMA3 = {"n_head": 32, "n_head_kv": 8, "d": 128}
 @pytest.mark.parametrize("kt", ["F16", "BF16", "F32", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize(("t", "n_read"), [(512, 512), (512, 4096), (300, 1000)])
 def test_gpu_llama3_shape(kt: str, t: int, n_read: int) -> None:
-    check_kernel(Case(t=t, n_read=n_read, scale=128**-0.5, **LLAMA3), kt, kt)
+    out = check_kernel(Case(t=t, n_read=n_read, scale=128**-0.5, **LLAMA3), kt, kt)
+    if kt not in FLOATS:  # 512 queries of 4 heads a KV head convert the rows first: as the tiles would
+        tiles = check_kernel(Case(t=t, n_read=n_read, scale=128**-0.5, **LLAMA3), kt, kt, first=False)
+        assert torch.equal(out, tiles)
 
 
 @pytest.mark.gpu

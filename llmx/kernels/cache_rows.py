@@ -1,8 +1,9 @@
 """Reading KV-cache rows in Triton kernels, shared by the decode (`decode_attention`) and prompt
 (`prefill_attention`) attention kernels: float rows in their dtype, or GGUF blocks (q8_0, q4_0,
 q4_1, q5_0, q5_1, iq4_nl) in the grouped layout a GPU's cache holds (`llmx.quant.kv_layout`: each
-head's scales, then its codes), dequantized to float32 as a tile is loaded, so no cache-sized
-float copy is ever made.
+head's scales, then its codes), dequantized as a tile is loaded, so a kernel needs no float copy of
+the cache; `dequantized` makes one where a prompt's many query tiles would convert each key tile again
+(`prefill_attention`).
 
 A cache's type reaches a kernel as two constexprs (`codes`): its code (0: float, read in its
 dtype), ordered so that ranges name the layouts' traits (Q5_0..Q5_1 have fifth bits, Q5_1..Q4_1 a
@@ -48,7 +49,39 @@ def levels(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(IQ4_LEVELS).float().to(device)
 
 
+def dequantized(rows: torch.Tensor, qt: QType, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """Block-cache rows [N, Hk, head bytes] of type `qt` as float rows [N, Hk, d] of `dtype`: the
+    values `load_rows` gives a kernel whose operands are of that type, so a kernel reading the copy
+    computes what it would on the blocks."""
+    n, n_kv = rows.shape[0], rows.shape[1]
+    out = torch.empty(n, n_kv, d, dtype=dtype, device=rows.device)
+    (code, block), _ = codes((qt, qt), rows, rows)
+    block_n = 64 if rows.is_cuda else 16
+    rows_kernel[(triton.cdiv(n, block_n), n_kv)](
+        rows, out, levels(rows.device), rows.stride(0), n,
+        D=d, QT=code, QB=block, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        DOT=TL_DTYPE[dtype],
+    )  # fmt: skip
+    return out
+
+
 # --- kernels ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def rows_kernel(
+    rows_ptr, out_ptr, levels_ptr, stride_n, n_rows,
+    D: tl.constexpr, QT: tl.constexpr, QB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT: tl.constexpr,
+):  # fmt: skip
+    """`dequantized`: BLOCK_N rows of KV head program_id(1)."""
+    tile, kvh = tl.program_id(0), tl.program_id(1)
+    r = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+    rmask = r < n_rows
+    row_ptrs = rows_ptr + head_at(kvh, 0, D, QT, QB) + r * stride_n
+    values = load_rows(row_ptrs, rmask, levels_ptr, D, QT, QB, BLOCK_D, DOT)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    tl.store(out_ptr + (r * tl.num_programs(1) + kvh) * D + d, values, mask=rmask & (d < D))
 
 
 @triton.jit

@@ -6,7 +6,9 @@ cache rows 0..n_read-1, a key visible when its position k satisfies k <= p (and 
 sliding window), as `ops.causal_mask` and `ops.ring_mask` say. The rows are float (f32, f16, bf16)
 or GGUF blocks (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; K and V each their own type; grouped, as
 `llmx.quant.kv_layout` lays a GPU's cache out), dequantized as a tile is loaded
-(`cache_rows.load_rows`), so a quantized cache costs no float copy either.
+(`cache_rows.load_rows`). Every tile of queries converts each key and value tile it reads, so a prompt
+of many such tiles for a KV head (DEQUANTIZE_FIRST_TILES) converts the block rows once, into a float
+copy the kernel then reads as a float cache's: the same operands, the same result.
 
 Grid (tiles, Hk): for KV head h the G = H/Hk query heads of its group are rows t * G + g of one
 [T * G, D] matrix, cut into tiles of BLOCK_M rows (BLOCK_M / G consecutive queries), so every key
@@ -36,6 +38,12 @@ from llmx.quant import QType
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
+# Query tiles of a KV head from which a GPU prompt converts a block cache's rows first (a float copy of
+# the rows read: 2 bytes a value on top of the cache, planned in `plan.memory`): one conversion pass
+# costs about a read and a write of the rows, where each tile's own conversion made a q8_0 cache's
+# tile of 512 queries over 32K rows take twice an f16 cache's time (an H100: 1.6 against 0.82 ms).
+DEQUANTIZE_FIRST_TILES = 4
+
 
 def prefill_attention(
     q: torch.Tensor,
@@ -50,15 +58,29 @@ def prefill_attention(
     softcap: float | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    dequantize_first: bool | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] at `positions` [T] (ascending) over cache rows k, v [N, Hk, row]: float rows of D
     values, or uint8 GGUF blocks of `types` (K's, V's; None: float caches). Row n holds position n,
     or `key_positions`[n] for a ring (negative: never written). Scores scaled by `scale` (default
-    1/sqrt(D)), then soft-capped where `softcap` is set. `block_m`/`block_n` override the tiles
-    (tests). Returns [T, H * D] in q's dtype."""
+    1/sqrt(D)), then soft-capped where `softcap` is set. `block_m`/`block_n` override the tiles,
+    `dequantize_first` the choice to convert block rows first (tests). Returns [T, H * D] in q's
+    dtype."""
     t, n_head, d = q.shape
     n_read, n_kv = k.shape[0], k.shape[1]
     group = n_head // n_kv
+    if types is not None:
+        # the operands' type where block rows meet q: f16 on a GPU's tensor cores, float32 elsewhere
+        operand = torch.float16 if q.is_cuda else torch.float32
+        if dequantize_first is None:
+            tiles = triton.cdiv(t * group, block_m or _tiles(d, q.is_cuda, False, True)[0])
+            dequantize_first = q.is_cuda and tiles >= DEQUANTIZE_FIRST_TILES
+        if dequantize_first and all(x.dtype in (torch.uint8, operand) for x in (k, v)):
+            k, v = (
+                cache_rows.dequantized(x, qt, d, operand) if x.dtype == torch.uint8 else x
+                for x, qt in zip((k, v), types, strict=True)
+            )
+            types = None
     (kt, kb), (vt, vb) = cache_rows.codes(types, k, v)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache's do
     dot_type = tl.float32 if not q.is_cuda else tl.float16 if k.dtype == torch.uint8 else TL_DTYPE[k.dtype]

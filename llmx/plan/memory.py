@@ -19,6 +19,7 @@ from llmx.quant import qtype
 CTX_PAD = 256
 F32 = 4
 F16 = 2
+FLOAT_CACHES = ("F32", "F16", "BF16")  # cache types stored as floats, not GGUF blocks
 MiB = 2**20
 # What the runtime allocates (llmx.quant.choice, llmx.quant.triton.matmul, llmx.quant.weight):
 GPU_DEQUANT_MIN_M = 16  # from this many rows a GPU matmul dequantizes the weight for cuBLAS ...
@@ -90,7 +91,8 @@ def compute_bytes(
         total += 4 * ub * model.config.n_embd * F32  # residual stream, normed input, op output, sum
         flash = opts.flash_attn != "off"  # -fa off: every device attends over stored scores
         max_scores = opts.attn_max_batch * MiB if opts.flash_attn == "off" else 0  # -amb: -fa off's cap
-        attn = _attention_bytes(model, ub, ctx, flash, gpu, max_scores) if attention else 0
+        blocks = any(qtype(t).name not in FLOAT_CACHES for t in (opts.cache_type_k, opts.cache_type_v))
+        attn = _attention_bytes(model, ub, ctx, flash, gpu, max_scores, blocks) if attention else 0
         total += max(attn, 2 * ub * _ffn_width(model) * F32 if ffn else 0)  # gate and up (silu in place)
         total += _matmul_bytes(model, ub, gpu)
         if gpu:
@@ -125,10 +127,13 @@ def _ffn_width(model: ModelSpec) -> int:
     return max(c.n_ff, c.expert_width * max(c.n_expert_used, 1))
 
 
-def _attention_bytes(model: ModelSpec, ub: int, ctx: int, flash: bool, gpu: bool, max_scores: int) -> int:
+def _attention_bytes(
+    model: ModelSpec, ub: int, ctx: int, flash: bool, gpu: bool, max_scores: int, blocks: bool
+) -> int:
     """The attention phase of one block for `ub` queries over a full cache of `ctx` positions on a GPU
     or the CPU (`gpu`); `flash`: PyTorch's flash or memory-efficient kernels, which never store the
-    scores; otherwise the scores of `score_heads` heads at a time (`max_scores`: -amb in bytes)."""
+    scores; otherwise the scores of `score_heads` heads at a time (`max_scores`: -amb in bytes);
+    `blocks`: K or V cached as GGUF blocks."""
     c = model.config
     h, hk = c.n_head, c.n_head_kv
     d = max(c.head_dim, c.head_dim_v)
@@ -141,9 +146,10 @@ def _attention_bytes(model: ModelSpec, ub: int, ctx: int, flash: bool, gpu: bool
         # mask in bool and as the float bias the kernel adds (made twice over); no scores.
         return total + ctx * 2 * hk * d * F32 + ub * ctx * (1 + 2 * F32)
     if flash and c.head_dim == c.head_dim_v <= PREFILL_KERNEL_MAX_HEAD_DIM:
-        # The GPU's Triton flash kernel (`kernels.prefill_attention`): the cache read in place, in its
-        # own type, every window and ring included; no scores, no copies of K and V.
-        return total
+        # The GPU's Triton flash kernel (`kernels.prefill_attention`): the cache read in place, every
+        # window and ring included, no scores; block rows converted first into f16 copies for a
+        # prompt of many query tiles (`DEQUANTIZE_FIRST_TILES`; counted whatever the batch).
+        return total + (ctx * hk * (c.head_dim + c.head_dim_v) * F16 if blocks and gpu else 0)
     if flash and not (c.sliding_window and c.sliding_window < ctx):
         # PyTorch's fused causal kernels (heads wider than the Triton kernel's): no scores; after the
         # first batch of a sequence K and V are repeated to every query head (the bottom-right causal
