@@ -17,6 +17,7 @@ from llmx.bench import serve_client
 from llmx.bench.serve_check import NEAR_TIE_NATS, first_difference, mismatches
 from llmx.bench.serve_report import headline, verdict
 from llmx.bench.serve_stats import Streamed, distribution, summary
+from llmx.bench.serve_steps import step_split
 from llmx.bench.serve_workload import WORDS, arrival_times, workload
 
 # --- statistics, by hand ---
@@ -127,6 +128,25 @@ def test_the_verdict_lists_every_mismatch_and_counts_near_ties_apart():
     assert verdict(result) == ["check: all 3 responses equal their prompt served alone (2 prompts)"]
 
 
+def _metrics(steps: float, prompt_steps: float, forward: float) -> str:
+    return (
+        "# TYPE llmx_batch_steps counter\n"
+        f"llmx_batch_steps_total {steps}\nllmx_batch_prompt_steps_total {prompt_steps}\n"
+        f'llmx_batch_step_seconds_total{{part="forward"}} {forward}\n'
+        f'llmx_batch_step_seconds_total{{part="wait"}} 0.5\n'
+    )
+
+
+def test_the_server_steps_are_the_run_s_difference_of_its_metrics():
+    split = step_split(_metrics(10, 2, 1.0), _metrics(30, 5, 3.0), output_tokens=80)
+    assert split == {
+        "steps": 20, "prompt_steps": 3, "output_tokens_per_step": 4.0,
+        "ms_per_step": {"forward": 100.0, "wait": 0.0},
+    }  # fmt: skip
+    assert step_split(_metrics(10, 2, 1.0), _metrics(10, 2, 1.0), 0) is None  # no batched step ran
+    assert step_split("other_total 1\n", "other_total 2\n", 5) is None  # another server's metrics
+
+
 # --- against a real server ---
 
 N_SLOTS = 4
@@ -151,6 +171,11 @@ def test_a_small_run_measures_every_request_and_passes_its_check(server, capsys)
     assert s["output_tokens_per_s"] > 0 and s["ttft_ms"]["median"] > 0 and s["itl_ms"]["p99"] > 0
     assert s["ttft_ms"]["median"] < s["e2e_ms"]["median"] <= s["e2e_ms"]["p99"]
     assert result["check"] == {"prompts": 3, "near_tie_nats": NEAR_TIE_NATS, "mismatches": []}
+    steps = result["server_steps"]  # the load's batched steps only, not the runs alone after it
+    assert 1 <= steps["prompt_steps"] <= steps["steps"] <= s["output_tokens"] + 6
+    assert steps["output_tokens_per_step"] == s["output_tokens"] / steps["steps"]
+    assert set(steps["ms_per_step"]) == {"plan", "forward", "sample", "wait", "text", "hand_over"}
+    assert all(ms >= 0 for ms in steps["ms_per_step"].values()) and steps["ms_per_step"]["forward"] > 0
     assert "check: all 6 responses equal" in err
     assert headline(result).endswith("arriving 50.0 a second (Poisson); 16 prompt tokens, up to 8 out")
 

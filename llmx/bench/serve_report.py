@@ -47,7 +47,20 @@ def tables(result: dict[str, Any]) -> list[Table]:
     for key, name in LATENCIES.items():
         d = s[key]
         latency.add_row(name, _ms(d["mean"]), _ms(d["median"]), _ms(d["p99"]))
-    return [totals, latency]
+    steps = result.get("server_steps")
+    return [totals, latency] if steps is None else [totals, latency, _steps_table(steps)]
+
+
+def _steps_table(steps: dict[str, Any]) -> Table:
+    """The server's batched steps over the load run, from its /metrics."""
+    table = Table()
+    table.add_column("server's batched steps (/metrics)")
+    table.add_column("value", justify="right")
+    table.add_row("steps (with a prompt chunk)", f"{steps['steps']} ({steps['prompt_steps']})")
+    table.add_row("output tokens a step", f"{steps['output_tokens_per_step']:.1f}")
+    for part, ms in steps["ms_per_step"].items():
+        table.add_row(f"ms a step: {part}", f"{ms:.2f}")
+    return table
 
 
 def verdict(result: dict[str, Any]) -> list[str]:

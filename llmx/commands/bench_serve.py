@@ -7,7 +7,9 @@ Each request streams a greedy completion of a seeded prompt of exactly --prompt-
 server's /tokenize counts them). Then each distinct prompt is served again alone, one at a time, and
 every response under load must be that text: a mismatch is listed and the command exits with 1, unless
 the texts part at a near tie of the run alone (its two likeliest tokens within 0.1 nats: batched
-kernels round differently and may pick either), which is listed and counted apart.
+kernels round differently and may pick either), which is listed and counted apart. Where the server
+is llmx with batched steps, its /metrics read before and after the load tell how many steps it ran
+and where a step's time went (`bench.serve_steps`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ async def _bench(client: Client, args: argparse.Namespace, n_distinct: int) -> d
     from llmx.bench.serve_check import NEAR_TIE_NATS, mismatches
     from llmx.bench.serve_client import alone, check_prompt_lengths, load_run, prompt_words
     from llmx.bench.serve_stats import summary
+    from llmx.bench.serve_steps import step_split
     from llmx.bench.serve_workload import WORDS, workload
 
     async with client:
@@ -96,13 +99,17 @@ async def _bench(client: Client, args: argparse.Namespace, n_distinct: int) -> d
         words, n_words = await prompt_words(client, WORDS, args.prompt_tokens)
         work = workload(words, n_words, args.requests, n_distinct, args.rate, args.seed)
         await check_prompt_lengths(client, work.prompts, args.prompt_tokens)
+        before = await client.metrics()
         with tqdm(total=args.requests, desc="under load", unit="req", leave=False, disable=None) as bar:
             streams, duration = await load_run(
                 client, model, work, args.clients, args.max_tokens, lambda: bar.update()
             )
+        after = await client.metrics()
         with tqdm(total=n_distinct, desc="served alone", unit="req", leave=False, disable=None) as bar:
             replies = await alone(client, model, work.prompts, args.max_tokens, lambda: bar.update())
     wrong = mismatches(streams, work.prompt_of, replies)
+    totals = summary(streams, duration)
+    steps = step_split(before, after, totals["output_tokens"]) if before and after else None
     return {
         "kind": "bench-serve",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -117,7 +124,8 @@ async def _bench(client: Client, args: argparse.Namespace, n_distinct: int) -> d
             "distinct": n_distinct,
             "seed": args.seed,
         },
-        "summary": summary(streams, duration),
+        "summary": totals,
+        "server_steps": steps,
         "check": {
             "prompts": n_distinct,
             "near_tie_nats": NEAR_TIE_NATS,
