@@ -2036,3 +2036,103 @@ int llmx_moe_route(const float *x, int64_t m, int64_t n_embd, const float *w, in
     free(p);
     return 0;
 }
+
+/* --- a recorded step made again (runtime.cpu_replay) --------------------------------------------------
+ * A CPU decode step is some 180 calls of the entry points above; made from Python each costs ~1 us of
+ * argument conversion, ~3% of SmolLM2's step. A replay hands the recorded calls over once: each call's
+ * arguments as slots (an integer or pointer, or a float), run here in order. */
+
+typedef union {
+    int64_t i;
+    float f;
+} slot_t;
+
+#define PTR(n) ((void *)(intptr_t)a[n].i)
+
+static int slots_gemv_many(const slot_t *a) {
+    return llmx_gemv_many((int)a[0].i, PTR(1), PTR(2), PTR(3), PTR(4), a[5].i, PTR(6), a[7].i, PTR(8), PTR(9),
+                          (int)a[10].i);
+}
+
+static int slots_gated_ffn(const slot_t *a) {
+    return llmx_gated_ffn((int)a[0].i, PTR(1), PTR(2), PTR(3), PTR(4), a[5].i, PTR(6), a[7].i, (int)a[8].i, PTR(9),
+                          PTR(10), PTR(11), PTR(12), (int)a[13].i, PTR(14), PTR(15), PTR(16), (int)a[17].i);
+}
+
+static int slots_moe_swiglu(const slot_t *a) {
+    return llmx_moe_swiglu((int)a[0].i, PTR(1), a[2].i, (int)a[3].i, PTR(4), a[5].i, (int)a[6].i, PTR(7), a[8].i,
+                           a[9].i, a[10].i, a[11].i, PTR(12), a[13].i, a[14].i, PTR(15), PTR(16), PTR(17), PTR(18),
+                           (int)a[19].i);
+}
+
+static int slots_moe_route(const slot_t *a) {
+    return llmx_moe_route(PTR(0), a[1].i, a[2].i, PTR(3), a[4].i, a[5].i, (int)a[6].i, PTR(7), PTR(8), (int)a[9].i);
+}
+
+static int slots_dequantize_rows(const slot_t *a) {
+    return llmx_dequantize_rows((int)a[0].i, PTR(1), PTR(2), a[3].i, a[4].i, a[5].i, a[6].i, a[7].f, PTR(8),
+                                (int)a[9].i);
+}
+
+static int slots_decode_attention(const slot_t *a) {
+    return llmx_decode_attention(PTR(0), PTR(1), PTR(2), (int)a[3].i, (int)a[4].i, a[5].i, a[6].i, a[7].i, a[8].i,
+                                 PTR(9), (int)a[10].i);
+}
+
+static int slots_rope_store_attend(const slot_t *a) {
+    return llmx_rope_store_attend(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), a[5].i, (int)a[6].i, PTR(7), PTR(8),
+                                  (int)a[9].i, (int)a[10].i, a[11].i, a[12].i, a[13].i, a[14].i, a[15].i, a[16].i,
+                                  a[17].f, PTR(18), (int)a[19].i);
+}
+
+static int slots_paged_rope_store_attend(const slot_t *a) {
+    return llmx_paged_rope_store_attend(PTR(0), PTR(1), PTR(2), a[3].i, a[4].i, a[5].i, PTR(6), PTR(7), a[8].i,
+                                        (int)a[9].i, PTR(10), PTR(11), (int)a[12].i, (int)a[13].i, PTR(14), a[15].i,
+                                        a[16].i, PTR(17), a[18].i, a[19].i, a[20].i, a[21].i, a[22].i, a[23].f,
+                                        PTR(24), (int)a[25].i);
+}
+
+static int slots_rms_norm(const slot_t *a) {
+    llmx_rms_norm(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), PTR(5), a[6].i, a[7].i, a[8].f);
+    return 0;
+}
+
+#undef PTR
+
+typedef int (*slots_fn)(const slot_t *);
+
+static const struct {
+    const char *name;
+    slots_fn run;
+    int args;
+} SLOT_ENTRIES[] = {
+    {"llmx_gemv_many", slots_gemv_many, 11},
+    {"llmx_gated_ffn", slots_gated_ffn, 18},
+    {"llmx_moe_swiglu", slots_moe_swiglu, 20},
+    {"llmx_moe_route", slots_moe_route, 10},
+    {"llmx_dequantize_rows", slots_dequantize_rows, 10},
+    {"llmx_decode_attention", slots_decode_attention, 11},
+    {"llmx_rope_store_attend", slots_rope_store_attend, 20},
+    {"llmx_paged_rope_store_attend", slots_paged_rope_store_attend, 26},
+    {"llmx_rms_norm", slots_rms_norm, 9},
+};
+
+/* The replay's number for entry point `name` taking `args` arguments, or -1 where it has none. */
+int llmx_slots_entry(const char *name, int args) {
+    for (int e = 0; e < (int)(sizeof SLOT_ENTRIES / sizeof SLOT_ENTRIES[0]); e++)
+        if (strcmp(SLOT_ENTRIES[e].name, name) == 0) return SLOT_ENTRIES[e].args == args ? e : -1;
+    return -1;
+}
+
+/* n calls: call c runs entry entries[c] on the slots args[c], its slot threads_at[c] (where >= 0) set to
+ * `threads` first; the (call, slot, offset) triples `fields` set to position + offset before any runs.
+ * Returns 0, or c + 1 for the first call c that failed. */
+int llmx_replay(int64_t n, const int32_t *entries, slot_t *const *args, const int32_t *threads_at, int threads,
+                int64_t n_fields, const int64_t *fields, int64_t position) {
+    for (int64_t f = 0; f < n_fields; f++) args[fields[3 * f]][fields[3 * f + 1]].i = position + fields[3 * f + 2];
+    for (int64_t c = 0; c < n; c++) {
+        if (threads_at[c] >= 0) args[c][threads_at[c]].i = threads;
+        if (SLOT_ENTRIES[entries[c]].run(args[c]) != 0) return (int)(c + 1);
+    }
+    return 0;
+}

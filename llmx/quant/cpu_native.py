@@ -113,6 +113,10 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
     lib.llmx_gated_ffn.restype = lib.llmx_moe_swiglu.restype = lib.llmx_moe_route.restype = i32
     lib.llmx_pin_threads.restype = i32
+    lib.llmx_slots_entry.argtypes = [ctypes.c_char_p, i32]
+    lib.llmx_slots_entry.restype = i32
+    lib.llmx_replay.argtypes = [i64, ptr, ptr, ptr, i32, i64, ptr, i64]
+    lib.llmx_replay.restype = i32
     return lib
 
 
@@ -231,6 +235,68 @@ class Recording:
         offset = value - self.position
         self.fields.append((len(self.calls) - 1, arg, offset))
         self.last_position = min(self.last_position, bound - offset)
+
+
+class _Slot(ctypes.Union):
+    """One argument of a recorded call as `llmx_replay` reads it (cpu_blocks.c's slot_t)."""
+
+    _fields_ = (("i", ctypes.c_int64), ("f", ctypes.c_float))
+
+
+def _slot(value: object, argtype: type) -> _Slot:
+    """`value` as the entry point takes it under `argtype`: a float, or an integer or address (None,
+    an int, a ctypes array the recording keeps alive)."""
+    if argtype is ctypes.c_float:
+        return _Slot(f=float(value))  # type: ignore[arg-type]
+    if value is None or isinstance(value, int):
+        return _Slot(i=value or 0)
+    return _Slot(i=ctypes.addressof(value))  # type: ignore[arg-type]
+
+
+def _slots_entry(lib: ctypes.CDLL, entry: Callable[..., int | None], args: tuple) -> int:
+    return lib.llmx_slots_entry(entry.__name__.encode(), len(args))
+
+
+def unreplayable(recorded: Recording) -> str | None:
+    """The first entry point among `recorded`'s calls that a `Program` cannot make, or None."""
+    lib = _library()
+    assert lib is not None
+    missing = (entry.__name__ for entry, args, _ in recorded.calls if _slots_entry(lib, entry, args) < 0)
+    return next(missing, None)
+
+
+class Program:
+    """A recording's calls made again in one native call (`llmx_replay`): each call's arguments held
+    as slots, its thread count and the recording's position fields set there before it runs. Made
+    from Python, each of a step's ~180 calls cost ~1 us converting its arguments."""
+
+    def __init__(self, recorded: Recording) -> None:
+        lib = _library()
+        assert lib is not None
+        self._lib, self.recorded = lib, recorded  # the recording keeps what the slots point into
+        calls = recorded.calls
+        self._names = [entry.__name__ for entry, _, _ in calls]
+        self._slots = [
+            (_Slot * len(args))(*(_slot(a, t) for a, t in zip(args, entry.argtypes, strict=True)))
+            for entry, args, _ in calls
+        ]
+        entries = [_slots_entry(lib, entry, args) for entry, args, _ in calls]
+        assert min(entries, default=0) >= 0, "an entry point llmx_replay cannot make (see `unreplayable`)"
+        n = len(calls)
+        self._entries = (ctypes.c_int32 * n)(*entries)
+        self._args = (ctypes.c_void_p * n)(*(ctypes.addressof(s) for s in self._slots))
+        self._threads_at = (ctypes.c_int32 * n)(*(len(args) - 1 if last else -1 for _, args, last in calls))
+        fields = [v for field in recorded.fields for v in field]
+        self._fields = (ctypes.c_int64 * max(len(fields), 1))(*fields)
+
+    def __call__(self, position: int) -> None:
+        """The calls again, at `position` (the step's; its fields moved with it), on `threads()`."""
+        failed = self._lib.llmx_replay(
+            len(self._slots), self._entries, self._args, self._threads_at, _threads(self._lib),
+            len(self.recorded.fields), self._fields, position,
+        )  # fmt: skip
+        if failed:
+            raise RuntimeError(f"{self._names[failed - 1]} failed in a replayed step at position {position}")
 
 
 recording: Recording | None = None  # where `_issue` keeps the calls it makes, when set

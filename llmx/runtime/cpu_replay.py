@@ -7,10 +7,10 @@ Between two steps only a few values change: the token, the attention calls' posi
 written and the rows read, in a sliding-window layer's ring and window too) and the RoPE angles. So
 the first such step of an executor is recorded (`cpu_native.Recording`: each call with its arguments,
 the tensors behind its pointers kept alive) and each later one is replayed: the token written into
-the recorded ids, the angles copied into the recorded tables, then the calls made in order with the
-attention calls' position fields moved to the step's. The calls are deterministic at a given thread
-count, so a replayed step's logits are the eager step's, bit for bit; the thread count is read again
-at each replay.
+the recorded ids, the angles copied into the recorded tables, then the calls made in order, in one
+native call (`cpu_native.Program`), with the attention calls' position fields moved to the step's.
+The calls are deterministic at a given thread count, so a replayed step's logits are the eager
+step's, bit for bit; the thread count is read again at each replay.
 
 A recording holds only if nothing but the native calls computed anything: a torch op between two calls
 (the sigmoid gate of a Qwen2-MoE shared expert kept in float16, which the native call does not take)
@@ -123,7 +123,8 @@ def _unusable(recording: cpu_native.Recording, ids: torch.Tensor, logits: torch.
         return "the step's embedding is no native call"
     if logits.data_ptr() not in pointers or not logits.is_contiguous():
         return "the step's logits are no native call's output"
-    return None
+    missing = cpu_native.unreplayable(recording)
+    return None if missing is None else f"the replay cannot make {missing} calls"
 
 
 class _Replay:
@@ -136,19 +137,7 @@ class _Replay:
     ) -> None:
         self.recording, self.ids, self.tables, self.logits = recording, ids, tables, logits
         self._token = ctypes.c_int64.from_address(ids.data_ptr())
-        self._patches: dict[int, list[tuple[int, int]]] = {}
-        for call, arg, offset in recording.fields:
-            self._patches.setdefault(call, []).append((arg, offset))
-        self._calls: dict[int, list] = {}  # by thread count: (entry, args, position fields or None)
-
-    def _calls_for(self, threads: int) -> list:
-        calls = self._calls.get(threads)
-        if calls is None:
-            calls = self._calls[threads] = [
-                (entry, (*args[:-1], threads) if takes_threads else args, self._patches.get(i))
-                for i, (entry, args, takes_threads) in enumerate(self.recording.calls)
-            ]
-        return calls
+        self._program = cpu_native.Program(recording)
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
         self._token.value = token
@@ -157,13 +146,7 @@ class _Replay:
             new_cos, new_sin = rope.tables(positions, position + 1)
             cos.copy_(new_cos)
             sin.copy_(new_sin)
-        for entry, args, fields in self._calls_for(cpu_native.threads()):
-            if fields is not None:
-                args = list(args)
-                for arg, offset in fields:
-                    args[arg] = position + offset
-            if entry(*args):
-                raise RuntimeError(f"{entry.__name__} failed in a replayed step at position {position}")
+        self._program(position)
         return self.logits
 
 
@@ -251,7 +234,7 @@ class _BatchReplay:
         logits: torch.Tensor,
     ) -> None:
         self.inputs, self.angles, self.logits = inputs, angles, logits
-        self._calls = _Replay(recording, inputs[0], angles, logits)  # its calls by thread count
+        self._program = cpu_native.Program(recording)
         self.storages = {  # the memory its calls point into, by address: bytes
             t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for t in recording.kept
@@ -265,7 +248,5 @@ class _BatchReplay:
             new_cos, new_sin = step.rope(rope)
             cos.copy_(new_cos)
             sin.copy_(new_sin)
-        for entry, args, _ in self._calls._calls_for(cpu_native.threads()):
-            if entry(*args):
-                raise RuntimeError(f"{entry.__name__} failed in a replayed batched step")
+        self._program(0)  # its calls' positions are in the recorded tensors, written above
         return self.logits
