@@ -221,6 +221,8 @@ class CpuBatchReplay:
         """The bytes only one recording holds (its step's buffers), summed over the recordings: what
         dropping them would free. The weights and the cache's pools, which every recording holds, do
         not count (nor anything with a single recording, which has nothing to be set against)."""
+        if len(self._replays) < 2:
+            return 0
         holders = Counter(ptr for r in self._replays.values() for ptr in r.storages)
         return sum(n for r in self._replays.values() for ptr, n in r.storages.items() if holders[ptr] == 1)
 
