@@ -145,6 +145,7 @@ def test_the_server_steps_are_the_run_s_difference_of_its_metrics():
     }  # fmt: skip
     assert step_split(_metrics(10, 2, 1.0), _metrics(10, 2, 1.0), 0) is None  # no batched step ran
     assert step_split("other_total 1\n", "other_total 2\n", 5) is None  # another server's metrics
+    assert step_split('{"error": 1}', '{"error": 2}', 5) is None  # no metrics at all
 
 
 # --- against a real server ---

@@ -77,14 +77,11 @@ class Client:
         return listed["data"][0]["id"]
 
     async def metrics(self) -> str | None:
-        """The server's /metrics text, or None where it has none (a 404: llama-server without
-        --metrics)."""
+        """The server's /metrics text, or None where it gives none (an error status: llama-server
+        without --metrics answers 501)."""
         with self._answers("/metrics"):
             response = await self.http.get("/metrics")
-            if response.status_code == 404:
-                return None
-            response.raise_for_status()
-            return response.text
+            return None if response.is_error else response.text
 
     async def count_tokens(self, text: str, add_special: bool) -> int:
         """How many tokens the server's tokenizer makes of `text`; `add_special`: with the BOS/EOS it

@@ -15,11 +15,14 @@ STEPS, PROMPT_STEPS, SECONDS = "llmx_batch_steps", "llmx_batch_prompt_steps", "l
 def _counters(text: str) -> dict[tuple[str, str], float]:
     """Every `_total` sample of the three step counters, by (family, its `part` label or "")."""
     out = {}
-    for family in text_string_to_metric_families(text):  # typed counters, or untyped `_total` lines
-        for sample in family.samples:
-            name = sample.name.removesuffix("_total")
-            if sample.name.endswith("_total") and name in (STEPS, PROMPT_STEPS, SECONDS):
-                out[name, sample.labels.get("part", "")] = sample.value
+    try:
+        for family in text_string_to_metric_families(text):  # typed counters, or untyped `_total` lines
+            for sample in family.samples:
+                name = sample.name.removesuffix("_total")
+                if sample.name.endswith("_total") and name in (STEPS, PROMPT_STEPS, SECONDS):
+                    out[name, sample.labels.get("part", "")] = sample.value
+    except ValueError:  # not Prometheus' text format: no such counters
+        return {}
     return out
 
 
