@@ -1078,13 +1078,20 @@ static int64_t pass_rows(matrix_t *mats, int64_t count) {
     return total;
 }
 
-/* Rows go out in chunks, about CHUNKS_A_THREAD a thread, to whichever thread is free: a VM's threads
+/* Rows go out in chunks, up to CHUNKS_A_THREAD a thread, to whichever thread is free: a VM's threads
  * start late and run at uneven speeds, and with fixed shares the slowest decides. On the 16-core H200
  * host a Llama-3-8B decode's matmuls streamed 57.4 GB/s at 1 chunk a thread, 66.2 at 4, 67.9 at 8,
- * 71.3 at 16 (4 alternating rounds each); 2 threads here: no difference. */
-static int64_t chunk_of(int64_t total, int threads) {
-    const int64_t share = total / (CHUNKS_A_THREAD * threads);
-    return share > 16 ? share : 16;
+ * 71.3 at 16 (4 alternating rounds each). But each chunk a thread takes starts a stream of its own, whose
+ * first lines wait for RAM before its prefetches run ahead, so a chunk holds at least MIN_CHUNK_BYTES of
+ * the pass's first matrix (`mats`), as many a thread as that leaves. */
+#ifndef MIN_CHUNK_BYTES
+#define MIN_CHUNK_BYTES (64 << 10)
+#endif
+static int64_t chunk_of(const matrix_t *mats, int64_t total, int threads) {
+    int64_t per_thread = total * mats[0].row_bytes / ((int64_t)threads * MIN_CHUNK_BYTES);
+    per_thread = per_thread < 1 ? 1 : per_thread > CHUNKS_A_THREAD ? CHUNKS_A_THREAD : per_thread;
+    const int64_t rows = (total + per_thread * threads - 1) / (per_thread * threads);
+    return rows > 16 ? rows : 16;
 }
 
 /* Inside a parallel region: every row of the pass's matrices times its x rows, each row read once
@@ -1130,7 +1137,7 @@ int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const 
                                     mats[j].y_stride = total;
     qx_rows_t qx;
     if (!qx_alloc(&qx, m, k)) return -1;
-    const int64_t chunk = chunk_of(total, threads);
+    const int64_t chunk = chunk_of(mats, total, threads);
 #pragma omp parallel num_threads(threads)
     {
         qx_fill(&qx, x, m);
@@ -1245,7 +1252,7 @@ static int experts_ffn(const experts_t *gate, const experts_t *up, const experts
     }
     if (ok) {
         const int64_t rows_gu = pass_rows(gate_up, 2 * used), rows_down = pass_rows(downs, used);
-        const int64_t chunk_gu = chunk_of(rows_gu, threads), chunk_down = chunk_of(rows_down, threads);
+        const int64_t chunk_gu = chunk_of(gate_up, rows_gu, threads), chunk_down = chunk_of(downs, rows_down, threads);
         const int64_t groups = f / 32;
         /* x on this thread (microseconds, ~0.1% of a prompt's call) and the sums below without a
          * barrier of their own: on a machine shared with other work every barrier waits for a
