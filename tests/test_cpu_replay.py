@@ -12,7 +12,7 @@ from references import GREEDY
 from tiny_models import random_prompt, write_tiny
 
 import llmx
-from llmx.quant import cpu_native
+from llmx.quant import cpu_native, qtype
 from llmx.runtime import cpu_replay
 from llmx.runtime.batch import Chunk, forward_batch
 from llmx.runtime.blocks import BlockTable
@@ -122,6 +122,40 @@ def test_a_recording_keeps_only_its_own_thread_s_calls() -> None:
         assert [entry.__name__ for entry, _, _ in recording.calls] == ["llmx_rms_norm"]
     finally:
         cpu_native.recording = None
+
+
+def _recorded(run) -> cpu_native.Recording:
+    """The native calls `run()` makes, recorded."""
+    recording = cpu_native.Recording(0)
+    cpu_native.recording = recording
+    try:
+        run()
+    finally:
+        cpu_native.recording = None
+    return recording
+
+
+def test_a_program_makes_the_recorded_calls_again_and_names_one_that_fails() -> None:
+    """`cpu_native.Program` makes a recording's calls again in one native call (a norm reads its
+    weight's memory anew); a call that fails is named with the step's position; a recording with an
+    entry point it cannot make (the sampler's top-k) is told apart before any Program is made."""
+    x, w = torch.ones(1, 64), torch.ones(64)
+    recording = _recorded(lambda: cpu_native.rms_norm(x, w, 1e-6))
+    out = recording.kept[-1]  # the norm's output buffer
+    w.fill_(2.0)
+    cpu_native.Program(recording)(0)
+    assert torch.equal(out, cpu_native.rms_norm(x, w, 1e-6)[1])
+
+    gemv = cpu_native.Gemv([(torch.zeros(16, 34, dtype=torch.uint8), qtype("Q8_0"))])
+    broken = _recorded(lambda: gemv(torch.ones(1, 32)))
+    entry, args, threads = broken.calls[0]
+    broken.calls[0] = (entry, (*args[:7], 0, *args[8:]), threads)  # no rows of x: the call refuses
+    assert cpu_native.unreplayable(broken) is None
+    with pytest.raises(RuntimeError, match="llmx_gemv_many failed in a replayed step at position 5"):
+        cpu_native.Program(broken)(5)
+
+    sampler = _recorded(lambda: cpu_native.top_k(torch.randn(100), 4))
+    assert cpu_native.unreplayable(sampler) == "llmx_top_k"
 
 
 # --- batched decode steps over a paged cache ---------------------------------------------------------
