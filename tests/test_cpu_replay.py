@@ -111,27 +111,20 @@ def test_a_step_with_a_torch_op_runs_eagerly(tmp_path) -> None:
 def test_a_recording_keeps_only_its_own_thread_s_calls() -> None:
     """A native call another thread makes meanwhile (a server's sampler) is no part of the step."""
     x, w = torch.ones(1, 64), torch.ones(64)
-    recording = cpu_native.Recording(0)
-    cpu_native.recording = recording
-    try:
+    with cpu_native.recording_calls(0) as recording:
         other = threading.Thread(target=lambda: cpu_native.rms_norm(x, w, 1e-6))
         other.start()
         other.join()
         assert recording.calls == []
         cpu_native.rms_norm(x, w, 1e-6)
         assert [entry.__name__ for entry, _, _ in recording.calls] == ["llmx_rms_norm"]
-    finally:
-        cpu_native.recording = None
+    assert cpu_native.recording is None
 
 
 def _recorded(run) -> cpu_native.Recording:
     """The native calls `run()` makes, recorded."""
-    recording = cpu_native.Recording(0)
-    cpu_native.recording = recording
-    try:
+    with cpu_native.recording_calls(0) as recording:
         run()
-    finally:
-        cpu_native.recording = None
     return recording
 
 

@@ -20,6 +20,7 @@ Without a C compiler, or with LLMX_CPU_GEMV=eager, `available` is False and thes
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -31,7 +32,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -300,6 +301,18 @@ class Program:
 
 
 recording: Recording | None = None  # where `_issue` keeps the calls it makes, when set
+
+
+@contextlib.contextmanager
+def recording_calls(position: int) -> Iterator[Recording]:
+    """The native calls this thread makes inside, kept in a `Recording` (positions as offsets from
+    `position`)."""
+    global recording
+    recording = Recording(position)
+    try:
+        yield recording
+    finally:
+        recording = None
 
 
 def _issue(

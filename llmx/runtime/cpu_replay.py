@@ -107,12 +107,8 @@ def _recorded(
     recording, the RoPE angles it reads (made first: the step's inputs), its logits, and why it
     cannot be replayed (None: it can)."""
     angles = [(rope, *step.rope(rope)) for rope in ropes]
-    recording = cpu_native.Recording(position)
-    cpu_native.recording = recording
-    try:
+    with cpu_native.recording_calls(position) as recording:
         logits = run()
-    finally:
-        cpu_native.recording = None
     return recording, angles, logits, _unusable(recording, ids, logits)
 
 
@@ -135,7 +131,7 @@ class _Replay:
         tables: list[tuple[Rope, torch.Tensor, torch.Tensor]],
         logits: torch.Tensor,
     ) -> None:
-        self.recording, self.ids, self.tables, self.logits = recording, ids, tables, logits
+        self.ids, self.tables, self.logits = ids, tables, logits  # ids: the token's slot, below
         self._token = ctypes.c_int64.from_address(ids.data_ptr())
         self._program = cpu_native.Program(recording)
 
