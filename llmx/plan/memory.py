@@ -19,7 +19,6 @@ from llmx.quant import qtype
 CTX_PAD = 256
 F32 = 4
 F16 = 2
-FLOAT_CACHES = ("F32", "F16", "BF16")  # cache types stored as floats, not GGUF blocks
 MiB = 2**20
 # What the runtime allocates (llmx.quant.choice, llmx.quant.triton.matmul, llmx.quant.weight):
 GPU_DEQUANT_MIN_M = 16  # from this many rows a GPU matmul dequantizes the weight for cuBLAS ...
@@ -91,7 +90,7 @@ def compute_bytes(
         total += 4 * ub * model.config.n_embd * F32  # residual stream, normed input, op output, sum
         flash = opts.flash_attn != "off"  # -fa off: every device attends over stored scores
         max_scores = opts.attn_max_batch * MiB if opts.flash_attn == "off" else 0  # -amb: -fa off's cap
-        blocks = any(qtype(t).name not in FLOAT_CACHES for t in (opts.cache_type_k, opts.cache_type_v))
+        blocks = not all(qtype(t).is_float for t in (opts.cache_type_k, opts.cache_type_v))
         attn = _attention_bytes(model, ub, ctx, flash, gpu, max_scores, blocks) if attention else 0
         total += max(attn, 2 * ub * _ffn_width(model) * F32 if ffn else 0)  # gate and up (silu in place)
         total += _matmul_bytes(model, ub, gpu)
