@@ -12,7 +12,7 @@ import pytest
 from llmx.errors import LlmxError
 from llmx.plan import ModelSpec, Options, get_shape, parse_devices, place, plan
 from llmx.plan.devices import GiB, parse_size
-from llmx.plan.memory import compute_bytes, kv_layer_bytes, kv_rows, stream_bytes
+from llmx.plan.memory import compute_bytes, context_length, kv_layer_bytes, kv_rows, stream_bytes
 
 SEED_MACHINE = "cuda0=16GiB,cuda1=8GiB,cpu=64GiB"
 # The seed's RTX 4080 also drives the display: 2.5 GiB of it is in use before llmx starts.
@@ -326,6 +326,20 @@ def test_prompt_attention_stores_no_scores_but_fa_off_does():
         compute_bytes(m, off, attention=True, ffn=False, output=False, inp=False, gpu=True)
         > 512 * 32768 * 32 * 13
     )
+
+
+def test_a_gpu_prompt_over_a_block_cache_plans_its_f16_copy():
+    """A GPU prompt converts a block cache's rows into f16 before the flash kernel reads them
+    (`prefill_attention.DEQUANTIZE_FIRST_TILES`): K and V of every position in f16, on the GPU only."""
+    m, opts = model("llama3-8b"), Options(ctx_size=32768)
+
+    def attn(gpu: bool, cache_type: str) -> int:
+        o = opts.replace(cache_type_k=cache_type, cache_type_v=cache_type)
+        return compute_bytes(m, o, attention=True, ffn=False, output=False, inp=False, gpu=gpu)
+
+    ctx = context_length(m, opts)
+    assert attn(True, "q8_0") - attn(True, "f16") == ctx * 8 * (128 + 128) * 2
+    assert attn(False, "q8_0") == attn(False, "f16")
 
 
 def test_op_offload_buffers_are_reserved_on_the_first_gpu_or_planned_off():
