@@ -41,8 +41,11 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # Query tiles of a KV head from which a GPU prompt converts a block cache's rows first (a float copy of
 # the rows read: 2 bytes a value on top of the cache, planned in `plan.memory`): one conversion pass
 # costs about a read and a write of the rows, where each tile's own conversion made a q8_0 cache's
-# tile of 512 queries over 32K rows take twice an f16 cache's time (an H100: 1.6 against 0.82 ms).
-DEQUANTIZE_FIRST_TILES = 4
+# tile of 512 queries over 32K rows take twice an f16 cache's time. An H100 (bench/prefill_attention.py
+# --first off|on, 32 heads on 8, q8_0 over 32K rows, tiles of 128 query rows): 512 queries (16 tiles
+# a KV head) 1.49 -> 0.74 ms (f16: 0.67), 64 queries (2 tiles) 1.54 -> 0.73. One tile converts each
+# key tile once either way, and the copy would add its write and read.
+DEQUANTIZE_FIRST_TILES = 2
 
 
 def prefill_attention(
