@@ -128,13 +128,19 @@ def test_the_verdict_lists_every_mismatch_and_counts_near_ties_apart():
     assert verdict(result) == ["check: all 3 responses equal their prompt served alone (2 prompts)"]
 
 
-def _metrics(steps: float, prompt_steps: float, forward: float) -> str:
-    return (
+def _metrics(steps: float, prompt_steps: float, forward: float, prompt_forward: float | None = None) -> str:
+    text = (
         "# TYPE llmx_batch_steps counter\n"
         f"llmx_batch_steps_total {steps}\nllmx_batch_prompt_steps_total {prompt_steps}\n"
         f'llmx_batch_step_seconds_total{{part="forward"}} {forward}\n'
         f'llmx_batch_step_seconds_total{{part="wait"}} 0.5\n'
     )
+    if prompt_forward is not None:  # a server that counts its prompt steps' time apart
+        text += (
+            f'llmx_batch_prompt_step_seconds_total{{part="forward"}} {prompt_forward}\n'
+            'llmx_batch_prompt_step_seconds_total{part="wait"} 0.25\n'
+        )
+    return text
 
 
 def test_the_server_steps_are_the_run_s_difference_of_its_metrics():
@@ -143,6 +149,14 @@ def test_the_server_steps_are_the_run_s_difference_of_its_metrics():
         "steps": 20, "prompt_steps": 3, "output_tokens_per_step": 4.0,
         "ms_per_step": {"forward": 100.0, "wait": 0.0},
     }  # fmt: skip
+    # 20 steps, 3 with a prompt chunk: 1.5 of the 2 s of forward in those 3, 0.5 in the 17 others
+    split = step_split(_metrics(10, 2, 1.0, 0.5), _metrics(30, 5, 3.0, 2.0), output_tokens=80)
+    assert split["ms_per_step_by_kind"] == {
+        "decode": {"forward": pytest.approx(500 / 17), "wait": 0.0},
+        "prompt": {"forward": 500.0, "wait": 0.0},
+    }
+    only_decode = step_split(_metrics(10, 2, 1.0, 0.5), _metrics(30, 2, 3.0, 0.5), output_tokens=80)
+    assert only_decode["ms_per_step_by_kind"] == {"decode": {"forward": 100.0, "wait": 0.0}}
     assert step_split(_metrics(10, 2, 1.0), _metrics(10, 2, 1.0), 0) is None  # no batched step ran
     assert step_split("other_total 1\n", "other_total 2\n", 5) is None  # another server's metrics
     assert step_split('{"error": 1}', '{"error": 2}', 5) is None  # no metrics at all
@@ -177,6 +191,11 @@ def test_a_small_run_measures_every_request_and_passes_its_check(server, capsys)
     assert steps["output_tokens_per_step"] == s["output_tokens"] / steps["steps"]
     assert set(steps["ms_per_step"]) == {"plan", "forward", "sample", "wait", "text", "hand_over"}
     assert all(ms >= 0 for ms in steps["ms_per_step"].values()) and steps["ms_per_step"]["forward"] > 0
+    kinds = steps["ms_per_step_by_kind"]  # the prompt steps' time apart from the decode-only steps'
+    counts = {"decode": steps["steps"] - steps["prompt_steps"], "prompt": steps["prompt_steps"]}
+    assert set(kinds) == {kind for kind, n in counts.items() if n > 0}
+    forward = sum(kinds[kind]["forward"] * counts[kind] for kind in kinds)
+    assert forward == pytest.approx(steps["ms_per_step"]["forward"] * steps["steps"])
     assert "check: all 6 responses equal" in err
     assert headline(result).endswith("arriving 50.0 a second (Poisson); 16 prompt tokens, up to 8 out")
 

@@ -156,6 +156,10 @@ def test_metrics_split_the_batched_steps_time(server, client):
     parts = dict(re.findall(r'^llmx_batch_step_seconds_total\{part="(\w+)"\} (\S+)$', text, re.M))
     assert set(parts) == {"plan", "forward", "sample", "wait", "text", "hand_over"}
     assert float(parts["forward"]) > 0 and all(float(v) >= 0 for v in parts.values())
+    prompt = dict(re.findall(r'^llmx_batch_prompt_step_seconds_total\{part="(\w+)"\} (\S+)$', text, re.M))
+    assert set(prompt) == set(parts)  # the steps with a prompt chunk: part of the whole
+    assert 0 < float(prompt["forward"]) < float(parts["forward"])
+    assert all(0 <= float(prompt[p]) <= float(parts[p]) for p in parts)
 
 
 def test_a_requests_choices_run_as_parallel_sequences(client):

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
+KIND_COLUMNS = {"decode": "decode-only steps", "prompt": "steps with a prompt chunk"}
 LATENCIES = {
     "ttft_ms": "time to first token",
     "tpot_ms": "time per output token",
@@ -52,14 +53,21 @@ def tables(result: dict[str, Any]) -> list[Table]:
 
 
 def _steps_table(steps: dict[str, Any]) -> Table:
-    """The server's batched steps over the load run, from its /metrics."""
+    """The server's batched steps over the load run, from its /metrics: ms a step by part over all
+    of them, and apart for the decode-only steps and those with a prompt chunk where it counts them."""
+    kinds = steps.get("ms_per_step_by_kind", {})
     table = Table()
     table.add_column("server's batched steps (/metrics)")
-    table.add_column("value", justify="right")
-    table.add_row("steps (with a prompt chunk)", f"{steps['steps']} ({steps['prompt_steps']})")
-    table.add_row("output tokens a step", f"{steps['output_tokens_per_step']:.1f}")
+    table.add_column("all", justify="right")
+    for kind in kinds:
+        table.add_column(KIND_COLUMNS[kind], justify="right")
+    blank = [""] * len(kinds)
+    table.add_row("steps (with a prompt chunk)", f"{steps['steps']} ({steps['prompt_steps']})", *blank)
+    table.add_row("output tokens a step", f"{steps['output_tokens_per_step']:.1f}", *blank)
     for part, ms in steps["ms_per_step"].items():
-        table.add_row(f"ms a step: {part}", f"{ms:.2f}")
+        table.add_row(
+            f"ms a step: {part}", f"{ms:.2f}", *(f"{by_part[part]:.2f}" for by_part in kinds.values())
+        )
     return table
 
 

@@ -45,6 +45,13 @@ class Metrics:
         self.batch_step_seconds = Counter(
             "llmx_batch_step_seconds", "Batched steps' time, by part", ["part"], registry=registry
         )
+        # the same for the steps that carried a prompt chunk alone: decode-only steps are the rest
+        self.prompt_step_seconds = Counter(
+            "llmx_batch_prompt_step_seconds",
+            "Time of the batched steps that carried a prompt chunk, by part",
+            ["part"],
+            registry=registry,
+        )
         self.running = Gauge("llmx_requests_processing", "Requests being generated for", registry=registry)
         self.queued = Gauge("llmx_requests_deferred", "Requests waiting for the engine", registry=registry)
 

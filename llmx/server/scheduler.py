@@ -172,6 +172,8 @@ class Batcher(Worker):
         }  # fmt: skip
         for part, spent in parts.items():
             self.metrics.batch_step_seconds.labels(part).inc(spent)
+            if any(prompts):
+                self.metrics.prompt_step_seconds.labels(part).inc(spent)
         self.metrics.batch_steps.inc()
         if any(prompts):
             self.metrics.prompt_steps.inc()
