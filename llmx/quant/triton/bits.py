@@ -120,3 +120,19 @@ def block_parts(
         body = row_off + blk * BYTES
         fields = body + BODY
     return body, fields
+
+
+@triton.jit
+def half_f32(word, high: tl.constexpr):
+    """The fp16 in the low (or high) half of int32 `word`, as float32."""
+    bits = (word >> 16) if high else word
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def lane(v, i):
+    """[R, W] int32 words -> [R, W/4]: word i of each quad of consecutive words (a quad loaded as one
+    16-byte vector sits in one thread: no data moves); i a constant or a [1, W/4, 1] tensor, one
+    lane a quad."""
+    quads = tl.reshape(v, [v.shape[0], v.shape[1] // 4, 4])
+    return tl.sum(tl.where(tl.arange(0, 4)[None, None, :] == i, quads, 0), 2)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from llmx.quant.triton.bits import code_f32, int_f32
+from llmx.quant.triton.bits import code_f32, half_f32, int_f32, lane
 from llmx.quant.triton.kquants import paired_scale_min
 
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
@@ -171,14 +171,6 @@ def _quads(v):
 
 
 @triton.jit
-def _lane(v, i):
-    """[BN, W] -> [BN, W/4]: word i of each quad (within a thread); i a constant or a [1, W/4, 1]
-    tensor, one lane a quad."""
-    quads = tl.reshape(v, [v.shape[0], v.shape[1] // 4, 4])
-    return tl.sum(tl.where(tl.arange(0, 4)[None, None, :] == i, quads, 0), 2)
-
-
-@triton.jit
 def _load(ptr, blk, n_units, EVEN: tl.constexpr):
     """*ptr, 0 where block `blk` (broadcast to ptr's shape) is past the row's n_units. EVEN (every
     step's blocks whole) loads with no mask: a masked load costs a predicate and a zero fill of its
@@ -190,13 +182,6 @@ def _load(ptr, blk, n_units, EVEN: tl.constexpr):
 def _words(ptr, word, blk, n_units, EVEN: tl.constexpr):
     """The 32-bit words at word offsets `word` of a weight's rows or of x's codes (`_load`)."""
     return _load(ptr.to(tl.pointer_type(tl.int32)) + word, blk, n_units, EVEN)
-
-
-@triton.jit
-def _half(word, high: tl.constexpr):
-    """The fp16 in the low (or high) half of int32 `word`, as float32."""
-    bits = (word >> 16) if high else word
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -270,8 +255,8 @@ def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM: tl.constexpr, EV
     pair = (q % 8) // 2
     # The pair's low scale bits: header bytes 4 + 2 pair, 5 + 2 pair (word 1 or 2); its top bits:
     # byte 12 + pair (word 3), see layout.prepare_q4_k_scales.
-    lows = tl.where((pair < 2)[None, :], _lane(hdr, 1), _lane(hdr, 2)) >> (16 * (pair % 2))[None, :]
-    highs = (_lane(hdr, 3) >> (8 * pair)[None, :]) << 4
+    lows = tl.where((pair < 2)[None, :], lane(hdr, 1), lane(hdr, 2)) >> (16 * (pair % 2))[None, :]
+    highs = (lane(hdr, 3) >> (8 * pair)[None, :]) << 4
     sc_lo, mn_lo = paired_scale_min(lows, highs, 0)
     sc_hi, mn_hi = paired_scale_min(lows, highs, 1)
     grp = blk * 8 + 2 * pair  # 32-group of the low sub-block in the row
@@ -281,8 +266,8 @@ def _q4_k(codes, hdr, xq_ptr, dx_ptr, xs_ptr, u0, n_units, ASM: tl.constexpr, EV
     xs_hi = _load(xs_ptr + 2 * grp + 2 + q % 2, blk, n_units, EVEN)[None, :]
     scaled = dx_lo * int_f32(sc_lo * s_lo) + dx_hi * int_f32(sc_hi * s_hi)  # |sc * s| <= 63*16*15*127 < 2**22
     mins = code_f32(mn_lo, 0) * xs_lo + code_f32(mn_hi, 0) * xs_hi
-    hdr0 = _lane(hdr, 0)
-    return _half(hdr0, False) * scaled - _half(hdr0, True) * mins
+    hdr0 = lane(hdr, 0)
+    return half_f32(hdr0, False) * scaled - half_f32(hdr0, True) * mins
 
 
 @triton.jit
@@ -327,7 +312,7 @@ def _q6_k(
     q = tl.arange(0, Q)
     blk = u0 + q // 4
     h = ((q % 4) // 2)[None, :, None]
-    words = (_lane(scales, 2 * h), _lane(scales, 2 * h + 1))
+    words = (lane(scales, 2 * h), lane(scales, 2 * h + 1))
     thirty_two = tl.full([1, 4 * Q], 0x20202020, tl.int32)
     acc = tl.zeros([qh.shape[0], Q], tl.float32)
     for kq in tl.static_range(4):
