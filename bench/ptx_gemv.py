@@ -16,6 +16,13 @@ needed).
 
 `--rows BM` compiles the several-row form (`dot8_rows.gemv8_rows_kernel`) at BM rows of x a program
 instead: its loop holds BM rows' x and reduces each row's sums every step (its shuffles and barriers).
+
+    python bench/ptx_gemv.py --mmq 16,32,64 [--types ...] [--tile BM/BN/BK/warps/stages]
+
+`--mmq` compiles the integer tensor-core GEMM (`mmq.mmq_kernel`) instead, at each of these BM rows of
+x a program (at most the tile's BM), at the type's tile for sm_90 (`launch_shapes.json`) or `--tile`:
+its registers, the local-memory instructions of spilled ones, the tensor-core instructions (wgmma or
+mma) and the machine instructions of its loop over K.
 """
 
 from __future__ import annotations
@@ -32,9 +39,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from llmx.quant import choice, qtype
-from llmx.quant.triton import dot8, dot8_rows
+from llmx.quant.triton import dot8, dot8_rows, mmq, tuning
 from llmx.quant.triton import matmul as tops
-from llmx.quant.triton.tuning import LaunchShape
+from llmx.quant.triton.tuning import GemmConfig, LaunchShape
 
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
 WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
@@ -42,6 +49,7 @@ CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS"
 CONSTANTS += ("STAGGER", "SCATTER4")
 ROWS_CONSTANTS = ("QT", "UNIT", "BN", "BU", "BM", "BMP", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES")
 ROWS_CONSTANTS += ("LATE",)
+MMQ_CONSTANTS = ("QT", "BM", "BN", "SU", "NW", "RES")
 
 
 def compiled(name: str, cfg: LaunchShape, rows: int = 0) -> dict[str, str | bytes]:
@@ -50,10 +58,7 @@ def compiled(name: str, cfg: LaunchShape, rows: int = 0) -> dict[str, str | byte
     the several-row kernel's M and chunks) a multiple of 16 (as Triton specializes them for
     Llama-shaped matrices)."""
     unit = qtype(name).block_elems
-    signature = dict(POINTERS)
-    for j in range(tops.DOT8_MAX_WEIGHTS):
-        signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
-    signature["r_ptr"] = "*bf16"
+    signature = weights_signature()
     bu = max(1, cfg.bk // unit)
     if rows:
         fn, names = dot8_rows.gemv8_rows_kernel, ROWS_CONSTANTS
@@ -66,17 +71,45 @@ def compiled(name: str, cfg: LaunchShape, rows: int = 0) -> dict[str, str | byte
         values = (name, unit, tops.DOT8_QUADS[name], cfg.bn, bu, 1, True, True, 4, False, False)
         # compiled without PDL: stagger changes nothing
         values += (cfg.late_headers, cfg.stagger, tops.scatter_end(name, cfg))
-    signature |= dict.fromkeys(names, "constexpr")
     # a row's count of 16-byte units need not be a multiple of 16 (Q6_K's 4096-weight rows: 210)
-    free = ("row_units", "M", "chunks")
+    options = {"num_warps": cfg.num_warps, "maxnreg": cfg.max_registers}
+    return compile_for_hopper(
+        fn, signature, dict(zip(names, values, strict=True)), ("row_units", "M", "chunks"), options
+    )
+
+
+def compiled_mmq(name: str, cfg: GemmConfig, bm: int) -> dict[str, str | bytes]:
+    """The PTX and cubin of the integer tensor-core GEMM at tile `cfg` and BM = bm rows of x, one
+    weight a launch, aligned as `compiled`'s (a Q6_K row of 4096 weights is 3360 bytes)."""
+    signature = weights_signature() | {"M": "i32", "K": "i32", "row_bytes": "i32", "m_tiles": "i32"}
+    values = (name, bm, cfg.bn, max(1, cfg.bk // qtype(name).block_elems), 1, False)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    constexprs = dict(zip(MMQ_CONSTANTS, values, strict=True))
+    return compile_for_hopper(mmq.mmq_kernel, signature, constexprs, ("M", "m_tiles"), options)
+
+
+def weights_signature() -> dict[str, str]:
+    """The integer-dot kernels' leading arguments: x quantized, DOT8_MAX_WEIGHTS weight slots, the
+    residual."""
+    signature = dict(POINTERS)
+    for j in range(tops.DOT8_MAX_WEIGHTS):
+        signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
+    return signature | {"r_ptr": "*bf16"}
+
+
+def compile_for_hopper(
+    fn: object, signature: dict[str, str], constexprs: dict[str, object], free: tuple[str, ...], options: dict
+) -> dict[str, str | bytes]:
+    """`fn` compiled for sm_90 with `constexprs`, every other argument but those in `free` a multiple
+    of 16."""
+    signature |= dict.fromkeys(constexprs, "constexpr")
     aligned = [i for i, (k, v) in enumerate(signature.items()) if v != "constexpr" and k not in free]
     src = ASTSource(
         fn=fn,
         signature=signature,
-        constexprs=dict(zip(names, values, strict=True)),
+        constexprs=constexprs,
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
-    options = {"num_warps": cfg.num_warps, "maxnreg": cfg.max_registers}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
 
 
@@ -92,6 +125,16 @@ def cuobjdump(cubin: bytes, option: str) -> str:
 def registers(cubin: bytes) -> int:
     """Registers a thread of the compiled kernel uses (they bound how many warps an SM holds)."""
     return int(re.search(r"REG:(\d+)", cuobjdump(cubin, "-res-usage")).group(1))
+
+
+def spills(cubin: bytes) -> int:
+    """Local-memory loads and stores in the machine code: registers spilled (0 where all fit)."""
+    return len(re.findall(r"\b(?:LDL|STL)\b", cuobjdump(cubin, "-sass")))
+
+
+def tensor_core_ops(ptx: str) -> int:
+    """Tensor-core instructions in the PTX (Hopper's wgmma, or the mma of older GPUs' path)."""
+    return len(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\b", ptx))
 
 
 def sass_loop(cubin: bytes) -> int:
@@ -130,7 +173,16 @@ def main() -> None:
     )
     ap.add_argument("--maxnreg", default="0", help="caps on a thread's registers (0: none), e.g. 0,128")
     ap.add_argument("--rows", type=int, default=0, help="BM: compile dot8_rows at BM rows of x a program")
+    ap.add_argument(
+        "--mmq", default="", help="compile mmq at each of these BM rows of x a program, e.g. 16,64"
+    )
+    ap.add_argument(
+        "--tile", default="", help="mmq's tile BM/BN/BK/warps/stages (default: the type's for sm_90)"
+    )
     args = ap.parse_args()
+    if args.mmq:
+        print_mmq(args.types.split(","), [int(bm) for bm in args.mmq.split(",")], args.tile)
+        return
     ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps, args.late, args.maxnreg)]
     print(f"Triton {triton.__version__}")
     columns = "loads a step (16-byte) | shuffles | barriers | registers | SASS a step | end"
@@ -148,6 +200,20 @@ def main() -> None:
         end = f"{asm['ptx'].count('shfl.sync') - shuffles}/{asm['ptx'].count('bar.sync') - barriers}"
         cells = (cfg, f"{loads} ({vectors})", shuffles, barriers, regs, sass, end)
         print(f"| {name} | " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+def print_mmq(types: list[str], bms: list[int], tile: str) -> None:
+    """One table row for each type and BM: `compiled_mmq`'s registers, spills, tensor-core
+    instructions and loop instructions."""
+    print(f"Triton {triton.__version__}")
+    print("| type | BM/BN/BK/warps/stages | registers | spills | tensor-core ops | SASS a step |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for name, bm in itertools.product(types, bms):
+        cfg = GemmConfig.parse(tile) if tile else tuning.table()[tuning.TUNED].mmq(name)
+        cfg = GemmConfig(min(bm, cfg.bm), cfg.bn, cfg.bk, cfg.num_warps, cfg.num_stages)
+        asm = compiled_mmq(name, cfg, cfg.bm)
+        cells = (cfg, registers(asm["cubin"]), spills(asm["cubin"]), tensor_core_ops(asm["ptx"]))
+        print(f"| {name} | " + " | ".join(map(str, (*cells, sass_loop(asm["cubin"])))) + " |", flush=True)
 
 
 if __name__ == "__main__":

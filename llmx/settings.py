@@ -18,7 +18,15 @@ from llmx.errors import LlmxError
 
 CPU_GEMV_PATHS = ("auto", "aot", "jit", "eager")
 CPU_KERNELS = ("auto", "packed", "dequant", "emulated")
-GPU_KERNELS = ("auto", "dot8", "dot8_rows", "gemv", "gemm", "dequant")  # `quant.choice.GPU_KERNELS`, and auto
+GPU_KERNELS = (
+    "auto",
+    "dot8",
+    "dot8_rows",
+    "mmq",
+    "gemv",
+    "gemm",
+    "dequant",
+)  # `quant.choice.GPU_KERNELS`, and auto
 FUSED_MODES = ("auto", "on", "off")
 FLAG = ("1", "0")
 

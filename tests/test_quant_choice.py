@@ -86,6 +86,23 @@ def test_the_integer_dot_kernels_take_the_rows_they_read() -> None:
     assert choice.choose(q4k, "cuda", choice.WORDS, hi, "emulated") == "emulated"
 
 
+def test_mmq_is_taken_only_where_forced(monkeypatch) -> None:
+    """The integer tensor-core GEMM, not yet timed, is no bucket's choice; LLMX_GPU_KERNEL=mmq forces it
+    at every M on the rows it reads, and weights it cannot read keep the table's kernel (the float
+    GEMV, which a forced "dot8" falls back to, takes at most GEMV_MAX_M rows)."""
+    from llmx import settings
+
+    for name in choice.DOT8_TYPES:
+        for layout in (choice.GGUF, choice.SPLIT, choice.WORDS):
+            assert "mmq" not in choice.kernels(qtype(name), "cuda", layout)
+        assert choice.kernels(qtype(name), "cuda", choice.WORDS, "mmq") == ("mmq",) * (choice.LAST_BUCKET + 1)
+    for name, layout in (("Q4_K", choice.SPLIT), ("Q4_K", choice.GGUF), ("Q5_K", choice.WORDS)):
+        qt = qtype(name)
+        assert choice.kernels(qt, "cuda", layout, "mmq") == choice.kernels(qt, "cuda", layout), (name, layout)
+    monkeypatch.setenv("LLMX_GPU_KERNEL", "mmq")
+    assert settings.gpu_kernel() == "mmq"
+
+
 def test_a_weight_keeps_its_choice_and_follows_its_bytes(monkeypatch) -> None:
     """The kernels are chosen when the weight is made and again when its bytes or form change."""
     from llmx.quant import cpu_native
@@ -113,6 +130,8 @@ def test_every_gpu_kind_has_valid_shapes() -> None:
         assert t.gemm and t.dequantize.bn > 0
         for name in choice.DOT8_TYPES:
             assert t.dot8_rows(name).bk % qtype(name).block_elems == 0
+            tile = t.mmq(name)  # whole blocks a step; BM a power of two that tl.dot takes
+            assert tile.bk % qtype(name).block_elems == 0 and tile.bm in (16, 32, 64) and tile.bn >= 16
         assert t.dot8_rows("Q5_K") == t.dot8_rows_shapes["any"]
         for summed in (False, True):  # the grouped expert GEMV's, for the rows of a decode step's experts
             for name in choice.DOT8_TYPES:

@@ -16,6 +16,7 @@ definition), and to DOT8_FLOAT_TOL against the float x.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -259,6 +260,67 @@ def test_dot8_rows_compiles_for_hopper(name: str) -> None:
     assert out.returncode == 0, out.stderr
     row = next(line for line in out.stdout.splitlines() if line.startswith(f"| {name} |"))
     assert int(row.strip("| ").split(" | ")[2].split("(")[1].rstrip(")")) > 0, row  # 16-byte loads
+
+
+def mmq_tile(monkeypatch: pytest.MonkeyPatch, tile: str) -> None:
+    """Runs "mmq" at `tile` (BM/BN/BK/warps/stages) for every type instead of the tuned one."""
+    tile_of = {name: tuning.GemmConfig.parse(tile) for name in DOT8_TYPES}
+    monkeypatch.setattr(tops, "for_device", lambda device: dataclasses.replace(TUNED, mmq_shapes=tile_of))
+
+
+@pytest.mark.parametrize("m", [16, 17, 40, 64])
+@pytest.mark.parametrize("name", DOT8_TYPES)
+def test_mmq(name: str, m: int) -> None:
+    # the tuned tile: M rounded up to 16, 32 or 64 rows of x a program (17 and 40 leave rows that
+    # repeat row M - 1, unstored); N = 140 a whole tile of 128 weight rows and a partial one; Q8_0's
+    # 56 blocks leave a partial step of 8 (its blocks past the row count 0), the K-quants' rows 4
+    # super-blocks
+    k = 56 * 32 if name == "Q8_0" else 1024
+    w, ref = random_weight(name, 140, k, seed=130 + m)
+    w = laid_out(w, name, "prepared")
+    assert tops.kernel_for(w, m, "mmq") == "mmq"
+    check_linear(w, ref, m, torch.float32, seed=m, kernel="mmq")
+
+
+@pytest.mark.parametrize("name", DOT8_TYPES)
+def test_mmq_small_tiles(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 16 x 16 tiles: 40 rows of x in three programs (the last of 8 rows), 9 weight rows a partial
+    # tile; 1024 weights a step: 6 super-blocks (48 Q8_0 blocks) a whole step and a partial one
+    mmq_tile(monkeypatch, "16/16/1024/4/2")
+    w, ref = random_weight(name, 9, 1536, seed=140)
+    check_linear(laid_out(w, name, "prepared"), ref, 40, torch.float32, seed=141, kernel="mmq")
+
+
+def test_mmq_shares_launches_and_adds_a_residual() -> None:
+    """q/k/v-like weights of one type at M = 20 in one launch, each output equal to its own; a
+    residual [M, N] added at the store."""
+    ws = [laid_out(random_weight("Q4_K", n, 512, seed=150 + n)[0], "Q4_K", "prepared") for n in (5, 3, 130)]
+    g = torch.Generator().manual_seed(155)
+    x, r = torch.randn(20, 512, generator=g).to(DEVICE), torch.randn(20, 130, generator=g).to(DEVICE)
+    outs = tops.run_many(x, x, ws, ["mmq"] * 3)
+    assert [tuple(y.shape) for y in outs] == [(20, 5), (20, 3), (20, 130)]
+    for y, w in zip(outs, ws, strict=True):
+        assert torch.equal(y, tops.linear(x, w, kernel="mmq"))
+    plain = tops.linear(x, ws[2], kernel="mmq")
+    assert torch.equal(tops.linear(x, ws[2], kernel="mmq", residual=r), plain + r)
+
+
+@pytest.mark.parametrize("name", DOT8_TYPES)
+def test_mmq_compiles_for_hopper_without_spills(name: str) -> None:
+    # bench/ptx_gemv.py compiles the kernel for sm_90 at the type's tuned tile and each BM a launch
+    # takes (its own process, as below): int8 tensor-core instructions, no registers spilled
+    bms = [bm for bm in (16, 32, 64) if bm <= TUNED.mmq(name).bm]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tool = [sys.executable, "bench/ptx_gemv.py", "--types", name, "--mmq", ",".join(map(str, bms))]
+    out = subprocess.run(tool, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = [
+        line.strip("| ").split(" | ") for line in out.stdout.splitlines() if line.startswith(f"| {name} |")
+    ]
+    assert [int(row[1].split("/")[0]) for row in rows] == bms, out.stdout
+    for row in rows:
+        spills, tensor_ops = int(row[3]), int(row[4])
+        assert spills == 0 and tensor_ops > 0, row
 
 
 def test_dot8_q6_k_extreme_blocks() -> None:

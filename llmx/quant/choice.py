@@ -12,6 +12,10 @@ GPU kernels (`llmx.quant.triton.matmul`):
 - "dot8_rows": ROWS8_MIN_M <= M <= ROWS8_MAX_M, the same types and layout: "dot8" for several rows
   of x, each weight block read once for up to `matmul.ROWS8_BM` of them (llama.cpp's mmvq; a
   batched decode step), any M where forced;
+- "mmq": forced only (LLMX_GPU_KERNEL=mmq; not yet timed), any M, the same types and layout: x
+  quantized to int8, then tiles of up to 64 rows of x by weight rows on the int8 tensor cores
+  (llama.cpp's mmq); weights it cannot read take the table's kernel (the float GEMV, which "dot8"
+  falls back to, takes at most GEMV_MAX_M rows);
 - "gemv": M <= FLOAT_GEMV_MAX_M (IQ4 types: GEMV_MAX_M), fp32 FMAs on the unpacked codes; its time
   grows with M;
 - "gemm": M < DEQUANT_MIN_M, tiles dequantized in registers for tl.dot, time flat in M up to its
@@ -38,7 +42,7 @@ from __future__ import annotations
 from llmx.errors import LlmxError
 from llmx.quant import QType
 
-GPU_KERNELS = ("dot8", "dot8_rows", "gemv", "gemm", "dequant")
+GPU_KERNELS = ("dot8", "dot8_rows", "mmq", "gemv", "gemm", "dequant")
 CPU_PREFERENCES = ("auto", "packed", "dequant", "emulated")  # LLMX_KERNEL's values
 
 # Layouts of a weight's rows on its device.
@@ -51,7 +55,7 @@ PACKED = "packed"  # CPU: repacked by `cpu_pack`
 GEMV_MAX_M = 8  # the float GEMV's limit (a static loop over input rows)
 FLOAT_GEMV_MAX_M = 4  # its time grows with M: from here on "gemm" is faster, but for IQ4 types
 DOT8_MAX_M = 1  # decode
-DOT8_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the integer-dot GEMVs' types
+DOT8_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the integer-dot kernels' types
 # "dot8_rows"' range of M: it reads each weight once where "dequant" writes and reads it again in
 # bf16, but its integer work grows with M. A batched decode step of synthetic Llama-3-8B Q4_K_M on an
 # H100 (bench/batch_step.py, every weight forced by LLMX_GPU_KERNEL): 8 rows 9.6 ms ("gemm" 29.8,
@@ -143,6 +147,8 @@ def _gpu(qt: QType, layout: str, m: int, preference: str) -> str:
         readable and (m <= DOT8_MAX_M or preference == "dot8_rows")
     ):
         return "gemv"  # rows (of W or x) it cannot read
+    if preference == "mmq" and not readable:
+        return _gpu_table(qt.name, readable, m)
     return preference
 
 

@@ -8,6 +8,7 @@ The kernel modules import triton; the launch modules import it only on a first l
 - `kernels`: the GEMV (decode), GEMM (prefill) and dequantize kernels, written once for every type;
 - `dot8`: the integer-dot decode GEMV, and x's quantization for it;
 - `dot8_rows`: the integer-dot GEMV for several rows of x (a batched decode step);
+- `mmq`: the integer tensor-core GEMM for tens of rows of x (a larger batched decode step);
 - `moe_kernels`, `moe`: the grouped GEMV and GEMM over stacked expert weights, and their launches
   (routings sorted by expert on the device);
 - `matmul`: the launches: linear, linear_many, embedding, dequantize;

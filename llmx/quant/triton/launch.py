@@ -89,5 +89,13 @@ def dot8_rows() -> ModuleType:
     return dot8_rows
 
 
+@cache
+def mmq() -> ModuleType:
+    """`llmx.quant.triton.mmq`: the integer tensor-core GEMM for a batched decode step."""
+    from llmx.quant.triton import mmq
+
+    return mmq
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

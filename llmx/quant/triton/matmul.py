@@ -1,11 +1,11 @@
 """Matmul, embedding and dequantize on raw GGUF blocks on a GPU: the launches of the Triton kernels.
 
 Weights stay as the uint8 rows of the GGUF file (`layout.Blocks`); the kernels (`kernels.py`,
-`dot8.py`, `dot8_rows.py`) unpack blocks in registers. Which kernel runs is `llmx.quant.choice`'s table: a
-`QWeight` keeps its answer per M bucket and hands it to `run`; `linear` asks the table itself (for
-weights that do not keep one, and to force a kernel). Launch shapes come from the device's tuning
-(`tuning.py`), the GEMM's tiles from the autotuner (`autotune.py`). Under TRITON_INTERPRET=1 the
-same code runs on CPU tensors (the tests do that).
+`dot8.py`, `dot8_rows.py`, `mmq.py`) unpack blocks in registers. Which kernel runs is
+`llmx.quant.choice`'s table: a `QWeight` keeps its answer per M bucket and hands it to `run`;
+`linear` asks the table itself (for weights that do not keep one, and to force a kernel). Launch
+shapes come from the device's tuning (`tuning.py`), the GEMM's tiles from the autotuner
+(`autotune.py`). Under TRITON_INTERPRET=1 the same code runs on CPU tensors (the tests do that).
 
 "dequant" dequantizes a chunk of rows at a time (DEQUANT_CHUNK_BYTES) to fp16 (or x's dtype when
 that is fp16/bf16), then multiplies with torch's matmul (cuBLAS, fp32 accumulation). Float32 x is
@@ -24,13 +24,23 @@ from llmx.errors import LlmxError
 from llmx.quant import choice as C
 from llmx.quant.triton import autotune, layout
 from llmx.quant.triton.activation import PENDING, HalfX, QuantizedX, half_rows, quantize_x
-from llmx.quant.triton.launch import cdiv, dot8, dot8_rows, interpreting, kernels, lut, programmatic_launch
+from llmx.quant.triton.launch import (
+    cdiv,
+    dot8,
+    dot8_rows,
+    interpreting,
+    kernels,
+    lut,
+    mmq,
+    programmatic_launch,
+)
 from llmx.quant.triton.layout import Blocks, label, rows
 from llmx.quant.triton.tuning import GemmConfig, LaunchShape, for_device
 
 DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # the integer-dot GEMV's partial sums a block
 DOT8_MAX_WEIGHTS = 3  # weights sharing one integer-dot launch (q/k/v)
-INT8_KERNELS = ("dot8", "dot8_rows")  # the integer-dot GEMVs: x quantized to int8 first
+INT8_KERNELS = ("dot8", "dot8_rows", "mmq")  # the integer-dot kernels: x quantized to int8 first
+MMQ_MIN_BM = 16  # the fewest rows of x a program of "mmq" takes: tl.dot's least side
 ROWS8_BM = 8  # rows of x a program of "dot8_rows" takes (llama.cpp's mmvq: up to 8), to be measured
 # Half-precision weight rows dequantized at a time for "dequant": a Llama-3-8B FFN matrix (112 MiB)
 # in one piece, since chunks of rows that split it give cuBLAS too few output tiles.
@@ -89,7 +99,7 @@ def run(
         m, n = x2.shape[0], w.shape[0]
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         res = None if residual is None else residual.reshape(m, n).contiguous()
-        _gemv8(qx or PENDING.quantized(x) or quantize_x(x2), [w], [out], gemv, res)
+        _int8(choice, qx or PENDING.quantized(x) or quantize_x(x2), [w], [out], gemv, res)
         return out.reshape(*x.shape[:-1], n)
     y = _matmul(x2, w, choice, gemv, half).reshape(*x.shape[:-1], w.shape[0])
     return y if residual is None else y.add_(residual)
@@ -156,24 +166,24 @@ def run_many(
 ) -> list[torch.Tensor]:
     """`linear_many` by the kernels `chosen` (one a weight)."""
     m = x2.shape[0]
-    dot8s = [kernel in INT8_KERNELS for kernel in chosen]
-    if not any(dot8s):
+    int8 = [kernel in INT8_KERNELS for kernel in chosen]
+    if not any(int8):
         half = None
         if "dequant" in chosen and x2.dtype not in (torch.float16, torch.bfloat16):
             half = half_rows(x2)  # once for all of them
         return [run(x, x2, w, kernel, half=half) for w, kernel in zip(ws, chosen, strict=True)]
     qx = qx or PENDING.quantized(x) or quantize_x(x2)
     outs: dict[int, torch.Tensor] = {}
-    groups: dict[tuple[str, int], list[int]] = {}  # integer-dot weights that one launch can serve
+    groups: dict[tuple[str, str, int], list[int]] = {}  # integer-dot weights one launch can serve
     for i, w in enumerate(ws):
-        if dot8s[i]:
-            groups.setdefault((w.qtype.name, w.raw.stride(0)), []).append(i)
+        if int8[i]:
+            groups.setdefault((chosen[i], w.qtype.name, w.raw.stride(0)), []).append(i)
         else:
             outs[i] = run(x, x2, w, chosen[i])
-    for members in groups.values():
+    for (kernel, _, _), members in groups.items():
         for part in (members[j : j + DOT8_MAX_WEIGHTS] for j in range(0, len(members), DOT8_MAX_WEIGHTS)):
             ys = [torch.empty((m, ws[i].shape[0]), dtype=x.dtype, device=x.device) for i in part]
-            _gemv8(qx, [ws[i] for i in part], ys, None)
+            _int8(kernel, qx, [ws[i] for i in part], ys, None)
             for i, y in zip(part, ys, strict=True):
                 outs[i] = y.reshape(*x.shape[:-1], ws[i].shape[0])
     return [outs[i] for i in range(len(ws))]
@@ -186,6 +196,51 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _int8(
+    kernel: str,
+    qx: QuantizedX,
+    ws: list[Blocks],
+    outs: list[torch.Tensor],
+    gemv: LaunchShape | None,
+    residual: torch.Tensor | None = None,
+) -> None:
+    """outs[i] [M, N_i] = x @ ws[i].T by the integer-dot kernel `kernel` (one of INT8_KERNELS), one
+    launch for all (up to DOT8_MAX_WEIGHTS of one type and row width); with one weight, plus
+    `residual` [M, N_0]. `gemv`: the GEMVs' launch shape, else the tuned one ("mmq" takes its tuned
+    tile)."""
+    assert residual is None or (len(ws) == 1 and residual.shape == outs[0].shape)
+    if kernel == "mmq":
+        _mmq(qx, ws, outs, residual)
+    else:
+        _gemv8(qx, ws, outs, gemv, residual)
+
+
+def _weight_slots(raws: list[torch.Tensor], outs: list[torch.Tensor], ws: list[Blocks]) -> list[object]:
+    """The (rows, output, N) arguments of the DOT8_MAX_WEIGHTS weights an integer-dot launch takes,
+    flat; unused slots repeat the first weight's with N = 0 (no programs)."""
+    args = [(raw, out, w.shape[0]) for raw, out, w in zip(raws, outs, ws, strict=True)]
+    args += [args[0][:2] + (0,)] * (DOT8_MAX_WEIGHTS - len(args))
+    return [a for slot in args for a in slot]
+
+
+def _mmq(qx: QuantizedX, ws: list[Blocks], outs: list[torch.Tensor], residual: torch.Tensor | None) -> None:
+    """`_int8` on the integer tensor-core GEMM (`mmq.mmq_kernel`), at the tuned tile for the weights'
+    type; a program takes M rounded up to a power of two rows of x, from MMQ_MIN_BM to the tile's BM."""
+    m = qx.q.shape[0]
+    raws = [rows(w)[0] for w in ws]
+    qt, k = ws[0].qtype, ws[0].shape[1]
+    cfg = for_device(raws[0].device).mmq(qt.name)
+    bm = min(cfg.bm, max(MMQ_MIN_BM, 1 << (m - 1).bit_length()))
+    m_tiles = cdiv(m, bm)
+    tiles = sum(cdiv(w.shape[0], cfg.bn) for w in ws)
+    res = outs[0] if residual is None else residual  # unread without a residual
+    mmq().mmq_kernel[(tiles * m_tiles,)](
+        qx.q, qx.dx, qx.sums, *_weight_slots(raws, outs, ws), res, m, k, raws[0].stride(0), m_tiles,
+        QT=qt.name, BM=bm, BN=cfg.bn, SU=max(1, cfg.bk // qt.block_elems), NW=len(ws),
+        RES=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
 def _gemv8(
     qx: QuantizedX,
     ws: list[Blocks],
@@ -193,10 +248,8 @@ def _gemv8(
     gemv: LaunchShape | None,
     residual: torch.Tensor | None = None,
 ) -> None:
-    """outs[i] [M, N_i] = x @ ws[i].T for x [M, K] quantized (`qx`) on the integer-dot GEMV (M = 1)
-    or its several-row form, one launch for all (up to DOT8_MAX_WEIGHTS of one type and row width);
-    with one weight, plus `residual` [M, N_0]; at `gemv`'s launch shape, else the tuned one."""
-    assert residual is None or (len(ws) == 1 and residual.shape == outs[0].shape)
+    """`_int8` on the integer-dot GEMV (M = 1) or its several-row form, at `gemv`'s launch shape,
+    else the tuned one."""
     m = qx.q.shape[0]
     raws = [rows(w)[0] for w in ws]
     qt, k = ws[0].qtype, ws[0].shape[1]
@@ -206,15 +259,14 @@ def _gemv8(
     unit = qt.block_elems
     bu = max(1, cfg.bk // unit)
     row_words = 4 if raws[0].stride(0) % 16 == 0 else 1
-    args = [(raw, out, w.shape[0]) for raw, out, w in zip(raws, outs, ws, strict=True)]
-    args += [args[0][:2] + (0,)] * (DOT8_MAX_WEIGHTS - len(args))  # unused slots: no programs
+    slots = _weight_slots(raws, outs, ws)
     pdl = programmatic_launch(device)
     res = outs[0] if residual is None else residual  # unread without a residual
     tiles = sum(cdiv(w.shape[0], cfg.bn) for w in ws)
     if m > 1:
         chunks, bm = row_chunks(m)
         dot8_rows().gemv8_rows_kernel[(tiles * chunks,)](
-            qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), res, m, k,
+            qx.q, qx.dx, qx.sums, *slots, res, m, k,
             raws[0].stride(0) // (4 * row_words), chunks,
             QT=name, UNIT=unit, BN=cfg.bn, BU=bu, BM=bm, BMP=1 << (bm - 1).bit_length(), NW=len(ws),
             ASM=not interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,
@@ -223,7 +275,7 @@ def _gemv8(
         )  # fmt: skip
         return
     dot8().gemv8_kernel[(tiles,)](
-        qx.q, qx.dx, qx.sums, *(a for slot in args for a in slot), res,
+        qx.q, qx.dx, qx.sums, *slots, res,
         k, raws[0].stride(0) // (4 * row_words),
         QT=name, UNIT=unit, QUADS=DOT8_QUADS[name], BN=cfg.bn, BU=bu, NW=len(ws),
         ASM=not interpreting(), EVEN=k % (bu * unit) == 0, ROW_WORDS=row_words, PDL=pdl,

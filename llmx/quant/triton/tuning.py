@@ -13,6 +13,9 @@ An entry holds, per kernel:
 - `dot8_rows`: its several-row form's (`dot8_rows.py`), per type (`any` for the rest): for now the
   M = 1 shapes without their register caps and staggered waits (a program holds several rows' x,
   ~150-250 registers a thread on sm_90 at 8 rows), to be swept (`bench/kernels.py --sweep-m`);
+- `mmq`: the integer tensor-core GEMM's tile per type (`mmq.py`), as BM/BN/BK/warps/stages: BM the
+  most rows of x a program takes (fewer where M is smaller), BN weight rows, BK weights a loop step;
+  chosen to compile for sm_90 without spills (`bench/ptx_gemv.py --mmq`), not yet timed;
 - `gemm`: the GEMM autotuner's candidates (`autotune.py`);
 - `moe_gemm`: the grouped expert GEMM's tile (`moe.py`), whose BM is also the block its pairs are
   sorted into (`bench/moe_kernels.py --sweep` times candidates and prints the line to put here).
@@ -109,6 +112,7 @@ class Tuning:
     dot8_long_rows: dict[str, LaunchShape]
     dot8_rows_shapes: dict[str, LaunchShape]
     long_row: int
+    mmq_shapes: dict[str, GemmConfig]
     gemm: tuple[GemmConfig, ...]
     moe_gemm: GemmConfig
     moe_dot8_shapes: dict[str, LaunchShape]
@@ -141,6 +145,10 @@ class Tuning:
         shapes = self.moe_dot8_sum_shapes if summed else self.moe_dot8_shapes
         return shapes.get(name, shapes["any"])
 
+    def mmq(self, name: str) -> GemmConfig:
+        """The integer tensor-core GEMM's tile for rows of type `name`."""
+        return self.mmq_shapes[name]
+
 
 def _shapes(entry: dict[str, str]) -> dict[str, LaunchShape]:
     return {name: LaunchShape.parse(text) for name, text in entry.items()}
@@ -165,6 +173,7 @@ def table() -> dict[str, Tuning]:
             dot8_long_rows=_shapes(e["dot8_long_rows"]),
             dot8_rows_shapes=_shapes(e["dot8_rows"]),
             long_row=int(e["long_row"]),
+            mmq_shapes={name: GemmConfig.parse(text) for name, text in e["mmq"].items()},
             gemm=tuple(GemmConfig.parse(c) for c in e["gemm"]),
             moe_gemm=GemmConfig.parse(e["moe_gemm"]),
             moe_dot8_shapes=_shapes(e["moe_dot8"]),
