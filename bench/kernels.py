@@ -1,14 +1,20 @@
 """Triton kernel speed per GGML type against the GPU's measured ceilings.
 
-For each type and weight shape N x K (default: Llama-3-8B's FFN, 14336x4096 and 4096x14336) and
-each batch M, the median time of each kernel `matmul.linear` can run there (M <= 8: GEMV and
-GEMM; larger M: GEMM and dequantize + torch matmul; any M: the integer-dot GEMV of its rows, for the
-types it reads), on `prepare`d weights; with GB/s of weight
+For each type and weight shape N x K (default: Llama-3-8B's FFN, 14336x4096 and 4096x14336) and each
+batch M, the median time of each kernel `matmul.linear` can run there (M <= 8: GEMV and GEMM; larger
+M: GEMM and dequantize + torch matmul; any M: the integer-dot GEMV of its rows, and from 16 rows the
+integer tensor-core GEMM "mmq", for the types they read), on `prepare`d weights; with GB/s of weight
 bytes over the measured device-to-device copy bandwidth (what bounds M <= 8) and TFLOP/s over the
 measured bf16 matmul rate (what bounds large M). At M = 512 a dense bf16 torch matmul of the same
 shape is timed too, and at M = 1 the GEMV on raw (not prepared) rows and a plain read of the same
 bytes ("read": what any kernel reading them at this size can reach). The integer-dot GEMVs ("dot8"
-at M = 1, "dot8_rows" above) take x already quantized, as decode's norm and gate kernels write it.
+at M = 1, "dot8_rows" above) and "mmq" take x already quantized, as decode's norm and gate kernels
+write it up to 15 rows (from 16, a step quantizes x in a launch of its own, once for the weights
+that share it: not in these times). A batched decode step's matrices, "mmq" against "dequant" and
+"gemm":
+
+    python bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 16,32,64 --kernels mmq,dequant,gemm,dot8_rows
+
 The ceilings are measured in the same run: a copy of a 4 GB buffer (bytes read + written) and an
 8192^3 bf16 matmul.
 At M <= 8 calls are timed on the GPU alone, replayed from CUDA graphs (as decode runs them) as what
@@ -280,6 +286,8 @@ def run(
             int8 = "dot8" if m == 1 else "dot8_rows"  # x quantized beforehand (`measure`)
             if tops.kernel_for(w, m, int8) == int8:
                 kernels = (int8, *kernels)
+            if m >= tops.MMQ_MIN_BM and tops.kernel_for(w, m, "mmq") == "mmq":
+                kernels = ("mmq", *kernels)
             for kern in filter(wanted, kernels):
                 if kern != "dot8_rows" or not rows_bms:
                     yield measure(w, m, kern, ceil, sustain_s, layout=layout)
@@ -406,8 +414,8 @@ def main() -> None:
     ap.add_argument(
         "--kernels",
         default="",
-        help="time only these, e.g. dequant,dense (of dot8, dot8_rows, gemv, gemm, dequant, read, dense; "
-        "none: a sweep alone)",
+        help="time only these, e.g. dequant,dense (of dot8, dot8_rows, mmq, gemv, gemm, dequant, read, "
+        "dense; none: a sweep alone)",
     )
     ap.add_argument("--dequant-sweep", default="", help="types whose dequantize launch shapes to sweep")
     ap.add_argument(
