@@ -2,7 +2,7 @@
 
 For each type and weight shape N x K (default: Llama-3-8B's FFN, 14336x4096 and 4096x14336) and each
 batch M, the median time of each kernel `matmul.linear` can run there (M <= 8: GEMV and GEMM; larger
-M: GEMM and dequantize + torch matmul; any M: the integer-dot GEMV of its rows, and from 16 rows the
+M: GEMM and dequantize + torch matmul; any M: the integer-dot GEMV of its rows, and from 2 rows the
 integer tensor-core GEMM "mmq", for the types they read), on `prepare`d weights; with GB/s of weight
 bytes over the measured device-to-device copy bandwidth (what bounds M <= 8) and TFLOP/s over the
 measured bf16 matmul rate (what bounds large M). At M = 512 a dense bf16 torch matmul of the same
@@ -13,7 +13,7 @@ write it up to 15 rows (from 16, a step quantizes x in a launch of its own, once
 that share it: not in these times). A batched decode step's matrices, "mmq" against "dequant" and
 "gemm":
 
-    python bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 16,32,64 --kernels mmq,dequant,gemm,dot8_rows
+    python bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 8,16,32,64 --kernels mmq,dequant,gemm,dot8_rows
 
 The ceilings are measured in the same run: a copy of a 4 GB buffer (bytes read + written) and an
 8192^3 bf16 matmul.
@@ -286,7 +286,7 @@ def run(
             int8 = "dot8" if m == 1 else "dot8_rows"  # x quantized beforehand (`measure`)
             if tops.kernel_for(w, m, int8) == int8:
                 kernels = (int8, *kernels)
-            if m >= tops.MMQ_MIN_BM and tops.kernel_for(w, m, "mmq") == "mmq":
+            if m > 1 and tops.kernel_for(w, m, "mmq") == "mmq":
                 kernels = ("mmq", *kernels)
             for kern in filter(wanted, kernels):
                 if kern != "dot8_rows" or not rows_bms:

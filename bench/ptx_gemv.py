@@ -81,11 +81,14 @@ def compiled(name: str, cfg: LaunchShape, rows: int = 0) -> dict[str, str | byte
 def compiled_mmq(name: str, cfg: GemmConfig, bm: int) -> dict[str, str | bytes]:
     """The PTX and cubin of the integer tensor-core GEMM at tile `cfg` and BM = bm rows of x, one
     weight a launch, aligned as `compiled`'s (a Q6_K row of 4096 weights is 3360 bytes)."""
-    signature = weights_signature() | {"M": "i32", "K": "i32", "row_bytes": "i32", "m_tiles": "i32"}
+    signature = weights_signature() | {"part_ptr": "*fp32", "count_ptr": "*i32"}
+    signature |= {"M": "i32", "K": "i32", "row_bytes": "i32", "m_tiles": "i32"}
+    signature |= {"splits": "i32", "split_steps": "i32"}
     values = (name, bm, cfg.bn, max(1, cfg.bk // qtype(name).block_elems), 1, False)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     constexprs = dict(zip(MMQ_CONSTANTS, values, strict=True))
-    return compile_for_hopper(mmq.mmq_kernel, signature, constexprs, ("M", "m_tiles"), options)
+    unaligned = ("M", "m_tiles", "splits", "split_steps")
+    return compile_for_hopper(mmq.mmq_kernel, signature, constexprs, unaligned, options)
 
 
 def weights_signature() -> dict[str, str]:

@@ -291,6 +291,32 @@ def test_mmq_small_tiles(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     check_linear(laid_out(w, name, "prepared"), ref, 40, torch.float32, seed=141, kernel="mmq")
 
 
+@pytest.mark.parametrize("name", DOT8_TYPES)
+def test_mmq_split_over_k(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # two output tiles leave SMs idle (the interpreter stands in 8), so K is cut into ranges: the
+    # sums equal the unsplit launch's to float32's rounding, a second launch gives the same bits
+    # (ranges added in K's order whichever program ends last) and every counter is back at 0
+    k = 56 * 32 if name == "Q8_0" else 2048
+    w = laid_out(random_weight(name, 140, k, seed=160)[0], name, "prepared")
+    x = torch.randn(24, k, generator=torch.Generator().manual_seed(161)).to(DEVICE)
+    steps = -(-k // max(TUNED.mmq(name).bk, w.qtype.block_elems))
+    assert tops.mmq_splits(2, steps, tops._sm_count(x.device))[0] > 1
+    split = tops.linear(x, w, kernel="mmq")
+    assert torch.equal(split, tops.linear(x, w, kernel="mmq"))
+    assert not tops._split_counts(x.device).any()
+    monkeypatch.setattr(tops, "MMQ_PROGRAMS_PER_SM", 0)
+    assert rel_err(split, tops.linear(x, w, kernel="mmq").double().cpu().numpy()) < 1e-5
+
+
+def test_mmq_splits() -> None:
+    # a Llama-3-8B o projection at 64 rows: 32 tiles, 16 steps, 132 SMs -> 8 ranges of 2 steps;
+    # gate and up (224 tiles) fill the GPU unsplit; 7 steps for 48 tiles: 3 ranges, none empty
+    assert tops.mmq_splits(32, 16, 132) == (8, 2)
+    assert tops.mmq_splits(224, 16, 132) == (1, 16)
+    assert tops.mmq_splits(48, 7, 132) == (3, 3)
+    assert tops.mmq_splits(2, 1, 132) == (1, 1)
+
+
 def test_mmq_shares_launches_and_adds_a_residual() -> None:
     """q/k/v-like weights of one type at M = 20 in one launch, each output equal to its own; a
     residual [M, N] added at the store."""

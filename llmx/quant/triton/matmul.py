@@ -18,6 +18,8 @@ bf16 weight tiles; tf32 for float32 x).
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from llmx.errors import LlmxError
@@ -41,6 +43,14 @@ DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # the integer-dot GEMV's partial
 DOT8_MAX_WEIGHTS = 3  # weights sharing one integer-dot launch (q/k/v)
 INT8_KERNELS = ("dot8", "dot8_rows", "mmq")  # the integer-dot kernels: x quantized to int8 first
 MMQ_MIN_BM = 16  # the fewest rows of x a program of "mmq" takes: tl.dot's least side
+# "mmq"'s split over K: a launch of fewer output tiles than the GPU has SMs cuts K into ranges until
+# there are about this many programs an SM, each range at least MMQ_MIN_SPLIT_STEPS loop steps
+# (a Llama-3-8B o projection is 32 tiles of 128 rows for 132 SMs). Its batched decode step with every
+# weight on "mmq" (H100): 9.8 / 13.1 ms at 16 / 32 rows, 4 programs an SM 10.1 / 13.6, unsplit 20.1 / 22.8
+MMQ_PROGRAMS_PER_SM = 2
+MMQ_MIN_SPLIT_STEPS = 2
+MMQ_SPLIT_COUNTS = 4096  # a device's split counters: more than any split launch's tiles (< its SMs)
+INTERPRETED_SMS = 8  # the interpreter's stand-in (see _sm_count)
 ROWS8_BM = 8  # rows of x a program of "dot8_rows" takes (llama.cpp's mmvq: up to 8), to be measured
 # Half-precision weight rows dequantized at a time for "dequant": a Llama-3-8B FFN matrix (112 MiB)
 # in one piece, since chunks of rows that split it give cuBLAS too few output tiles.
@@ -225,20 +235,72 @@ def _weight_slots(raws: list[torch.Tensor], outs: list[torch.Tensor], ws: list[B
 
 def _mmq(qx: QuantizedX, ws: list[Blocks], outs: list[torch.Tensor], residual: torch.Tensor | None) -> None:
     """`_int8` on the integer tensor-core GEMM (`mmq.mmq_kernel`), at the tuned tile for the weights'
-    type; a program takes M rounded up to a power of two rows of x, from MMQ_MIN_BM to the tile's BM."""
+    type; a program takes M rounded up to a power of two rows of x, from MMQ_MIN_BM to the tile's BM.
+    A launch of fewer output tiles than MMQ_PROGRAMS_PER_SM programs for each of the GPU's SMs splits
+    their K (`mmq_splits`)."""
     m = qx.q.shape[0]
     raws = [rows(w)[0] for w in ws]
     qt, k = ws[0].qtype, ws[0].shape[1]
-    cfg = for_device(raws[0].device).mmq(qt.name)
+    device = raws[0].device
+    cfg = for_device(device).mmq(qt.name)
     bm = min(cfg.bm, max(MMQ_MIN_BM, 1 << (m - 1).bit_length()))
+    su = max(1, cfg.bk // qt.block_elems)
     m_tiles = cdiv(m, bm)
     tiles = sum(cdiv(w.shape[0], cfg.bn) for w in ws)
+    steps = cdiv(k // qt.block_elems, su)
+    splits, split_steps = mmq_splits(tiles * m_tiles, steps, _sm_count(device))
+    counts = _split_counts(device)
+    if counts is None:  # a capture before any eager call: no split
+        splits, split_steps, counts = 1, steps, torch.zeros(1, dtype=torch.int32, device=device)
+    parts = outs[0]  # unread without a split
+    if splits > 1:
+        parts = torch.empty((tiles * m_tiles * splits, cfg.bn, bm), dtype=torch.float32, device=device)
     res = outs[0] if residual is None else residual  # unread without a residual
-    mmq().mmq_kernel[(tiles * m_tiles,)](
-        qx.q, qx.dx, qx.sums, *_weight_slots(raws, outs, ws), res, m, k, raws[0].stride(0), m_tiles,
-        QT=qt.name, BM=bm, BN=cfg.bn, SU=max(1, cfg.bk // qt.block_elems), NW=len(ws),
-        RES=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    mmq().mmq_kernel[(tiles * m_tiles * splits,)](
+        qx.q, qx.dx, qx.sums, *_weight_slots(raws, outs, ws), res, parts, counts, m, k, raws[0].stride(0),
+        m_tiles, splits, split_steps,
+        QT=qt.name, BM=bm, BN=cfg.bn, SU=su, NW=len(ws), RES=residual is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+
+
+def mmq_splits(programs: int, steps: int, sms: int) -> tuple[int, int]:
+    """(ranges, steps a range) that K's `steps` loop steps are cut into for a launch of `programs`
+    output tiles on a GPU of `sms` SMs: enough ranges for MMQ_PROGRAMS_PER_SM programs an SM where
+    the tiles alone leave SMs idle, none empty, each range at least MMQ_MIN_SPLIT_STEPS steps."""
+    wanted = cdiv(MMQ_PROGRAMS_PER_SM * sms, programs) if programs < sms else 1
+    splits = max(1, min(wanted, steps // MMQ_MIN_SPLIT_STEPS))
+    split_steps = cdiv(steps, splits)
+    return cdiv(steps, split_steps), split_steps
+
+
+def _sm_count(device: torch.device) -> int:
+    """The SMs of `device`; under the interpreter (CPU tensors) INTERPRETED_SMS, so that the tests'
+    small launches split."""
+    if device.type != "cuda":
+        return INTERPRETED_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}  # each device's split counters, all 0 between launches
+
+
+def _split_counts(device: torch.device) -> torch.Tensor | None:
+    """`device`'s MMQ_SPLIT_COUNTS counters of the split launches (each launch's last program sets
+    its tiles' back to 0, so launches share them where they run one after another, as a device's
+    decode steps do on its one stream), made once by the first eager call; None while a CUDA graph is
+    being captured before then (that launch does not split: the buffer must outlive every graph)."""
+    counts = _COUNTS.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _COUNTS[device] = torch.zeros(MMQ_SPLIT_COUNTS, dtype=torch.int32, device=device)
+    return counts
 
 
 def _gemv8(

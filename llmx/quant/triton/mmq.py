@@ -19,7 +19,9 @@ Types (rows in `layout.prepare`'s layout, as the integer-dot GEMVs read them):
           group, each on half of its codes, the other half zeroed)
 A program walks K in steps of SU units (a Q8_0 block or a K-quant super-block); a step's units past
 the row repeat the last one with its scales set to 0. Rows of W past N repeat row N - 1 and rows of
-x past M repeat row M - 1; neither is stored.
+x past M repeat row M - 1; neither is stored. A decode step's launches hold few output tiles (a
+Llama-3-8B o projection: 32 of 128 rows for an H100's 132 SMs), so K is split among several programs
+a tile where they would leave SMs idle (`matmul.mmq_splits`), their sums joined in a fixed order.
 
 Numerics: the integer sums are exact and every integer reaches float32 exactly (`bits.int_f32`),
 so beyond float32 summation the one rounding is x's quantization, as in the integer-dot GEMVs.
@@ -141,7 +143,8 @@ def _q6_k(acc, w_ptr, row, xq_ptr, x_row, x_m, dx_ptr, u, n_units, K):
 
 @triton.jit
 def mmq_kernel(
-    xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, r_ptr, M, K, row_bytes, m_tiles,
+    xq_ptr, dx_ptr, xs_ptr, w0, o0, n0, w1, o1, n1, w2, o2, n2, r_ptr, part_ptr, count_ptr, M, K, row_bytes,
+    m_tiles, splits, split_steps,
     QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SU: tl.constexpr, NW: tl.constexpr,
     RES: tl.constexpr,
 ):  # fmt: skip
@@ -153,9 +156,17 @@ def mmq_kernel(
     as in `dot8.gemv8_kernel` (`pick_weight`); more rows than BM are taken by neighbouring programs
     (program p: weight tile p // m_tiles, rows (p % m_tiles) * BM on), so the programs that read one
     weight tile run at about the same time and all but one find it in the L2. RES: r [M, N] added at
-    the store."""
+    the store.
+
+    Split over K: with `splits` > 1 each output tile's K is cut into `splits` ranges of `split_steps`
+    steps, one program each (program p: range (p // m_tiles) % splits), so that a launch of few tiles
+    still fills the GPU. Each writes its float32 sums to `part_ptr` (splits x BN x BM a tile) and
+    counts itself in the tile's `count_ptr` word; the last to arrive adds the ranges' sums in the
+    order of K (the same result whichever program ends last), stores the output and sets the count
+    back to 0 for the next launch."""
     pid = tl.program_id(0)
-    tile = pid // m_tiles
+    split = (pid // m_tiles) % splits
+    tile = pid // (m_tiles * splits)
     w_ptr, out_ptr, N, first = pick_weight(tile, w0, o0, n0, w1, o1, n1, w2, o2, n2, BN, NW)
     rn = (tile - first) * BN + tl.arange(0, BN)
     row = tl.minimum(rn, N - 1).to(tl.int64) * row_bytes
@@ -164,7 +175,8 @@ def mmq_kernel(
     x_row = x_m * K
     n_units = K // 32 if QT == "Q8_0" else K // 256
     acc = tl.zeros([BN, BM], tl.float32)
-    for u0 in range(0, n_units, SU):
+    u_first = split * split_steps * SU
+    for u0 in range(u_first, tl.minimum(n_units, u_first + split_steps * SU), SU):
         for s in tl.static_range(SU):
             if QT == "Q8_0":
                 acc = _q8_0(acc, w_ptr, row, xq_ptr, x_row, x_m, dx_ptr, u0 + s, n_units, K)
@@ -175,6 +187,23 @@ def mmq_kernel(
                 acc = _q6_k(acc, w_ptr, row, xq_ptr, x_row, x_m, dx_ptr, u0 + s, n_units, K)
     ok = (rn < N)[:, None] & (rm < M)[None, :]
     off = rm.to(tl.int64)[None, :] * N + rn[:, None]
-    if RES:
-        acc += tl.load(r_ptr + off, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if splits > 1:
+        out_tile = pid // (m_tiles * splits) * m_tiles + pid % m_tiles
+        local = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+        parts = part_ptr + out_tile.to(tl.int64) * splits * BN * BM + local
+        tl.store(parts + split * BN * BM, acc)
+        # every thread's sums are stored before the count (the barrier), and visible to the program
+        # that counts last (acq_rel)
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + out_tile, 1, sem="acq_rel") == splits - 1:
+            acc = tl.zeros([BN, BM], tl.float32)
+            for s in range(0, splits):
+                acc += tl.load(parts + s * BN * BM, cache_modifier=".cg")
+            tl.store(count_ptr + out_tile, 0)
+            if RES:
+                acc += tl.load(r_ptr + off, mask=ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        if RES:
+            acc += tl.load(r_ptr + off, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=ok)

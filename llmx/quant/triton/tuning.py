@@ -15,7 +15,8 @@ An entry holds, per kernel:
   ~150-250 registers a thread on sm_90 at 8 rows), to be swept (`bench/kernels.py --sweep-m`);
 - `mmq`: the integer tensor-core GEMM's tile per type (`mmq.py`), as BM/BN/BK/warps/stages: BM the
   most rows of x a program takes (fewer where M is smaller), BN weight rows, BK weights a loop step;
-  chosen to compile for sm_90 without spills (`bench/ptx_gemv.py --mmq`), not yet timed;
+  the largest BM that compiles for sm_90 without spills on Triton 3.6 and 3.9 (`bench/ptx_gemv.py
+  --mmq`; Q4_K and Q8_0 at 64 spill on 3.6), a launch's BM being M rounded up from 16 to it;
 - `gemm`: the GEMM autotuner's candidates (`autotune.py`);
 - `moe_gemm`: the grouped expert GEMM's tile (`moe.py`), whose BM is also the block its pairs are
   sorted into (`bench/moe_kernels.py --sweep` times candidates and prints the line to put here).
