@@ -62,12 +62,14 @@ def test_a_forced_gpu_kernel_takes_every_batch_size_it_reads(monkeypatch) -> Non
 
 def test_the_integer_dot_kernels_take_the_rows_they_read() -> None:
     """Q4_K, Q6_K and Q8_0 rows in WORDS layout: "dot8" at M <= DOT8_MAX_M, "dot8_rows" from
-    ROWS8_MIN_M to ROWS8_MAX_M, the float kernels' table around them and for other types and layouts;
-    each limit closes a bucket, so a weight's kept kernels follow the table whatever the limits are."""
+    ROWS8_MIN_M to ROWS8_MAX_M, "mmq" in its type's MMQ_M range, the float kernels' table around them
+    and for other types and layouts; each limit closes a bucket, so a weight's kept kernels follow the
+    table whatever the limits are."""
     lo, hi = choice.ROWS8_MIN_M, choice.ROWS8_MAX_M
     assert {choice.DOT8_MAX_M, lo - 1, hi} - {0} <= set(choice.BUCKET_TOPS)
     for name in choice.DOT8_TYPES:
         qt = qtype(name)
+        mmq_low, mmq_high = choice.MMQ_M.get(name, (0, -1))
         for m in ALL_M:
             words = choice.choose(qt, "cuda", choice.WORDS, m)
             split = choice.choose(qt, "cuda", choice.SPLIT, m)
@@ -75,6 +77,8 @@ def test_the_integer_dot_kernels_take_the_rows_they_read() -> None:
                 assert words == "dot8", m
             elif lo <= m <= hi:
                 assert words == "dot8_rows", m
+            elif mmq_low <= m <= mmq_high:
+                assert words == "mmq", m
             else:
                 assert words == split, m
             assert split not in ("dot8", "dot8_rows")
@@ -86,15 +90,25 @@ def test_the_integer_dot_kernels_take_the_rows_they_read() -> None:
     assert choice.choose(q4k, "cuda", choice.WORDS, hi, "emulated") == "emulated"
 
 
-def test_mmq_is_taken_only_where_forced(monkeypatch) -> None:
-    """The integer tensor-core GEMM, not yet timed, is no bucket's choice; LLMX_GPU_KERNEL=mmq forces it
-    at every M on the rows it reads, and weights it cannot read keep the table's kernel (the float
-    GEMV, which a forced "dot8" falls back to, takes at most GEMV_MAX_M rows)."""
+def test_mmq_takes_its_measured_rows(monkeypatch) -> None:
+    """The integer tensor-core GEMM takes the rows of x MMQ_M gives its type (Q4_K at 16-32: below them
+    "dot8_rows", above "dequant"), other types never by themselves; LLMX_GPU_KERNEL=mmq forces it at
+    every M on the rows it reads, and weights it cannot read keep the table's kernel (the float GEMV,
+    which a forced "dot8" falls back to, takes at most GEMV_MAX_M rows)."""
     from llmx import settings
 
+    q4k = qtype("Q4_K")
+    low, high = choice.MMQ_M["Q4_K"]
+    assert [choice.choose(q4k, "cuda", choice.WORDS, m) for m in (low - 1, low, high, high + 1)] == [
+        "dot8_rows",
+        "mmq",
+        "mmq",
+        "dequant",
+    ]
     for name in choice.DOT8_TYPES:
         for layout in (choice.GGUF, choice.SPLIT, choice.WORDS):
-            assert "mmq" not in choice.kernels(qtype(name), "cuda", layout)
+            taken = "mmq" in choice.kernels(qtype(name), "cuda", layout)
+            assert taken == (name in choice.MMQ_M and layout == choice.WORDS), (name, layout)
         assert choice.kernels(qtype(name), "cuda", choice.WORDS, "mmq") == ("mmq",) * (choice.LAST_BUCKET + 1)
     for name, layout in (("Q4_K", choice.SPLIT), ("Q4_K", choice.GGUF), ("Q5_K", choice.WORDS)):
         qt = qtype(name)

@@ -12,10 +12,10 @@ GPU kernels (`llmx.quant.triton.matmul`):
 - "dot8_rows": ROWS8_MIN_M <= M <= ROWS8_MAX_M, the same types and layout: "dot8" for several rows
   of x, each weight block read once for up to `matmul.ROWS8_BM` of them (llama.cpp's mmvq; a
   batched decode step), any M where forced;
-- "mmq": forced only (LLMX_GPU_KERNEL=mmq; not yet timed), any M, the same types and layout: x
-  quantized to int8, then tiles of up to 64 rows of x by weight rows on the int8 tensor cores
-  (llama.cpp's mmq); weights it cannot read take the table's kernel (the float GEMV, which "dot8"
-  falls back to, takes at most GEMV_MAX_M rows);
+- "mmq": the rows of x MMQ_M gives a type (Q4_K: 16-32), any M where forced, the same types and
+  layout: x quantized to int8, then tiles of rows of x by weight rows on the int8 tensor cores
+  (llama.cpp's mmq), K split where the tiles alone leave SMs idle; weights it cannot read take the
+  table's kernel (the float GEMV, which "dot8" falls back to, takes at most GEMV_MAX_M rows);
 - "gemv": M <= FLOAT_GEMV_MAX_M (IQ4 types: GEMV_MAX_M), fp32 FMAs on the unpacked codes; its time
   grows with M;
 - "gemm": M < DEQUANT_MIN_M, tiles dequantized in registers for tl.dot, time flat in M up to its
@@ -64,6 +64,13 @@ ROWS8_MIN_M = 2
 ROWS8_MAX_M = 15
 INT8_X_MAX_M = max(DOT8_MAX_M, ROWS8_MAX_M)  # rows of x that the integer-dot GEMVs take
 DEQUANT_MIN_M = 16  # from here "dequant" beats "gemm" (bench/kernels.py)
+# "mmq"'s range of M, by type: where it beats both "dot8_rows" and "dequant". H100, bench/kernels.py
+# on Llama-3-8B's FFN matrices (14336x4096, 4096x14336), us: Q4_K at 16 / 32 / 64 rows 81-84 /
+# 79-83 / 127-142 against "dequant"'s 110-113 and "dot8_rows"' 126-146 at 16; at 8 rows 64-70
+# against "dot8_rows"' 58-66. Q6_K's two dots a group lose to "dequant" from 16 rows (119-128 /
+# 149-168 / 231-332 against 119-124). Q8_0 not yet timed. A batched decode step of synthetic
+# Llama-3-8B Q4_K_M (bench/batch_step.py): 16 sequences 10.4 ms against 16.2, 32 12.9 against 16.8.
+MMQ_M = {"Q4_K": (16, 32)}
 MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a GPU
 MOE_KERNELS = ("dot8", "gemv", "gemm")  # the grouped expert kernels (`moe`'s answers)
 # rows of x the native GEMV takes (it can take cpu_native.MAX_ROWS): from 16, chunks dequantized for
@@ -80,6 +87,7 @@ _LIMITS = (
     NATIVE_MAX_ROWS,
     ROWS8_MIN_M - 1,
     ROWS8_MAX_M,
+    *(top for _, top in MMQ_M.values()),
 )
 BUCKET_TOPS = tuple(sorted(set(_LIMITS) - {0}))
 # the bucket of each M up to the last top (M = 0: the first); larger M are in LAST_BUCKET
@@ -162,6 +170,9 @@ def _gpu_table(name: str, readable: bool, m: int) -> str:
         return "dot8"
     if readable and ROWS8_MIN_M <= m <= ROWS8_MAX_M:
         return "dot8_rows"
+    low, high = MMQ_M.get(name, (0, -1))
+    if readable and low <= m <= high:
+        return "mmq"
     iq4 = name.startswith("IQ4")
     if m <= (GEMV_MAX_M if iq4 else FLOAT_GEMV_MAX_M):
         return "gemv"
