@@ -154,9 +154,9 @@ def mmq_kernel(
 
     NW (1-3) weights of one type and width that take the same x (q/k/v, gate/up) share the launch,
     as in `dot8.gemv8_kernel` (`pick_weight`); more rows than BM are taken by neighbouring programs
-    (program p: weight tile p // m_tiles, rows (p % m_tiles) * BM on), so the programs that read one
-    weight tile run at about the same time and all but one find it in the L2. RES: r [M, N] added at
-    the store.
+    (program p: weight tile p // (m_tiles * splits), rows (p % m_tiles) * BM on), so the programs
+    that read one weight tile run at about the same time and all but one find it in the L2. RES:
+    r [M, N] added at the store.
 
     Split over K: with `splits` > 1 each output tile's K is cut into `splits` ranges of `split_steps`
     steps, one program each (program p: range (p // m_tiles) % splits), so that a launch of few tiles
@@ -188,7 +188,7 @@ def mmq_kernel(
     ok = (rn < N)[:, None] & (rm < M)[None, :]
     off = rm.to(tl.int64)[None, :] * N + rn[:, None]
     if splits > 1:
-        out_tile = pid // (m_tiles * splits) * m_tiles + pid % m_tiles
+        out_tile = tile * m_tiles + pid % m_tiles
         local = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
         parts = part_ptr + out_tile.to(tl.int64) * splits * BN * BM + local
         tl.store(parts + split * BN * BM, acc)
@@ -200,10 +200,14 @@ def mmq_kernel(
             for s in range(0, splits):
                 acc += tl.load(parts + s * BN * BM, cache_modifier=".cg")
             tl.store(count_ptr + out_tile, 0)
-            if RES:
-                acc += tl.load(r_ptr + off, mask=ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            _store(acc, out_ptr, r_ptr, off, ok, RES)
     else:
-        if RES:
-            acc += tl.load(r_ptr + off, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        _store(acc, out_ptr, r_ptr, off, ok, RES)
+
+
+@triton.jit
+def _store(acc, out_ptr, r_ptr, off, ok, RES: tl.constexpr):
+    """acc [BN, BM] stored at `off` where `ok`, in out's dtype, plus r's values there where RES."""
+    if RES:
+        acc += tl.load(r_ptr + off, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=ok)
