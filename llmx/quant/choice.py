@@ -87,7 +87,7 @@ _LIMITS = (
     NATIVE_MAX_ROWS,
     ROWS8_MIN_M - 1,
     ROWS8_MAX_M,
-    *(top for _, top in MMQ_M.values()),
+    *(limit for low, high in MMQ_M.values() for limit in (low - 1, high)),
 )
 BUCKET_TOPS = tuple(sorted(set(_LIMITS) - {0}))
 # the bucket of each M up to the last top (M = 0: the first); larger M are in LAST_BUCKET
