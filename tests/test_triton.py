@@ -233,18 +233,19 @@ def test_dot8_rows_several_steps(name: str, shape: tuple[int, ...]) -> None:
     check_linear(w, ref, 5, torch.float32, seed=111, kernel="dot8_rows", gemv=tuning.LaunchShape(*shape))
 
 
-def test_dot8_rows_shares_launches_and_adds_a_residual() -> None:
-    """q/k/v-like weights of one type at M = 3 in one launch, each output equal to its own; a
-    residual [M, N] added at the store."""
-    ws = [laid_out(random_weight("Q4_K", n, 512, seed=120 + n)[0], "Q4_K", "prepared") for n in (5, 3, 9)]
+@pytest.mark.parametrize(("kernel", "m", "widths"), [("dot8_rows", 3, (5, 3, 9)), ("mmq", 20, (5, 3, 130))])
+def test_integer_kernels_share_launches(kernel: str, m: int, widths: tuple[int, int, int]) -> None:
+    """q/k/v-like weights of one type in one launch, each output equal to its own (mmq's third past
+    one tile of weight rows); a residual [M, N] added at the store."""
+    ws = [laid_out(random_weight("Q4_K", n, 512, seed=120 + n)[0], "Q4_K", "prepared") for n in widths]
     g = torch.Generator().manual_seed(125)
-    x, r = torch.randn(3, 512, generator=g).to(DEVICE), torch.randn(3, 9, generator=g).to(DEVICE)
-    outs = tops.run_many(x, x, ws, ["dot8_rows"] * 3)
-    assert [tuple(y.shape) for y in outs] == [(3, 5), (3, 3), (3, 9)]
+    x, r = torch.randn(m, 512, generator=g).to(DEVICE), torch.randn(m, widths[-1], generator=g).to(DEVICE)
+    outs = tops.run_many(x, x, ws, [kernel] * len(ws))
+    assert [tuple(y.shape) for y in outs] == [(m, n) for n in widths]
     for y, w in zip(outs, ws, strict=True):
-        assert torch.equal(y, tops.linear(x, w, kernel="dot8_rows"))
-    plain = tops.linear(x, ws[2], kernel="dot8_rows")
-    assert torch.equal(tops.linear(x, ws[2], kernel="dot8_rows", residual=r), plain + r)
+        assert torch.equal(y, tops.linear(x, w, kernel=kernel))
+    plain = tops.linear(x, ws[-1], kernel=kernel)
+    assert torch.equal(tops.linear(x, ws[-1], kernel=kernel, residual=r), plain + r)
 
 
 @pytest.mark.parametrize("name", DOT8_TYPES)
@@ -315,20 +316,6 @@ def test_mmq_splits() -> None:
     assert tops.mmq_splits(224, 16, 132) == (1, 16)
     assert tops.mmq_splits(48, 7, 132) == (3, 3)
     assert tops.mmq_splits(2, 1, 132) == (1, 1)
-
-
-def test_mmq_shares_launches_and_adds_a_residual() -> None:
-    """q/k/v-like weights of one type at M = 20 in one launch, each output equal to its own; a
-    residual [M, N] added at the store."""
-    ws = [laid_out(random_weight("Q4_K", n, 512, seed=150 + n)[0], "Q4_K", "prepared") for n in (5, 3, 130)]
-    g = torch.Generator().manual_seed(155)
-    x, r = torch.randn(20, 512, generator=g).to(DEVICE), torch.randn(20, 130, generator=g).to(DEVICE)
-    outs = tops.run_many(x, x, ws, ["mmq"] * 3)
-    assert [tuple(y.shape) for y in outs] == [(20, 5), (20, 3), (20, 130)]
-    for y, w in zip(outs, ws, strict=True):
-        assert torch.equal(y, tops.linear(x, w, kernel="mmq"))
-    plain = tops.linear(x, ws[2], kernel="mmq")
-    assert torch.equal(tops.linear(x, ws[2], kernel="mmq", residual=r), plain + r)
 
 
 @pytest.mark.parametrize("name", DOT8_TYPES)
