@@ -9,8 +9,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-STEPS, PROMPT_STEPS = "llmx_batch_steps", "llmx_batch_prompt_steps"
-SECONDS, PROMPT_SECONDS = "llmx_batch_step_seconds", "llmx_batch_prompt_step_seconds"
+from llmx.server.step_metrics import PROMPT_SECONDS, PROMPT_STEPS, SECONDS, STEPS
+
 COUNTERS = (STEPS, PROMPT_STEPS, SECONDS, PROMPT_SECONDS)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from llmx.engine import Timings
+from llmx.server import step_metrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -38,16 +39,16 @@ class Metrics:
         # every kernel), "sample" the sampling issued and the host's picks, "wait" for the step before's
         # ids (a GPU's time beyond the host's), "text" those ids through their replies, "hand_over" the
         # events to the HTTP handlers
-        self.batch_steps = Counter("llmx_batch_steps", "Batched steps run", registry=registry)
+        self.batch_steps = Counter(step_metrics.STEPS, "Batched steps run", registry=registry)
         self.prompt_steps = Counter(
-            "llmx_batch_prompt_steps", "Batched steps that carried a prompt chunk", registry=registry
+            step_metrics.PROMPT_STEPS, "Batched steps that carried a prompt chunk", registry=registry
         )
         self.batch_step_seconds = Counter(
-            "llmx_batch_step_seconds", "Batched steps' time, by part", ["part"], registry=registry
+            step_metrics.SECONDS, "Batched steps' time, by part", ["part"], registry=registry
         )
         # the same for the steps that carried a prompt chunk alone: decode-only steps are the rest
         self.prompt_step_seconds = Counter(
-            "llmx_batch_prompt_step_seconds",
+            step_metrics.PROMPT_SECONDS,
             "Time of the batched steps that carried a prompt chunk, by part",
             ["part"],
             registry=registry,
