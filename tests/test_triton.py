@@ -43,7 +43,7 @@ from llmx.quant import (  # noqa: E402
     choice,  # noqa: E402
     qtype,
 )
-from llmx.quant.triton import activation, tuning  # noqa: E402
+from llmx.quant.triton import activation, launch, tuning  # noqa: E402
 from llmx.quant.triton import layout as lay  # noqa: E402
 from llmx.quant.triton import matmul as tops  # noqa: E402
 from llmx.quant.triton.bits import u32, word_bytes  # noqa: E402
@@ -301,7 +301,7 @@ def test_mmq_split_over_k(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     w = laid_out(random_weight(name, 140, k, seed=160)[0], name, "prepared")
     x = torch.randn(24, k, generator=torch.Generator().manual_seed(161)).to(DEVICE)
     steps = -(-k // max(TUNED.mmq(name).bk, w.qtype.block_elems))
-    assert tops.mmq_splits(2, steps, tops._sm_count(x.device))[0] > 1
+    assert tops.mmq_splits(2, steps, launch.sm_count(x.device, tops.INTERPRETED_SMS))[0] > 1
     split = tops.linear(x, w, kernel="mmq")
     assert torch.equal(split, tops.linear(x, w, kernel="mmq"))
     assert not tops._split_counts(x.device).any()

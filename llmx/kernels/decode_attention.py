@@ -199,8 +199,7 @@ def _launch(
 def target_programs(device: torch.device) -> int:
     """How many programs (Hk * S) to split the keys into on `device`: the power of two nearest two
     waves of its SMs (256 on an H200's 132), so every SM gets work and a power-of-two Hk divides it."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-    return 1 << round(math.log2(2 * (sms or INTERPRETED_SMS)))
+    return 1 << round(math.log2(2 * launch.sm_count(device, INTERPRETED_SMS)))
 
 
 # --- kernels ------------------------------------------------------------------------------------

@@ -41,12 +41,29 @@ def programmatic_launch(device: torch.device) -> bool:
 
 def capability(device: torch.device) -> tuple[int, int]:
     """The CUDA compute capability of `device` (the current GPU where it names no index)."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return _capability(_index(device))
 
 
 @cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def sm_count(device: torch.device, interpreted: int) -> int:
+    """The SMs of GPU `device` (the current GPU where it names no index); `interpreted` for CPU tensors
+    (TRITON_INTERPRET), the stand-in a caller's tests split launches for."""
+    if device.type != "cuda":
+        return interpreted
+    return _sm_count(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @cache

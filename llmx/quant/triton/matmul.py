@@ -18,8 +18,6 @@ bf16 weight tiles; tf32 for float32 x).
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from llmx.errors import LlmxError
@@ -35,6 +33,7 @@ from llmx.quant.triton.launch import (
     lut,
     mmq,
     programmatic_launch,
+    sm_count,
 )
 from llmx.quant.triton.layout import Blocks, label, rows
 from llmx.quant.triton.tuning import GemmConfig, LaunchShape, for_device
@@ -50,7 +49,7 @@ MMQ_MIN_BM = 16  # the fewest rows of x a program of "mmq" takes: tl.dot's least
 MMQ_PROGRAMS_PER_SM = 2
 MMQ_MIN_SPLIT_STEPS = 2
 MMQ_SPLIT_COUNTS = 4096  # a device's split counters: more than any split launch's tiles (< its SMs)
-INTERPRETED_SMS = 8  # the interpreter's stand-in (see _sm_count)
+INTERPRETED_SMS = 8  # the interpreter's stand-in for the SMs: the tests' small launches split
 ROWS8_BM = 8  # rows of x a program of "dot8_rows" takes (llama.cpp's mmvq: up to 8), to be measured
 # Half-precision weight rows dequantized at a time for "dequant": a Llama-3-8B FFN matrix (112 MiB)
 # in one piece, since chunks of rows that split it give cuBLAS too few output tiles.
@@ -248,7 +247,7 @@ def _mmq(qx: QuantizedX, ws: list[Blocks], outs: list[torch.Tensor], residual: t
     m_tiles = cdiv(m, bm)
     tiles = sum(cdiv(w.shape[0], cfg.bn) for w in ws)
     steps = cdiv(k // qt.block_elems, su)
-    splits, split_steps = mmq_splits(tiles * m_tiles, steps, _sm_count(device))
+    splits, split_steps = mmq_splits(tiles * m_tiles, steps, sm_count(device, INTERPRETED_SMS))
     counts = _split_counts(device)
     if counts is None:  # a capture before any eager call: no split
         splits, split_steps, counts = 1, steps, torch.zeros(1, dtype=torch.int32, device=device)
@@ -272,19 +271,6 @@ def mmq_splits(programs: int, steps: int, sms: int) -> tuple[int, int]:
     splits = max(1, min(wanted, steps // MMQ_MIN_SPLIT_STEPS))
     split_steps = cdiv(steps, splits)
     return cdiv(steps, split_steps), split_steps
-
-
-def _sm_count(device: torch.device) -> int:
-    """The SMs of `device`; under the interpreter (CPU tensors) INTERPRETED_SMS, so that the tests'
-    small launches split."""
-    if device.type != "cuda":
-        return INTERPRETED_SMS
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}  # each device's split counters, all 0 between launches
