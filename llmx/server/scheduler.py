@@ -170,12 +170,13 @@ class Batcher(Worker):
             "plan": t1 - t0, "forward": forward, "sample": t2 - t1 - forward, "wait": waited,
             "text": t3 - t2 - waited, "hand_over": t4 - t3,
         }  # fmt: skip
+        with_prompt = any(prompts)
         for part, spent in parts.items():
             self.metrics.batch_step_seconds.labels(part).inc(spent)
-            if any(prompts):
+            if with_prompt:
                 self.metrics.prompt_step_seconds.labels(part).inc(spent)
         self.metrics.batch_steps.inc()
-        if any(prompts):
+        if with_prompt:
             self.metrics.prompt_steps.inc()
         for (slot, chunk), prompt in zip(work, prompts, strict=True):
             t = slot.timings
