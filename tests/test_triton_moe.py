@@ -179,6 +179,9 @@ def test_gemv_down_sums_the_slots_weighted() -> None:
     assert y.shape == (4, 9)
     assert rel_err(y, np.einsum("tjn,tj->tn", per, topw.double().numpy())) < TOL[torch.float32]
     assert rel_err(moe.moe_linear(h.to(DEVICE), w, ids), per) < TOL[torch.float32]  # per slot: [T, k, N]
+    res = randn(4, 9, seed=13)  # the layer's residual, added in the same launch
+    y_res = moe.moe_linear(h.to(DEVICE), w, ids, topw.to(DEVICE), residual=res.to(DEVICE))
+    assert torch.equal(y_res.cpu(), (y.cpu() + res))  # y's float32 sum plus the row: one rounding either way
 
 
 # --- few tokens on integer dot products: the grouped integer-dot GEMV ---------------------------------
@@ -217,6 +220,9 @@ def test_gemv8_down_sums_the_slots_weighted(name: str) -> None:
     y = moe.moe_linear(h.to(DEVICE), w, ids, topw.to(DEVICE))
     assert y.shape == (3, 6) and moe.kernel_of(3, [w]) == "dot8"
     check_dot8(y, h, lambda hs: np.einsum("tjn,tj->tn", per_slot(hs, ref, ids), topw.double().numpy()))
+    res = randn(3, 6, seed=45)  # the layer's residual, added in the same launch
+    y_res = moe.moe_linear(h.to(DEVICE), w, ids, topw.to(DEVICE), residual=res.to(DEVICE))
+    assert torch.equal(y_res.cpu(), y.cpu() + res)
 
 
 @pytest.mark.parametrize(("gate_type", "up_type"), [("Q4_K", "Q4_K"), ("Q6_K", "Q8_0")])
@@ -408,6 +414,9 @@ def test_moe_ffn(t: int, fused: bool) -> None:
     y_ref = np.einsum("tjn,tj->tn", per_slot(h, ref_d, ids), topw.double().numpy())
     assert y.shape == (t, d)
     assert rel_err(y, y_ref) < (TOL[torch.float32] if choice.moe(t) == "gemv" else gemm_tol(torch.float32))
+    res = randn(t, d, seed=32)  # the layer's residual: added by the down projection's launch, or after
+    y_res = moe.moe_ffn(x.to(DEVICE), gate, up, down, ids, topw.to(DEVICE), fused, residual=res.to(DEVICE))
+    assert torch.equal(y_res.cpu(), y.cpu() + res)
 
 
 def test_clear_errors_for_what_the_kernels_cannot_take() -> None:
@@ -423,6 +432,9 @@ def test_clear_errors_for_what_the_kernels_cannot_take() -> None:
         moe.moe_linear(torch.zeros(2, 32, device=DEVICE), w, ids)
     with pytest.raises(LlmxError, match="differ in shape"):
         moe.moe_swiglu(torch.zeros(1, 32, device=DEVICE), w, experts("Q8_0", 2, 4, 32, seed=33)[0], ids)
+    topw = torch.ones(1, 2, device=DEVICE)
+    with pytest.raises(LlmxError, match=r"a residual \(1, 4\) is added to the weighted sum"):
+        moe.moe_linear(torch.zeros(1, 32, device=DEVICE), w, ids, topw, residual=torch.zeros(1, 4).to(DEVICE))
 
 
 # --- GPU: Qwen3-30B-A3B's experts, and CUDA graphs --------------------------------------------------

@@ -107,8 +107,8 @@ def moe_ffn(
         else:
             moved = (x.to(device), gate_exps, up_exps, down_exps, weights.to(device), ids.to(device))
             y = moe_ffn(*moved, fused).to(x.device)
-    elif on_grouped_kernels(gate_exps, up_exps, down_exps):
-        y = grouped.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, fused)
+    elif on_grouped_kernels(gate_exps, up_exps, down_exps):  # the add in the down projection's launch
+        return grouped.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, fused, residual=residual)
     else:
         native = qw.moe_swiglu(x, gate_exps, up_exps, down_exps, weights, ids, residual)
         if native is not None:  # CPU GGUF blocks: one native call for the layer's experts (and the add)

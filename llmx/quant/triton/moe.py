@@ -8,14 +8,16 @@ values on the host, and every shape follows from T and k alone, so each call is 
 syncs and a CUDA graph can capture it. Results are in x's dtype (float32, float16, bfloat16),
 accumulated in float32.
 
-    moe_ffn(x, gate, up, down, expert_ids, topk_weights, fused=True, kernel=None) -> Tensor
+    moe_ffn(x, gate, up, down, expert_ids, topk_weights, fused=True, kernel=None, residual=None) -> Tensor
         x [T, D] -> [T, D]: sum over j of topk_weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t])
-        with e = expert_ids[t, j]; topk_weights [T, k] float. fused=False runs gate and up as two
-        launches (-no-fmoe). `kernel` (each call's) forces one of `choice.MOE_KERNELS` (benchmarks).
-    moe_linear(x, w, expert_ids, topk_weights=None, route=None, kernel=None) -> Tensor
+        with e = expert_ids[t, j], plus residual [T, D] where given; topk_weights [T, k] float.
+        fused=False runs gate and up as two launches (-no-fmoe). `kernel` (each call's) forces one of
+        `choice.MOE_KERNELS` (benchmarks).
+    moe_linear(x, w, expert_ids, topk_weights=None, route=None, kernel=None, residual=None) -> Tensor
         x [T, K] (every slot of token t multiplies x[t]) or [T, k, K] (slot j multiplies x[t, j])
         -> y [T, k, N], y[t, j] = W[expert_ids[t, j]] @ x; with topk_weights [T, k] the weighted
-        sum over the slots instead, [T, N].
+        sum over the slots instead, [T, N], plus residual [T, N] where given (the few-token
+        kernels add it as they store: a decode layer's last launch is its down projection).
     moe_swiglu(x, gate, up, expert_ids, route=None, kernel=None) -> Tensor
         x [T, K] -> [T, k, N]: silu(gate_e x[t]) * up_e x[t] in one launch (ik_llama.cpp's -fmoe);
         gate and up of one shape, their types may differ.
@@ -94,9 +96,10 @@ def moe_ffn(
     topk_weights: torch.Tensor,
     fused: bool = True,
     kernel: str | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The routed experts' SwiGLU FFN, weighted and summed: x [T, D] -> [T, D] (see the module
-    docstring)."""
+    """The routed experts' SwiGLU FFN, weighted and summed, plus `residual` where given: x [T, D] ->
+    [T, D] (see the module docstring)."""
     r = route(expert_ids, gate.shape[0]) if C.moe(x.shape[0], preference=kernel or "auto") == "gemm" else None
     if fused:
         h = moe_swiglu(x, gate, up, expert_ids, r, kernel)
@@ -104,7 +107,7 @@ def moe_ffn(
         g = moe_linear(x, gate, expert_ids, route=r, kernel=kernel)
         u = moe_linear(x, up, expert_ids, route=r, kernel=kernel)
         h = torch.nn.functional.silu(g) * u
-    return moe_linear(h, down, expert_ids, topk_weights, r, kernel)
+    return moe_linear(h, down, expert_ids, topk_weights, r, kernel, residual)
 
 
 def moe_linear(
@@ -114,10 +117,17 @@ def moe_linear(
     topk_weights: torch.Tensor | None = None,
     route: Route | None = None,
     kernel: str | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, K] or [T, k, K] times the chosen experts of W [E, N, K] -> [T, k, N], or with
-    topk_weights [T, k] their weighted sum [T, N] (see the module docstring)."""
-    return _run(x, w, None, expert_ids, topk_weights, route, kernel)
+    topk_weights [T, k] their weighted sum [T, N], plus `residual` [T, N] where given (see the module
+    docstring)."""
+    if residual is not None and (topk_weights is None or tuple(residual.shape) != (x.shape[0], w.shape[1])):
+        raise LlmxError(
+            f"a residual {tuple(residual.shape)} is added to the weighted sum [T, N] of {label(w)}, "
+            f"here {(x.shape[0], w.shape[1])}"
+        )
+    return _run(x, w, None, expert_ids, topk_weights, route, kernel, residual)
 
 
 def moe_swiglu(
@@ -194,9 +204,11 @@ def _run(
     topk_weights: torch.Tensor | None,
     r: Route | None,
     kernel: str | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x times W's chosen experts, gated by W2's (silu(x W) * x W2) where given, or weighted and
-    summed over the slots with topk_weights: the launches behind the public calls."""
+    summed over the slots with topk_weights (plus residual where given): the launches behind the
+    public calls."""
     raw, name, packed, (n_expert, n, k) = _experts(w)
     raw2, name2, packed2, _ = (raw, name, packed, None) if w2 is None else _experts(w2)
     t, slots = expert_ids.shape
@@ -214,18 +226,20 @@ def _run(
     table = lut(raw.device)
     g, g2 = w.qtype.scale_group, (w2 or w).qtype.scale_group
     if choice in ("dot8", "gemv"):
-        out = torch.empty((t if topk_weights is not None else t * slots, n), dtype=x.dtype, device=x.device)
+        dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        out = torch.empty((t if topk_weights is not None else t * slots, n), dtype=dtype, device=x.device)
+        res = out if residual is None else residual.contiguous()  # read only with RES
         if out.numel() and choice == "dot8":  # x quantized once for all pairs (gate and up share it)
             qx = PENDING.quantized(x) or quantize_x(x2)
-            _gemv8(qx, w, raw, w2, raw2, ids, None if topk_weights is None else weights, out, x_div)
+            _gemv8(qx, w, raw, w2, raw2, ids, None if topk_weights is None else weights, out, x_div, residual)
         elif out.numel():
             cfg = for_device(raw.device).gemv(name, 1)
             moe_kernels().moe_gemv_kernel[(cdiv(n, cfg.bn), out.shape[0])](
-                x2, raw, raw2, table, ids, weights, out, n, k, n_expert, slots, x_div, x2.stride(0),
+                x2, raw, raw2, table, ids, weights, res, out, n, k, n_expert, slots, x_div, x2.stride(0),
                 raw.stride(0), raw2.stride(0), out.stride(0),
                 QT=name, QT2=name2, PACKED=packed, PACKED2=packed2, G=g, G2=g2, BN=cfg.bn,
                 BK=step_weights(cfg.bk, k), GATED=w2 is not None, SUM=topk_weights is not None,
-                num_warps=cfg.num_warps,
+                RES=residual is not None, num_warps=cfg.num_warps,
             )  # fmt: skip
         return out if topk_weights is not None else out.reshape(t, slots, n)
     r = r or route(ids, n_expert)
@@ -243,9 +257,10 @@ def _run(
             GROUP_M=GROUP_M, GATED=w2 is not None, SCALE=topk_weights is not None, DOT=dot,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
-    if topk_weights is not None:
-        return out.reshape(t, slots, n).sum(dim=1)
-    return out.reshape(t, slots, n)
+    if topk_weights is None:
+        return out.reshape(t, slots, n)
+    y = out.reshape(t, slots, n).sum(dim=1)
+    return y if residual is None else y + residual
 
 
 def _gemv8(
@@ -258,11 +273,12 @@ def _gemv8(
     topk_weights: torch.Tensor | None,
     out: torch.Tensor,
     x_div: int,
+    residual: torch.Tensor | None = None,
 ) -> None:
     """The integer-dot grouped GEMV's launch (`moe_kernels.moe_gemv8_kernel`): out = x (quantized,
     `qx`) times the experts `ids` [T, k] of W, gated by W2's where given, or summed over the slots
-    weighted by `topk_weights`; x row p // x_div for pair p. `raw`, `raw2`: W's and W2's
-    `layout.rows` (W's again without W2)."""
+    weighted by `topk_weights` (plus `residual` where given); x row p // x_div for pair p. `raw`,
+    `raw2`: W's and W2's `layout.rows` (W's again without W2)."""
     n_expert, n, k = w.shape
     cfg, bk = _gemv8_shape(w, k, topk_weights is not None)
     types, row_units = [], []
@@ -272,10 +288,12 @@ def _gemv8(
         row_units.append(r.stride(0) // (4 * row_words))
     consts = gemv8_constants(types, k, bk)
     weights = ids if topk_weights is None else topk_weights  # read only with SUM
+    res = out if residual is None else residual  # read only with RES
     moe_kernels().moe_gemv8_kernel[(cdiv(n, cfg.bn), out.shape[0])](
-        qx.q, qx.dx, qx.sums, raw, raw2, ids, weights, out, n, k, n_expert, x_div, *row_units, out.stride(0),
-        BN=cfg.bn, LATE=cfg.late_headers, SLOTS=ids.shape[1], ASM=not interpreting(), GATED=w2 is not None,
-        SUM=topk_weights is not None, num_warps=cfg.num_warps, maxnreg=cfg.max_registers, **consts,
+        qx.q, qx.dx, qx.sums, raw, raw2, ids, weights, res, out, n, k, n_expert, x_div, *row_units,
+        out.stride(0), BN=cfg.bn, LATE=cfg.late_headers, SLOTS=ids.shape[1], ASM=not interpreting(),
+        GATED=w2 is not None, SUM=topk_weights is not None, RES=residual is not None, num_warps=cfg.num_warps,
+        maxnreg=cfg.max_registers, **consts,
     )  # fmt: skip
 
 

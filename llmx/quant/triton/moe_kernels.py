@@ -9,7 +9,8 @@ gate and up projections of a SwiGLU expert, ik_llama.cpp's -fmoe), whose types m
 
     moe_gemv_kernel: grid (N / BN, pairs), or (N / BN, tokens) with SUM: one program, BN outputs of
                      one pair, or of one token summed over its k slots weighted by topw (the down
-                     projection's weighted sum, with no [T, k, N] buffer and no atomics)
+                     projection's weighted sum, with no [T, k, N] buffer and no atomics), plus the
+                     token's residual row with RES (the layer's residual add, in the same launch)
     moe_gemv8_kernel: `moe_gemv_kernel` on integer dot products (`dot8`): x quantized per 32 values,
                      the weights' words met in dp4a, for the types `dot8` reads (Q4_K, Q6_K, Q8_0) in
                      `layout.prepare`'s layout
@@ -46,9 +47,10 @@ def _gemv_step(QT: tl.constexpr, w_ptr, row_off, lut_ptr, x_ptr, k0, K, PACKED: 
 
 @triton.jit
 def moe_gemv_kernel(
-    x_ptr, w_ptr, w2_ptr, lut_ptr, ids_ptr, topw_ptr, out_ptr, N, K, E, SLOTS, x_div, sxm, swn, swn2, som,
-    QT: tl.constexpr, QT2: tl.constexpr, PACKED: tl.constexpr, PACKED2: tl.constexpr, G: tl.constexpr,
+    x_ptr, w_ptr, w2_ptr, lut_ptr, ids_ptr, topw_ptr, res_ptr, out_ptr, N, K, E, SLOTS, x_div, sxm, swn, swn2,
+    som, QT: tl.constexpr, QT2: tl.constexpr, PACKED: tl.constexpr, PACKED2: tl.constexpr, G: tl.constexpr,
     G2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, SUM: tl.constexpr,
+    RES: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of pair program_id(1), or with SUM of token program_id(1) over its
     SLOTS pairs. Per-group sums stay [BN, BK / G] until the end of a pair, as in `gemv_kernel`."""
@@ -80,7 +82,17 @@ def moe_gemv_kernel(
             y2 += tl.sum(acc2, axis=1)
     if GATED:
         y = y * tl.sigmoid(y) * y2
-    tl.store(out_ptr + row.to(tl.int64) * som + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+    _store(out_ptr, res_ptr, row, som, rn, N, y, RES)
+
+
+@triton.jit
+def _store(out_ptr, res_ptr, row, som, rn, N, y, RES: tl.constexpr):
+    """Row `row`'s outputs rn (y [BN], float32) to out, plus the same row of res (out's shape and
+    strides) with RES."""
+    at = row.to(tl.int64) * som + rn
+    if RES:
+        y += tl.load(res_ptr + at, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
 @triton.jit
@@ -112,16 +124,18 @@ def _pair_dots(
 
 @triton.jit
 def moe_gemv8_kernel(
-    xq_ptr, dx_ptr, xs_ptr, w_ptr, w2_ptr, ids_ptr, topw_ptr, out_ptr, N, K, E, x_div, row_units, row_units2,
-    som, QT: tl.constexpr, QT2: tl.constexpr, UNIT: tl.constexpr, UNIT2: tl.constexpr, QUADS: tl.constexpr,
-    QUADS2: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr, BU2: tl.constexpr, EVEN: tl.constexpr,
-    EVEN2: tl.constexpr, ROW_WORDS: tl.constexpr, ROW_WORDS2: tl.constexpr, LATE: tl.constexpr,
-    SLOTS: tl.constexpr, ONE_STEP: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr, SUM: tl.constexpr,
+    xq_ptr, dx_ptr, xs_ptr, w_ptr, w2_ptr, ids_ptr, topw_ptr, res_ptr, out_ptr, N, K, E, x_div, row_units,
+    row_units2, som, QT: tl.constexpr, QT2: tl.constexpr, UNIT: tl.constexpr, UNIT2: tl.constexpr,
+    QUADS: tl.constexpr, QUADS2: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr, BU2: tl.constexpr,
+    EVEN: tl.constexpr, EVEN2: tl.constexpr, ROW_WORDS: tl.constexpr, ROW_WORDS2: tl.constexpr,
+    LATE: tl.constexpr, SLOTS: tl.constexpr, ONE_STEP: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr,
+    SUM: tl.constexpr, RES: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of pair program_id(1), or with SUM of token program_id(1) over its
-    SLOTS pairs, from x quantized per 32 values (xq, dx, xs: `dot8.store_quantized`'s buffers, one
-    row a token, or a pair with x_div = 1), by `dot8`'s steps. The partial sums stay
-    [BN, BU * QUADS] (with SUM, each pair's weighted by topw) and are reduced once, at the end.
+    SLOTS pairs (plus its residual row with RES), from x quantized per 32 values (xq, dx, xs:
+    `dot8.store_quantized`'s buffers, one row a token, or a pair with x_div = 1), by `dot8`'s steps.
+    The partial sums stay [BN, BU * QUADS] (with SUM, each pair's weighted by topw) and are reduced
+    once, at the end.
 
     ONE_STEP (rows of at most one step, as a decode step's experts: 2048 and 768 weights): the
     pairs are the pipeline's steps, each pair's weights (gate's and up's) loaded before the previous
@@ -174,7 +188,7 @@ def moe_gemv8_kernel(
     if GATED:
         y2 = tl.sum(acc2, axis=1)
         y = y * tl.sigmoid(y) * y2
-    tl.store(out_ptr + row.to(tl.int64) * som + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+    _store(out_ptr, res_ptr, row, som, rn, N, y, RES)
 
 
 @triton.jit
