@@ -1,8 +1,10 @@
-"""The native CPU GEMV with several rows of x: each row in turn against all rows at once.
+"""The native CPU GEMV with several rows of x: each row in turn, all rows at once a W row, and 16 W rows.
 
 `cpu_blocks.c` multiplies a W row with M > 1 rows of x in one kernel (`rows_fn`: the block's codes
-unpacked once, 16-bit multiply-adds) from ROWS_FROM rows; built with ROWS_FROM past MAX_ROWS it runs
-the one-row dot product once a row, as it did before. Both builds take turns, round by round, on the
+unpacked once, 16-bit multiply-adds) from ROWS_FROM rows, and 16 W rows at once (`wide_fn`: a W row a
+32-bit lane) from WIDE_FROM rows where the type has a wide kernel; built with ROWS_FROM and WIDE_FROM
+past MAX_ROWS it runs the one-row dot product once a row, as it did before, and with WIDE_FROM alone
+past it the kernels of one W row. The three builds take turns, round by round, on the
 same matrix of each type: --mib of rows of K = 1024 (64 MiB streams from RAM, as a decode step's
 weights do; 2 MiB stays in cache, where the arithmetic alone counts). Prints us a call (best of each
 round's --calls, the range over rounds) and the ratio of the medians. On a machine shared with other
@@ -52,15 +54,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         builds = {}
-        for name, flags in (("each row", [f"-DROWS_FROM={cpu_native.MAX_ROWS + 1}"]), ("rows", [])):
+        never = cpu_native.MAX_ROWS + 1
+        for name, flags in (
+            ("each row", [f"-DROWS_FROM={never}", f"-DWIDE_FROM={never}"]),
+            ("rows", [f"-DWIDE_FROM={never}"]),
+            ("wide", []),
+        ):
             path = Path(tmp) / f"{name.replace(' ', '_')}.so"
             cpu_native.compile_to(path, *flags)
             builds[name] = lib = cpu_native.bind(path)
             lib.llmx_set_prefetch(cpu_native.prefetch_distance(lib, args.threads))
     clock = "CPU time" if args.threads == 1 else "wall time"
     print(f"{args.threads} threads ({clock}), {args.mib:g} MiB a matrix, K = {K}; us a call, their range\n")
-    print("| type | M | each row | rows | speed-up |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| type | M | each row | rows | 16 W rows | rows / each row | 16 W rows / rows |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in args.types.split(","):
         qt = qtype(name)
         n = int(args.mib * 2**20) // qt.row_bytes(K)
@@ -76,9 +83,10 @@ def main() -> None:
             for _ in range(args.rounds):
                 for build, gemv in calls.items():
                     times[build].append(timed(gemv, x, args.calls))
-            cells = [f"{min(t):.0f}-{max(t):.0f}" for t in times.values()]
-            ratio = statistics.median(times["each row"]) / statistics.median(times["rows"])
-            print(f"| {name} | {m} | {cells[0]} | {cells[1]} | {ratio:.2f}x |", flush=True)
+            cells = " | ".join(f"{min(t):.0f}-{max(t):.0f}" for t in times.values())
+            median = {b: statistics.median(t) for b, t in times.items()}
+            ratios = f"{median['each row'] / median['rows']:.2f}x | {median['rows'] / median['wide']:.2f}x"
+            print(f"| {name} | {m} | {cells} | {ratios} |", flush=True)
 
 
 if __name__ == "__main__":

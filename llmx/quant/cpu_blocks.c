@@ -11,7 +11,8 @@
  * dot-product instructions, as llama.cpp's do with 8-bit x, and applies the group's scales once to
  * the exact integer sum: about a third of the instructions of float32 products, which left one core
  * at ~6 GB/s, short of its share of RAM's bandwidth. Up to 64 rows of x reuse each weight row while
- * it sits in L1, their products formed from codes unpacked once (see rows_fn). Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
+ * it sits in L1, their products formed from codes unpacked once (see rows_fn; with AVX-512, 16 rows
+ * of W at once, see wide_fn). Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
  * are written out (VNNI's dpbusd where the CPU has it, else maddubs + madd: the same exact sums; with
  * AVX-512 VNNI two groups or blocks a 512-bit register);
  * elsewhere a portable loop decodes a block and multiplies it with x's rounded values in float32.
@@ -738,23 +739,26 @@ static int block_of(int type, dot_fn *dot, void (**decode)(const uint8_t *, floa
 /* --- passes of GEMVs over several matrices -------------------------------------------------------- */
 
 /* m rows of x [m, k] as the dot products read them (qx_t), in one allocation: the code halves (255
- * and 256 splits), the whole codes (int16, see qx_set), then per group dx, s32, two s16, and (X_FLOATS) f, k floats a row. */
+ * and 256 splits), the whole codes (int16, see qx_set), the same codes in pairs (see wide_fn), then per
+ * group dx, s32, two s16, and (X_FLOATS) f, k floats a row. */
 typedef struct {
     int8_t *hi, *lo, *hi8, *lo8;
     int16_t *c;
+    int32_t *pair;
     float *dx, *s32, *s16, *f;
     int64_t k, groups;
 } qx_rows_t;
 
 static int qx_alloc(qx_rows_t *q, int64_t m, int64_t k) {
     const int64_t groups = k / 32;
-    q->hi = malloc((size_t)(6 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k)));
+    q->hi = malloc((size_t)(8 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k)));
     if (q->hi == NULL) return 0;
     q->lo = q->hi + m * k;
     q->hi8 = q->lo + m * k;
     q->lo8 = q->hi8 + m * k;
     q->c = (int16_t *)(q->lo8 + m * k);
-    q->dx = (float *)(q->c + m * k);
+    q->pair = (int32_t *)(q->c + m * k);
+    q->dx = (float *)(q->pair + m * k / 2);
     q->s32 = q->dx + m * groups;
     q->s16 = q->s32 + m * groups;
     q->f = q->s16 + 2 * m * groups;
@@ -772,12 +776,17 @@ static inline qx_t qx_row(const qx_rows_t *q, int64_t i) {
 /* Group g of the rows (row g / groups, its values from 32 (g % groups)) quantized from 32 floats. The
  * whole codes c = 255 hi + lo go to c as 16 of the group's even positions, then its 16 odd ones: the
  * order in which widen_even_odd lays out a weight block's bytes, so that 16-bit multiply-adds of
- * the two halves sum each run of four positions into one lane, as the byte dot products do. */
+ * the two halves sum each run of four positions into one lane, as the byte dot products do. Word p of
+ * the group's 16 in `pair` holds the codes of positions p (low half) and p + 16: the positions that
+ * a 32-weight block's byte p holds for the nibble types (wide_fn). */
 static inline void qx_set(const qx_rows_t *q, int64_t g, const float *values) {
     int8_t *hi = q->hi + 32 * g, *lo = q->lo + 32 * g;
     quantize_group(values, hi, lo, q->hi8 + 32 * g, q->lo8 + 32 * g, q->dx + g, q->s16 + 2 * g, q->s32 + g,
                    q->f + X_FLOATS * 32 * g);
     for (int l = 0; l < 32; l++) q->c[32 * g + l / 2 + 16 * (l & 1)] = (int16_t)(255 * hi[l] + lo[l]);
+    for (int p = 0; p < 16; p++)
+        q->pair[16 * g + p] = (int32_t)((uint32_t)(uint16_t)(255 * hi[p] + lo[p]) |
+                                        (uint32_t)(uint16_t)(255 * hi[p + 16] + lo[p + 16]) << 16);
 }
 
 /* Every row of x quantized: inside a parallel region the groups shared out among the team, outside
@@ -1047,14 +1056,230 @@ static rows_fn rows_of(int type) {
 #endif
 }
 
+/* --- sixteen rows of W times several rows of x ------------------------------------------------------- */
+
+/* rows_legacy multiplies one W row with each x row as the one-row kernel does: a block's products in a
+ * vector of lanes, joined across the lanes before the block's scales apply. At 8 x rows those joins
+ * and the float work around them cost more than the multiply-adds (~61 micro-ops for 256 products).
+ * A wide kernel takes W_TILE = 16 rows of W at once, row r in 32-bit lane r: a block's codes of the
+ * 16 rows are transposed so that one register holds the same two positions (p, p + 16) of every row,
+ * which each x row multiplies by its own two codes broadcast (qx_rows_t.pair; VNNI's dpwssd on
+ * 16-bit codes): 16 multiply-adds give the 16 rows' exact block sums, with no join. The transpose is
+ * shared by the x rows. The float work then runs as the one-row kernel's for each pair of rows (the
+ * lanes of blocks b mod 8 kept apart, joined by hsum's tree, a row's last blocks one by one), so each
+ * product equals the one-row kernel's to the bit. On the 2-core Zen 4 (one thread, Q4_1 in cache:
+ * bench/cpu_rows.py) 8 x rows take 534 us where a W row at a time took 760, 4 rows 268 against 440:
+ * the time grows with the x rows alone, the multiply-adds bound it. */
+typedef void (*wide_fn)(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                        int64_t nx, float *y, int64_t y_stride);
+#define W_TILE 16
+#ifndef WIDE_FROM
+#define WIDE_FROM 3 /* x rows from which a pass takes the wide kernels (2 are faster a W row at a time) */
+#endif
+
+#ifdef LLMX_AVX512
+/* The 16 x 16 matrix of 32-bit words v (row i in v[i]) transposed in place. */
+static inline void transpose16(__m512i v[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* b[i + j], 128-bit lane L: column 4L + j of rows i .. i + 3 */
+        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* the 4 x 4 matrix of 128-bit lanes b[j], b[4 + j], b[8 + j], b[12 + j] */
+        const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44), c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+        v[j] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        v[4 + j] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        v[8 + j] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        v[12 + j] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+}
+
+/* The 16 x 8 matrix of 32-bit words v (row i in v[i], its words 0-7) transposed: out[j] lane i holds
+ * word j of row i. */
+static inline void transpose16x8(const __m256i v[16], __m512i out[8]) {
+    __m512i a[8], b[8], c[8];
+    for (int i = 0; i < 8; i++) { /* rows k and k + 4 side by side (k: 0-3, 8-11): 8 x 8 transposes in both halves */
+        const int k = i < 4 ? i : i + 4;
+        a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(v[k]), v[k + 4], 1);
+    }
+    for (int i = 0; i < 8; i += 2) {
+        b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+        b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        c[i] = _mm512_unpacklo_epi64(b[i], b[i + 2]);
+        c[i + 1] = _mm512_unpackhi_epi64(b[i], b[i + 2]);
+        c[i + 2] = _mm512_unpacklo_epi64(b[i + 1], b[i + 3]);
+        c[i + 3] = _mm512_unpackhi_epi64(b[i + 1], b[i + 3]);
+    } /* c[i + j], 128-bit lane L: word 4 (L % 2) + j of rows 2i + 4 (L / 2) .. + 3 */
+    for (int j = 0; j < 4; j++) {
+        out[j] = _mm512_shuffle_i32x4(c[j], c[4 + j], 0x88);     /* lanes 0, 2 of each: words j */
+        out[4 + j] = _mm512_shuffle_i32x4(c[j], c[4 + j], 0xDD); /* lanes 1, 3: words 4 + j */
+    }
+}
+
+/* Block b of 16 rows row_bytes apart (`kind`: Q4_0, Q4_1, Q8_0) as pairs of codes: wp[p] lane r holds row
+ * r's codes of positions p (low 16 bits) and p + 16 (Q4_0/Q4_1: byte p's two nibbles; Q8_0: bytes p and
+ * p + 16, signed); returns the rows' d (and Q4_1's m) as floats. */
+static inline void legacy_pairs16(const uint8_t *b, int64_t row_bytes, int kind, __m512i wp[16], __m512 *d, __m512 *m) {
+    if (kind == L_Q8_0) {
+        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                                    7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        for (int r = 0; r < W_TILE; r++)
+            wp[r] = _mm512_permutexvar_epi16(interleave, _mm512_cvtepi8_epi16(load32(b + r * row_bytes + 2)));
+        transpose16(wp);
+        uint16_t halves[W_TILE]; /* the rows' d: cheaper through memory than a gather */
+        for (int r = 0; r < W_TILE; r++) memcpy(halves + r, b + r * row_bytes, 2);
+        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)halves));
+        return;
+    }
+    /* Each row's block read as words (masked: no byte outside it): Q4_1's d and m, then its 16 bytes of
+     * nibbles; Q4_0's from 2 bytes before it, so that d fills the first word's high half. */
+    const int q4_0 = kind == L_Q4_0;
+    const __mmask32 inside = q4_0 ? 0xFFFFCu : 0xFFFFFu;
+    __m256i rows[16];
+    __m512i words[8];
+    for (int r = 0; r < W_TILE; r++) rows[r] = _mm256_maskz_loadu_epi8(inside, b + r * row_bytes - 2 * q4_0);
+    transpose16x8(rows, words);
+    const __m512i dm = q4_0 ? _mm512_srli_epi32(words[0], 16) : words[0];
+    *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+    *m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+    const __m512i keep = _mm512_set1_epi32(0x000F000F);
+    for (int p = 0; p < 16; p++) { /* byte p: word 1 + p / 4, its byte p % 4 */
+        const __m512i v = _mm512_and_si512(_mm512_srli_epi32(words[1 + p / 4], 8 * (p % 4)), _mm512_set1_epi32(0xFF));
+        wp[p] = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), keep, 0xA8); /* (v | v << 12) & keep */
+    }
+}
+
+/* Row r's exact integer sums of block blk with each of `rows` x rows' codes (pairs[t]: its words) in lane
+ * r of sums[t], as floats. The x rows' multiply-adds interleave: each row's chain of 16 waits on itself. */
+static inline __attribute__((always_inline)) void block_sums16(const __m512i wp[16], const int32_t *const pairs[ROW_TILE],
+                                                               int64_t blk, __m512 sums[ROW_TILE], int rows) {
+    __m512i s[ROW_TILE];
+    for (int t = 0; t < rows; t++) s[t] = _mm512_setzero_si512();
+    for (int p = 0; p < 16; p++)
+        for (int t = 0; t < rows; t++) s[t] = _mm512_dpwssd_epi32(s[t], wp[p], _mm512_set1_epi32(pairs[t][16 * blk + p]));
+    for (int t = 0; t < rows; t++) sums[t] = _mm512_cvtepi32_ps(s[t]);
+}
+
+/* hsum's tree over the lanes of blocks b mod 8, one (row, x row) a lane. */
+static inline __m512 tree8(const __m512 a[8]) {
+    return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                         _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+}
+
+/* Block blk of a tile: the rows' products with each of `rows` x rows (sums[t], row r in lane r) and the
+ * rows' d and m (Q4_0's m: its offset times d); with `next` not NULL, the block's share of the next tile's
+ * bytes is asked for (`next`: that tile). */
+static inline __attribute__((always_inline)) void wide_block(const uint8_t *w, int64_t row_bytes, int64_t blk, int kind,
+                                                             const uint8_t *next, const int32_t *const pairs[ROW_TILE],
+                                                             __m512 sums[ROW_TILE], __m512 *d, __m512 *m, int rows) {
+    const int bytes = legacy_bytes(kind);
+    if (next != NULL)
+        for (int o = 0; o < W_TILE * bytes; o += 64) _mm_prefetch((const char *)(next + W_TILE * bytes * blk + o), _MM_HINT_T0);
+    __m512i wp[16];
+    legacy_pairs16(w + bytes * blk, row_bytes, kind, wp, d, m);
+    if (!legacy_has_m(kind)) *m = _mm512_mul_ps(*d, _mm512_set1_ps(legacy_offset(kind)));
+    block_sums16(wp, pairs, blk, sums, rows);
+}
+
+/* A tile's 16 W rows times `rows` x rows (4 or 8; xs[0..nt), the rest repeating the last, their results
+ * dropped) for the 32-weight types without fifth bits (Q4_0, Q4_1, Q8_0), as dot_legacy_nibbles and
+ * dot_q8_0 compute each product: eight blocks at a time into lanes b mod 8, hsum's tree, then the last
+ * blocks. */
+static inline __attribute__((always_inline)) void wide_tile(const uint8_t *w, int64_t row_bytes, int64_t blocks,
+                                                            const qx_rows_t *qx, const int64_t *xs, int64_t nt,
+                                                            const uint8_t *next, float *y, int64_t y_stride, int kind,
+                                                            int rows) {
+    const int is_q8 = kind == L_Q8_0;
+    const int32_t *pairs[ROW_TILE];
+    const float *dx[ROW_TILE], *s32[ROW_TILE];
+    __m512 acc[ROW_TILE][8], offsets[ROW_TILE][8], total[ROW_TILE], sums[ROW_TILE], d, m;
+    for (int t = 0; t < rows; t++) {
+        const int64_t row = xs[t < nt ? t : nt - 1];
+        pairs[t] = qx->pair + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups, s32[t] = qx->s32 + row * qx->groups;
+        for (int i = 0; i < 8; i++) acc[t][i] = offsets[t][i] = _mm512_setzero_ps();
+    }
+    int64_t blk = 0;
+    for (; blk + 8 <= blocks; blk += 8)
+        for (int i = 0; i < 8; i++) {
+            wide_block(w, row_bytes, blk + i, kind, next, pairs, sums, &d, &m, rows);
+            for (int t = 0; t < rows; t++) {
+                acc[t][i] = _mm512_fmadd_ps(sums[t], _mm512_mul_ps(d, _mm512_set1_ps(dx[t][blk + i])), acc[t][i]);
+                if (!is_q8) offsets[t][i] = _mm512_fmadd_ps(m, _mm512_set1_ps(s32[t][blk + i]), offsets[t][i]);
+            }
+        }
+    for (int t = 0; t < rows; t++) total[t] = is_q8 ? tree8(acc[t]) : _mm512_add_ps(tree8(acc[t]), tree8(offsets[t]));
+    for (; blk < blocks; blk++) {
+        wide_block(w, row_bytes, blk, kind, next, pairs, sums, &d, &m, rows);
+        for (int t = 0; t < rows; t++) {
+            total[t] = _mm512_fmadd_ps(sums[t], _mm512_mul_ps(d, _mm512_set1_ps(dx[t][blk])), total[t]);
+            if (!is_q8) total[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(s32[t][blk]), total[t]);
+        }
+    }
+    for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, total[t]);
+}
+
+/* The x rows ROW_TILE at a time, a last few (up to 4) in a tile of 4: half the multiply-adds. */
+static inline void wide_legacy(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx,
+                               const int64_t *xs, int64_t nx, float *y, int64_t y_stride, int kind) {
+    for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
+        const int64_t nt = tile_of(nx, t0);
+        const uint8_t *next = t0 == 0 ? w + W_TILE * row_bytes : NULL; /* read ahead once */
+        if (nt > 4)
+            wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, ROW_TILE);
+        else
+            wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, 4);
+    }
+}
+
+static void wide_q4_0(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                      int64_t nx, float *y, int64_t y_stride) {
+    wide_legacy(w, row_bytes, blocks, qx, xs, nx, y, y_stride, L_Q4_0);
+}
+
+static void wide_q4_1(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                      int64_t nx, float *y, int64_t y_stride) {
+    wide_legacy(w, row_bytes, blocks, qx, xs, nx, y, y_stride, L_Q4_1);
+}
+
+static void wide_q8_0(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                      int64_t nx, float *y, int64_t y_stride) {
+    wide_legacy(w, row_bytes, blocks, qx, xs, nx, y, y_stride, L_Q8_0);
+}
+#endif
+
+static wide_fn wide_of(int type) {
+#ifdef LLMX_AVX512
+    switch (type) {
+    case T_Q4_0: return wide_q4_0;
+    case T_Q4_1: return wide_q4_1;
+    case T_Q8_0: return wide_q8_0;
+    default: return NULL;
+    }
+#else
+    (void)type;
+    return NULL;
+#endif
+}
+
 /* One matrix of a pass: n rows of `blocks` blocks, row_bytes apart, each multiplied with the quantized
  * x rows xs[0..nx); the product of row r with x row xs[i] goes to y[i * y_stride + r]. `start` is its
- * first row in the pass (set by pass_rows). */
+ * first row in the pass and `first_tile` its first tile of W_TILE rows (set by pass_rows). */
 typedef struct {
     dot_fn dot;
     rows_fn rows;
+    wide_fn wide;
     const uint8_t *w;
-    int64_t row_bytes, blocks, n, start;
+    int64_t row_bytes, blocks, n, start, first_tile;
     const int64_t *xs;
     int64_t nx;
     float *y;
@@ -1066,16 +1291,24 @@ static int matrix_of(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
     void (*decode)(const uint8_t *, float *);
     int qk, bytes;
     if (!block_of(type, &a->dot, &decode, &qk, &bytes) || k % qk != 0) return 0;
-    a->rows = rows_of(type);
+    a->rows = rows_of(type), a->wide = wide_of(type);
     a->w = w, a->row_bytes = row_bytes, a->blocks = k / qk, a->n = n;
     return 1;
 }
 
-/* Numbers the matrices' rows one after another; returns how many there are. */
+/* Numbers the matrices' rows one after another, and their tiles of W_TILE rows (a matrix's last may be
+ * short); returns how many rows there are. */
 static int64_t pass_rows(matrix_t *mats, int64_t count) {
-    int64_t total = 0;
-    for (int64_t j = 0; j < count; j++) mats[j].start = total, total += mats[j].n;
+    int64_t total = 0, tiles = 0;
+    for (int64_t j = 0; j < count; j++) {
+        mats[j].start = total, total += mats[j].n;
+        mats[j].first_tile = tiles, tiles += (mats[j].n + W_TILE - 1) / W_TILE;
+    }
     return total;
+}
+
+static int64_t pass_tiles(const matrix_t *mats, int64_t count) {
+    return mats[count - 1].first_tile + (mats[count - 1].n + W_TILE - 1) / W_TILE;
 }
 
 /* Rows go out in chunks, up to CHUNKS_A_THREAD a thread, to whichever thread is free: a VM's threads
@@ -1095,23 +1328,31 @@ static int64_t chunk_of(const matrix_t *mats, int64_t total, int threads) {
 }
 
 /* Inside a parallel region: every row of the pass's matrices times its x rows, each row read once
- * (it stays in L1 while the x rows take turns), the rows shared out as chunk_of says. */
-static void gemv_pass(const matrix_t *mats, int64_t count, int64_t total, const qx_rows_t *qx, int64_t chunk) {
+ * (it stays in L1 while the x rows take turns), the rows shared out as chunk_of says, W_TILE at a time:
+ * whole tiles of several x rows take the wide kernel where the type has one. */
+static void gemv_pass(const matrix_t *mats, int64_t count, const qx_rows_t *qx, int64_t chunk) {
+    const int64_t tiles = pass_tiles(mats, count), chunk_tiles = (chunk + W_TILE - 1) / W_TILE;
     int64_t j = 0;
-#pragma omp for schedule(dynamic, chunk)
-    for (int64_t r = 0; r < total; r++) {
-        if (r < mats[j].start) j = 0; /* a thread's chunks come in order: j rarely starts over */
-        while (j + 1 < count && r >= mats[j + 1].start) j++;
+#pragma omp for schedule(dynamic, chunk_tiles)
+    for (int64_t u = 0; u < tiles; u++) {
+        if (u < mats[j].first_tile) j = 0; /* a thread's chunks come in order: j rarely starts over */
+        while (j + 1 < count && u >= mats[j + 1].first_tile) j++;
         const matrix_t *a = mats + j;
-        const int64_t i = r - a->start;
-        const uint8_t *row = a->w + i * a->row_bytes;
-        if (a->rows != NULL && a->nx >= ROWS_FROM) {
-            a->rows(row, a->blocks, qx, a->xs, a->nx, a->y + i, a->y_stride);
+        const int64_t i0 = (u - a->first_tile) * W_TILE, n = a->n - i0 < W_TILE ? a->n - i0 : W_TILE;
+        if (a->wide != NULL && a->nx >= WIDE_FROM && n == W_TILE) {
+            a->wide(a->w + i0 * a->row_bytes, a->row_bytes, a->blocks, qx, a->xs, a->nx, a->y + i0, a->y_stride);
             continue;
         }
-        for (int64_t t = 0; t < a->nx; t++) {
-            const qx_t xt = qx_row(qx, a->xs[t]);
-            a->y[t * a->y_stride + i] = a->dot(row, a->blocks, &xt);
+        for (int64_t i = i0; i < i0 + n; i++) {
+            const uint8_t *row = a->w + i * a->row_bytes;
+            if (a->rows != NULL && a->nx >= ROWS_FROM) {
+                a->rows(row, a->blocks, qx, a->xs, a->nx, a->y + i, a->y_stride);
+                continue;
+            }
+            for (int64_t t = 0; t < a->nx; t++) {
+                const qx_t xt = qx_row(qx, a->xs[t]);
+                a->y[t * a->y_stride + i] = a->dot(row, a->blocks, &xt);
+            }
         }
     }
 }
@@ -1141,7 +1382,7 @@ int llmx_gemv_many(int count, const int *types, const uint8_t *const *ws, const 
 #pragma omp parallel num_threads(threads)
     {
         qx_fill(&qx, x, m);
-        gemv_pass(mats, count, total, &qx, chunk);
+        gemv_pass(mats, count, &qx, chunk);
     }
     free(qx.hi);
     if (res != NULL)
@@ -1261,7 +1502,7 @@ static int experts_ffn(const experts_t *gate, const experts_t *up, const experts
         qx_fill(&qx, x, m);
 #pragma omp parallel num_threads(threads)
         {
-            gemv_pass(gate_up, 2 * used, rows_gu, &qx, chunk_gu);
+            gemv_pass(gate_up, 2 * used, &qx, chunk_gu);
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < pairs * groups; g++) {
                 const float *gs = gu + (g / groups) * 2 * f + 32 * (g % groups), *us = gs + f;
@@ -1269,7 +1510,7 @@ static int experts_ffn(const experts_t *gate, const experts_t *up, const experts
                 for (int l = 0; l < 32; l++) a[l] = gated(act, gs[l], us[l]);
                 qx_set(&qa, g, a);
             }
-            gemv_pass(downs, used, rows_down, &qa, chunk_down);
+            gemv_pass(downs, used, &qa, chunk_down);
             /* a token's outputs SUM_TILE at a time, its k_used products added slot by slot (each
              * output's sum in slot order, as before, now in vector lanes over contiguous rows of
              * `out`): one output at a time, gathering its k_used products, took two 64-bit
