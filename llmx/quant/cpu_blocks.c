@@ -1068,13 +1068,14 @@ static rows_fn rows_of(int type) {
  * shared by the x rows. The float work then runs as the one-row kernel's for each pair of rows (the
  * lanes of blocks b mod 8 kept apart, joined by hsum's tree, a row's last blocks one by one), so each
  * product equals the one-row kernel's to the bit. On the 2-core Zen 4 (one thread, Q4_1 in cache:
- * bench/cpu_rows.py) 8 x rows take 534 us where a W row at a time took 760, 4 rows 268 against 440:
- * the time grows with the x rows alone, the multiply-adds bound it. */
+ * bench/cpu_rows.py) 8 x rows take 534 us where a W row at a time took 760, 4 rows 268 against 440,
+ * 2 rows 202 against 290: from 4 rows the time grows with the x rows alone, the multiply-adds bound it.
+ * One x row keeps the one-row kernel (175 us against 191 for Q4_1, but 123 against 110 for Q8_0). */
 typedef void (*wide_fn)(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
                         int64_t nx, float *y, int64_t y_stride);
 #define W_TILE 16
 #ifndef WIDE_FROM
-#define WIDE_FROM 3 /* x rows from which a pass takes the wide kernels (2 are faster a W row at a time) */
+#define WIDE_FROM 2 /* x rows from which a pass takes the wide kernels (one is as fast a W row at a time) */
 #endif
 
 #ifdef LLMX_AVX512
@@ -1191,8 +1192,8 @@ static inline __attribute__((always_inline)) void wide_block(const uint8_t *w, i
     block_sums16(wp, pairs, blk, sums, rows);
 }
 
-/* A tile's 16 W rows times `rows` x rows (4 or 8; xs[0..nt), the rest repeating the last, their results
- * dropped) for the 32-weight types without fifth bits (Q4_0, Q4_1, Q8_0), as dot_legacy_nibbles and
+/* A tile's 16 W rows times `rows` x rows (1, 2, 4 or 8; xs[0..nt), the rest repeating the last, their
+ * results dropped) for the 32-weight types without fifth bits (Q4_0, Q4_1, Q8_0), as dot_legacy_nibbles and
  * dot_q8_0 compute each product: eight blocks at a time into lanes b mod 8, hsum's tree, then the last
  * blocks. */
 static inline __attribute__((always_inline)) void wide_tile(const uint8_t *w, int64_t row_bytes, int64_t blocks,
@@ -1228,7 +1229,7 @@ static inline __attribute__((always_inline)) void wide_tile(const uint8_t *w, in
     for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, total[t]);
 }
 
-/* The x rows ROW_TILE at a time, a last few (up to 4) in a tile of 4: half the multiply-adds. */
+/* The x rows ROW_TILE at a time, a last few in a tile of 4, 2 or 1: its time follows its rows. */
 static inline void wide_legacy(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx,
                                const int64_t *xs, int64_t nx, float *y, int64_t y_stride, int kind) {
     for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
@@ -1236,8 +1237,12 @@ static inline void wide_legacy(const uint8_t *w, int64_t row_bytes, int64_t bloc
         const uint8_t *next = t0 == 0 ? w + W_TILE * row_bytes : NULL; /* read ahead once */
         if (nt > 4)
             wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, ROW_TILE);
-        else
+        else if (nt > 2)
             wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, 4);
+        else if (nt > 1)
+            wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, 2);
+        else
+            wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, 1);
     }
 }
 
