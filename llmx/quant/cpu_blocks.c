@@ -30,7 +30,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) /* F16C: every AVX2 CPU has it */
 #define LLMX_AVX2 1
 #endif
-#if defined(LLMX_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(LLMX_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define LLMX_AVX512 1 /* 512-bit integer dot products where the K-quant loops can use them */
 #endif
 #if defined(LLMX_AVX2) || defined(__F16C__)
