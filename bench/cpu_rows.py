@@ -2,9 +2,9 @@
 
 `cpu_blocks.c` multiplies a W row with M > 1 rows of x in one kernel (`rows_fn`: the block's codes
 unpacked once, 16-bit multiply-adds) from ROWS_FROM rows, and 16 W rows at once (`wide_fn`: a W row a
-32-bit lane) from WIDE_FROM rows where the type has a wide kernel; built with ROWS_FROM and WIDE_FROM
-past MAX_ROWS it runs the one-row dot product once a row, as it did before, and with WIDE_FROM alone
-past it the kernels of one W row. The three builds take turns, round by round, on the
+32-bit lane) from WIDE_FROM rows (WIDE_K_FROM, WIDE_Q6_K_FROM for the K-quants); built with all of these
+past MAX_ROWS it runs the one-row dot product once a row, as it did before, and with the WIDE ones
+alone past it the kernels of one W row. The three builds take turns, round by round, on the
 same matrix of each type: --mib of rows of K = 1024 (64 MiB streams from RAM, as a decode step's
 weights do; 2 MiB stays in cache, where the arithmetic alone counts). Prints us a call (best of each
 round's --calls, the range over rounds) and the ratio of the medians. On a machine shared with other
@@ -55,9 +55,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {}
         never = cpu_native.MAX_ROWS + 1
+        no_wide = [f"-D{name}={never}" for name in ("WIDE_FROM", "WIDE_K_FROM", "WIDE_Q6_K_FROM")]
         for name, flags in (
-            ("each row", [f"-DROWS_FROM={never}", f"-DWIDE_FROM={never}"]),
-            ("rows", [f"-DWIDE_FROM={never}"]),
+            ("each row", [f"-DROWS_FROM={never}", *no_wide]),
+            ("rows", no_wide),
             ("wide", []),
         ):
             path = Path(tmp) / f"{name.replace(' ', '_')}.so"

@@ -1070,12 +1070,22 @@ static rows_fn rows_of(int type) {
  * product equals the one-row kernel's to the bit. On the 2-core Zen 4 (one thread, Q4_1 in cache:
  * bench/cpu_rows.py) 8 x rows take 534 us where a W row at a time took 760, 4 rows 268 against 440,
  * 2 rows 202 against 290: from 4 rows the time grows with the x rows alone, the multiply-adds bound it.
- * One x row keeps the one-row kernel (175 us against 191 for Q4_1, but 123 against 110 for Q8_0). */
+ * One x row keeps the one-row kernel (175 us against 191 for Q4_1, but 123 against 110 for Q8_0). The
+ * K-quants take the same form a group of 32 weights at a time (wide_k_tile, wide_q6_k_tile), their float
+ * sums in an order of their own: 8 x rows Q4_K 1053 -> 549 us, Q5_K 866 -> 560-659, Q6_K 697 -> 565. */
 typedef void (*wide_fn)(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
                         int64_t nx, float *y, int64_t y_stride);
 #define W_TILE 16
+/* x rows from which a pass takes a type's wide kernel (fewer are as fast a W row at a time: bench/cpu_rows.py,
+ * one thread; Q4_1 at 2 rows 1.44x, Q4_K level, Q5_K 0.8x; Q6_K at 3 rows 0.9x) */
 #ifndef WIDE_FROM
-#define WIDE_FROM 2 /* x rows from which a pass takes the wide kernels (one is as fast a W row at a time) */
+#define WIDE_FROM 2 /* the 32-weight types */
+#endif
+#ifndef WIDE_K_FROM
+#define WIDE_K_FROM 3 /* Q4_K, Q5_K */
+#endif
+#ifndef WIDE_Q6_K_FROM
+#define WIDE_Q6_K_FROM 4
 #endif
 
 #ifdef LLMX_AVX512
@@ -1171,6 +1181,21 @@ static inline __attribute__((always_inline)) void block_sums16(const __m512i wp[
     for (int t = 0; t < rows; t++) sums[t] = _mm512_cvtepi32_ps(s[t]);
 }
 
+/* block_sums16 for codes up to 4096 in size (Q6_K's times their scales): 32 such products of x's codes
+ * could pass int32, so the two halves of the pairs sum apart and meet as floats. */
+static inline __attribute__((always_inline)) void block_sums16_halves(const __m512i wp[16],
+                                                                      const int32_t *const pairs[ROW_TILE], int64_t blk,
+                                                                      __m512 sums[ROW_TILE], int rows) {
+    __m512i s[ROW_TILE], s2[ROW_TILE];
+    for (int t = 0; t < rows; t++) s[t] = s2[t] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; p++)
+        for (int t = 0; t < rows; t++) {
+            s[t] = _mm512_dpwssd_epi32(s[t], wp[p], _mm512_set1_epi32(pairs[t][16 * blk + p]));
+            s2[t] = _mm512_dpwssd_epi32(s2[t], wp[p + 8], _mm512_set1_epi32(pairs[t][16 * blk + p + 8]));
+        }
+    for (int t = 0; t < rows; t++) sums[t] = _mm512_add_ps(_mm512_cvtepi32_ps(s[t]), _mm512_cvtepi32_ps(s2[t]));
+}
+
 /* hsum's tree over the lanes of blocks b mod 8, one (row, x row) a lane. */
 static inline __m512 tree8(const __m512 a[8]) {
     return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
@@ -1246,6 +1271,153 @@ static inline void wide_legacy(const uint8_t *w, int64_t row_bytes, int64_t bloc
     }
 }
 
+/* Q4_K and Q5_K (five) in tiles of 16 W rows: each sub-block of 32 weights as a group of the legacy
+ * types (its 16 pairs of positions p and p + 16 transposed, dpwssd with each x row's pairs), times the
+ * rows' d * scale of the sub-block, less their dmin * min times x's sums. Its float sums run in their
+ * own order (as the one-row kernels of AVX-512 do against those of 256 bits: a row's bits may differ in
+ * the last place from its product alone). */
+static inline __attribute__((always_inline)) void wide_k_tile(const uint8_t *w, int64_t row_bytes, int64_t blocks,
+                                                              const qx_rows_t *qx, const int64_t *xs, int64_t nt,
+                                                              const uint8_t *next, float *y, int64_t y_stride,
+                                                              int five, int rows) {
+    const int bytes = five ? 176 : 144, nibbles = five ? 48 : 16;
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i keep = _mm512_set1_epi32(0x000F000F), bit = _mm512_set1_epi32(0x00010001);
+    const int32_t *pairs[ROW_TILE];
+    const float *dx[ROW_TILE], *s32[ROW_TILE];
+    __m512 acc[ROW_TILE], sums[ROW_TILE];
+    for (int t = 0; t < rows; t++) {
+        const int64_t row = xs[t < nt ? t : nt - 1];
+        pairs[t] = qx->pair + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups, s32[t] = qx->s32 + row * qx->groups;
+        acc[t] = _mm512_setzero_ps();
+    }
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = w + bytes * blk;
+        if (next != NULL)
+            for (int o = 0; o < W_TILE * bytes; o += 64) _mm_prefetch((const char *)(next + W_TILE * bytes * blk + o), _MM_HINT_T0);
+        __m256i dsc_rows[W_TILE], dmn_rows[W_TILE];
+        __m512i dsc[8], dmn[8]; /* sub-block s: its d * scale, dmin * min of the 16 rows */
+        for (int r = 0; r < W_TILE; r++) {
+            __m256 a, c;
+            k_scales8(b + r * row_bytes, &a, &c);
+            dsc_rows[r] = _mm256_castps_si256(a), dmn_rows[r] = _mm256_castps_si256(c);
+        }
+        transpose16x8(dsc_rows, dsc);
+        transpose16x8(dmn_rows, dmn);
+        for (int sb = 0; sb < 8; sb++) { /* sub-block sb: nibbles (low of even sb, high of odd) of bytes 32 (sb / 2) .. */
+            const int64_t g = 8 * blk + sb;
+            __m512i wp[16];
+            for (int r = 0; r < W_TILE; r++) {
+                const uint8_t *row = b + r * row_bytes;
+                const __m512i v = _mm512_permutexvar_epi16(interleave, _mm512_cvtepu8_epi16(load32(row + nibbles + 32 * (sb / 2))));
+                wp[r] = _mm512_and_si512(sb & 1 ? _mm512_srli_epi16(v, 4) : v, keep);
+                if (five) { /* bit sb of qh's bytes p and p + 16, to bit 4 of the codes */
+                    const __m512i h = _mm512_permutexvar_epi16(interleave, _mm512_cvtepu8_epi16(load32(row + 16)));
+                    wp[r] = _mm512_or_si512(wp[r], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, sb), bit), 4));
+                }
+            }
+            transpose16(wp);
+            block_sums16(wp, pairs, g, sums, rows);
+            for (int t = 0; t < rows; t++) {
+                const __m512 scale = _mm512_mul_ps(_mm512_castsi512_ps(dsc[sb]), _mm512_set1_ps(dx[t][g]));
+                acc[t] = _mm512_fnmadd_ps(_mm512_castsi512_ps(dmn[sb]), _mm512_set1_ps(s32[t][g]),
+                                          _mm512_fmadd_ps(sums[t], scale, acc[t]));
+            }
+        }
+    }
+    for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, acc[t]);
+}
+
+static void wide_k_nibbles(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                           int64_t nx, float *y, int64_t y_stride, int five) {
+    for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
+        const int64_t nt = tile_of(nx, t0);
+        const uint8_t *next = t0 == 0 ? w + W_TILE * row_bytes : NULL;
+        if (nt > 4)
+            wide_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, five, ROW_TILE);
+        else if (nt > 2)
+            wide_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, five, 4);
+        else if (nt > 1)
+            wide_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, five, 2);
+        else
+            wide_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, five, 1);
+    }
+}
+
+static void wide_q4_k(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                      int64_t nx, float *y, int64_t y_stride) {
+    wide_k_nibbles(w, row_bytes, blocks, qx, xs, nx, y, y_stride, 0);
+}
+
+static void wide_q5_k(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                      int64_t nx, float *y, int64_t y_stride) {
+    wide_k_nibbles(w, row_bytes, blocks, qx, xs, nx, y, y_stride, 1);
+}
+
+/* Q6_K in tiles of 16 W rows: each group of 32 weights as the legacy types' blocks, its codes (q - 32)
+ * times their 16-weight scale in 16 bits (|.| <= 4096), times the rows' d. */
+static inline __attribute__((always_inline)) void wide_q6_k_tile(const uint8_t *w, int64_t row_bytes, int64_t blocks,
+                                                                 const qx_rows_t *qx, const int64_t *xs, int64_t nt,
+                                                                 const uint8_t *next, float *y, int64_t y_stride,
+                                                                 int rows) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i low = _mm512_set1_epi32(0x000F000F), two = _mm512_set1_epi32(0x00030003);
+    const __m512i offset = _mm512_set1_epi16(32);
+    const int32_t *pairs[ROW_TILE];
+    const float *dx[ROW_TILE];
+    __m512 acc[ROW_TILE], sums[ROW_TILE];
+    for (int t = 0; t < rows; t++) {
+        const int64_t row = xs[t < nt ? t : nt - 1];
+        pairs[t] = qx->pair + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups;
+        acc[t] = _mm512_setzero_ps();
+    }
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = w + 210 * blk;
+        if (next != NULL)
+            for (int o = 0; o < W_TILE * 210; o += 64) _mm_prefetch((const char *)(next + W_TILE * 210 * blk + o), _MM_HINT_T0);
+        uint16_t halves[W_TILE];
+        for (int r = 0; r < W_TILE; r++) memcpy(halves + r, b + r * row_bytes + 208, 2);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)halves));
+        for (int grp = 0; grp < 8; grp++) { /* weights 32 grp ..: half h, quarter j of ql/qh as decode_q6_k reads */
+            const int h = grp / 4, j = grp % 4;
+            __m512i wp[16];
+            for (int r = 0; r < W_TILE; r++) {
+                const uint8_t *row = b + r * row_bytes;
+                const __m512i l = _mm512_permutexvar_epi16(interleave, _mm512_cvtepu8_epi16(load32(row + 64 * h + 32 * (j & 1))));
+                const __m512i q = _mm512_permutexvar_epi16(interleave, _mm512_cvtepu8_epi16(load32(row + 128 + 32 * h)));
+                const __m512i nib = _mm512_and_si512(j & 2 ? _mm512_srli_epi16(l, 4) : l, low);
+                const __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(q, 2 * j), two), 4);
+                const int8_t *sc = (const int8_t *)(row + 192 + 8 * h + 2 * j); /* positions p, then p + 16 */
+                const __m512i scale = _mm512_set1_epi32((int32_t)((uint32_t)(uint16_t)sc[0] | (uint32_t)(uint16_t)sc[1] << 16));
+                wp[r] = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_or_si512(nib, high), offset), scale);
+            }
+            transpose16(wp);
+            block_sums16_halves(wp, pairs, 8 * blk + grp, sums, rows);
+            for (int t = 0; t < rows; t++)
+                acc[t] = _mm512_fmadd_ps(sums[t], _mm512_mul_ps(d, _mm512_set1_ps(dx[t][8 * blk + grp])), acc[t]);
+        }
+    }
+    for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, acc[t]);
+}
+
+static void wide_q6_k(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                      int64_t nx, float *y, int64_t y_stride) {
+    for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
+        const int64_t nt = tile_of(nx, t0);
+        const uint8_t *next = t0 == 0 ? w + W_TILE * row_bytes : NULL;
+        if (nt > 4)
+            wide_q6_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, ROW_TILE);
+        else if (nt > 2)
+            wide_q6_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 4);
+        else if (nt > 1)
+            wide_q6_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 2);
+        else
+            wide_q6_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 1);
+    }
+}
+
 static void wide_q4_0(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
                       int64_t nx, float *y, int64_t y_stride) {
     wide_legacy(w, row_bytes, blocks, qx, xs, nx, y, y_stride, L_Q4_0);
@@ -1262,16 +1434,20 @@ static void wide_q8_0(const uint8_t *w, int64_t row_bytes, int64_t blocks, const
 }
 #endif
 
-static wide_fn wide_of(int type) {
+/* A type's wide kernel (NULL: none), and from how many x rows it serves. */
+static wide_fn wide_of(int type, int64_t *from) {
+    *from = type == T_Q6_K ? WIDE_Q6_K_FROM : type == T_Q4_K || type == T_Q5_K ? WIDE_K_FROM : WIDE_FROM;
 #ifdef LLMX_AVX512
     switch (type) {
     case T_Q4_0: return wide_q4_0;
     case T_Q4_1: return wide_q4_1;
     case T_Q8_0: return wide_q8_0;
+    case T_Q4_K: return wide_q4_k;
+    case T_Q5_K: return wide_q5_k;
+    case T_Q6_K: return wide_q6_k;
     default: return NULL;
     }
 #else
-    (void)type;
     return NULL;
 #endif
 }
@@ -1283,6 +1459,7 @@ typedef struct {
     dot_fn dot;
     rows_fn rows;
     wide_fn wide;
+    int64_t wide_from; /* x rows from which `wide` serves */
     const uint8_t *w;
     int64_t row_bytes, blocks, n, start, first_tile;
     const int64_t *xs;
@@ -1296,7 +1473,7 @@ static int matrix_of(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
     void (*decode)(const uint8_t *, float *);
     int qk, bytes;
     if (!block_of(type, &a->dot, &decode, &qk, &bytes) || k % qk != 0) return 0;
-    a->rows = rows_of(type), a->wide = wide_of(type);
+    a->rows = rows_of(type), a->wide = wide_of(type, &a->wide_from);
     a->w = w, a->row_bytes = row_bytes, a->blocks = k / qk, a->n = n;
     return 1;
 }
@@ -1344,7 +1521,7 @@ static void gemv_pass(const matrix_t *mats, int64_t count, const qx_rows_t *qx, 
         while (j + 1 < count && u >= mats[j + 1].first_tile) j++;
         const matrix_t *a = mats + j;
         const int64_t i0 = (u - a->first_tile) * W_TILE, n = a->n - i0 < W_TILE ? a->n - i0 : W_TILE;
-        if (a->wide != NULL && a->nx >= WIDE_FROM && n == W_TILE) {
+        if (a->wide != NULL && a->nx >= a->wide_from && n == W_TILE) {
             a->wide(a->w + i0 * a->row_bytes, a->row_bytes, a->blocks, qx, a->xs, a->nx, a->y + i0, a->y_stride);
             continue;
         }
