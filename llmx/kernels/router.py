@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from llmx.quant.triton.launch import programmatic_launch
 
 MAX_EXPERTS = 256  # widest router row held in registers (Qwen3-MoE: 128)
 MAX_K = 16  # rounds of the unrolled selection
@@ -34,9 +37,11 @@ def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, 
     weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((t, k), dtype=torch.int32, device=logits.device)
     if t:
+        pdl = programmatic_launch(logits.device)
         router_kernel[(t,)](
             rows, weights, ids, x, rows.stride(0), K=k, NORMALIZE=normalize,
-            BLOCK_X=triton.next_power_of_2(x), BLOCK_K=triton.next_power_of_2(k), num_warps=1,
+            BLOCK_X=triton.next_power_of_2(x), BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=1,
+            launch_pdl=pdl,
         )  # fmt: skip
     return weights, ids
 
@@ -44,9 +49,14 @@ def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, 
 @triton.jit
 def router_kernel(
     logits_ptr, weights_ptr, ids_ptr, X, stride, K: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_X: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_X: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program: token program_id(0)'s K best experts and their probabilities."""
+    """One program: token program_id(0)'s K best experts and their probabilities. PDL (launched as a
+    programmatic dependent): the next kernel may launch at once, and this one waits for the kernel
+    before it only here, its launch hidden in that kernel's tail."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     rx = tl.arange(0, BLOCK_X)
     z = tl.load(logits_ptr + t * stride + rx, mask=rx < X, other=-float("inf")).to(tl.float32)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmx.quant.choice import INT8_X_MAX_M
-from llmx.quant.triton.launch import cdiv, dot8, kernels
+from llmx.quant.triton.launch import cdiv, dot8, kernels, programmatic_launch
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,10 @@ def quantize_x(x2: torch.Tensor) -> QuantizedX:
     qx = empty_quantized(m, k, x2.device)
     groups = 4
     grid = (m, cdiv(k // 32, groups))
-    dot8().quantize_x_kernel[grid](x2, qx.q, qx.dx, qx.sums, k, x2.stride(0), NG=groups)
+    pdl = programmatic_launch(x2.device)
+    dot8().quantize_x_kernel[grid](
+        x2, qx.q, qx.dx, qx.sums, k, x2.stride(0), NG=groups, PDL=pdl, launch_pdl=pdl
+    )
     return qx
 
 

@@ -112,9 +112,12 @@ def dp4a(a, b, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, K, sxm, NG: tl.constexpr):
+def quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, K, sxm, NG: tl.constexpr, PDL: tl.constexpr):
     """One program: NG groups of 32 values of row program_id(0) of x [M, K] (any float dtype),
-    quantized by `store_quantized`."""
+    quantized by `store_quantized`. PDL: as `moe_kernels.moe_gemv8_kernel`'s."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     m = tl.program_id(0)
     g = tl.program_id(1) * NG + tl.arange(0, NG)
     ok = g < K // 32

@@ -58,7 +58,7 @@ from llmx.quant import QType
 from llmx.quant import choice as C
 from llmx.quant.triton import autotune
 from llmx.quant.triton.activation import PENDING, QuantizedX, quantize_x
-from llmx.quant.triton.launch import cdiv, interpreting, lut, moe_kernels
+from llmx.quant.triton.launch import cdiv, interpreting, lut, moe_kernels, programmatic_launch
 from llmx.quant.triton.layout import Blocks, label, rows, word_rows
 from llmx.quant.triton.matmul import DOT8_QUADS, unit_rows
 from llmx.quant.triton.tuning import GemmConfig, LaunchShape, for_device
@@ -289,11 +289,12 @@ def _gemv8(
     consts = gemv8_constants(types, k, bk)
     weights = ids if topk_weights is None else topk_weights  # read only with SUM
     res = out if residual is None else residual  # read only with RES
+    pdl = programmatic_launch(out.device)
     moe_kernels().moe_gemv8_kernel[(cdiv(n, cfg.bn), out.shape[0])](
         qx.q, qx.dx, qx.sums, raw, raw2, ids, weights, res, out, n, k, n_expert, x_div, *row_units,
         out.stride(0), BN=cfg.bn, LATE=cfg.late_headers, SLOTS=ids.shape[1], ASM=not interpreting(),
-        GATED=w2 is not None, SUM=topk_weights is not None, RES=residual is not None, num_warps=cfg.num_warps,
-        maxnreg=cfg.max_registers, **consts,
+        GATED=w2 is not None, SUM=topk_weights is not None, RES=residual is not None, PDL=pdl,
+        num_warps=cfg.num_warps, maxnreg=cfg.max_registers, launch_pdl=pdl, **consts,
     )  # fmt: skip
 
 

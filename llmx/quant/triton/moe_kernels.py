@@ -22,6 +22,7 @@ Expert ids are read on the device: no host sync, and launches that a CUDA graph 
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmx.quant.triton.dot8 import dot_step, load_step, row_dots
 from llmx.quant.triton.kernels import group_dot, grouped_tile, unpack, weight_tile
@@ -129,7 +130,7 @@ def moe_gemv8_kernel(
     QUADS: tl.constexpr, QUADS2: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr, BU2: tl.constexpr,
     EVEN: tl.constexpr, EVEN2: tl.constexpr, ROW_WORDS: tl.constexpr, ROW_WORDS2: tl.constexpr,
     LATE: tl.constexpr, SLOTS: tl.constexpr, ONE_STEP: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr,
-    SUM: tl.constexpr, RES: tl.constexpr,
+    SUM: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of pair program_id(1), or with SUM of token program_id(1) over its
     SLOTS pairs (plus its residual row with RES), from x quantized per 32 values (xq, dx, xs:
@@ -141,7 +142,14 @@ def moe_gemv8_kernel(
     pairs are the pipeline's steps, each pair's weights (gate's and up's) loaded before the previous
     pair's dots, so a program keeps two pairs' loads in flight where its rows are few (the down
     projection's weighted sum: 2048 rows a token in all, ~16 an SM). Longer rows take each pair in
-    turn through `dot8.row_dots`, pipelined along the row."""
+    turn through `dot8.row_dots`, pipelined along the row.
+
+    PDL (launched as a programmatic dependent): the next kernel may launch at once; this one waits
+    for the kernel before it before reading anything (its rows follow the expert ids), so only its
+    launch hides in that kernel's tail."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     row = tl.program_id(1)
     COUNT: tl.constexpr = SLOTS if SUM else 1
