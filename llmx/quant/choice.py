@@ -12,7 +12,7 @@ GPU kernels (`llmx.quant.triton.matmul`):
 - "dot8_rows": ROWS8_MIN_M <= M <= ROWS8_MAX_M, the same types and layout: "dot8" for several rows
   of x, each weight block read once for up to `matmul.ROWS8_BM` of them (llama.cpp's mmvq; a
   batched decode step), any M where forced;
-- "mmq": the rows of x MMQ_M gives a type (Q4_K: 16-32), any M where forced, the same types and
+- "mmq": the rows of x MMQ_M gives a type (Q4_K, Q8_0: 16-32), any M where forced, the same types and
   layout: x quantized to int8, then tiles of rows of x by weight rows on the int8 tensor cores
   (llama.cpp's mmq), K split where the tiles alone leave SMs idle; weights it cannot read take the
   table's kernel (the float GEMV, which "dot8" falls back to, takes at most GEMV_MAX_M rows);
@@ -68,9 +68,12 @@ DEQUANT_MIN_M = 16  # from here "dequant" beats "gemm" (bench/kernels.py)
 # on Llama-3-8B's FFN matrices (14336x4096, 4096x14336), us: Q4_K at 16 / 32 / 64 rows 81-84 /
 # 79-83 / 127-142 against "dequant"'s 110-113 and "dot8_rows"' 126-146 at 16; at 8 rows 64-70
 # against "dot8_rows"' 58-66. Q6_K's two dots a group lose to "dequant" from 16 rows (119-128 /
-# 149-168 / 231-332 against 119-124). Q8_0 not yet timed. A batched decode step of synthetic
-# Llama-3-8B Q4_K_M (bench/batch_step.py): 16 sequences 10.4 ms against 16.2, 32 12.9 against 16.8.
-MMQ_M = {"Q4_K": (16, 32)}
+# 149-168 / 231-332 against 119-124). A batched decode step of synthetic Llama-3-8B Q4_K_M
+# (bench/batch_step.py): 16 sequences 10.4 ms against 16.2, 32 12.9 against 16.8. On an H200 (s38),
+# whose faster HBM brings "dequant" level with mmq for Q4_K at 16-32 rows (74.7-86.1 us against
+# 77.2-81.9), Q8_0 at 16 / 32 rows: 78.0 / 82.0 us against "dequant"'s 91.2 / 90.3 and "dot8_rows"'
+# 100.8 / 192.7 (14336x4096); from 48 rows mmq loses for both types (106-160 against 87-117).
+MMQ_M = {"Q4_K": (16, 32), "Q8_0": (16, 32)}
 MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a GPU
 MOE_KERNELS = ("dot8", "gemv", "gemm")  # the grouped expert kernels (`moe`'s answers)
 # rows of x the native GEMV takes (it can take cpu_native.MAX_ROWS): from 16, chunks dequantized for
