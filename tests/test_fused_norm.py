@@ -90,6 +90,37 @@ def test_per_head_norm_of_three_axes(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
+def test_query_and_key_norms_in_one_launch(dtype: torch.dtype, monkeypatch) -> None:
+    """`ops.rms_norm_pair`: a layer's q [T, H, D] and k [T, Hk, D] (column views of one projection, as
+    the model's are) normalized per head, each by its own weight, as two fused norms compute them."""
+    t, h, hk, d = 2, 4, 2, 64
+    qkv = rows((t, (h + 2 * hk) * d), dtype, 5, 2.0)
+    q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + hk) * d].view(t, hk, d)
+    wq, wk = rows((d,), F32, 6) + 1.0, rows((d,), F32, 7) + 1.0
+    monkeypatch.setattr(ops.norms, "FUSED_NORM", "on")
+    launches = []
+    monkeypatch.setattr(norm, "rms_norm_kernel", _counted(norm.rms_norm_kernel, launches))
+    monkeypatch.setattr(norm, "rms_norm_pair_kernel", _counted(norm.rms_norm_pair_kernel, launches))
+    nq, nk = ops.rms_norm_pair(q, wq, k, wk, EPS)
+    assert launches == ["rms_norm_pair_kernel"]
+    assert torch.equal(nq, ops.rms_norm(q, wq, EPS)) and torch.equal(nk, ops.rms_norm(k, wk, EPS))
+    for out, x, w in ((nq, q, wq), (nk, k, wk)):
+        assert out.shape == x.shape and out.dtype == dtype
+        assert relative_error(out, F.rms_norm(x, (d,), w.to(dtype), EPS)) < TOL[dtype]
+
+
+def _counted(kernel, launches: list[str]):
+    """`kernel` whose launches are named in `launches`."""
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(kernel.fn.__name__)
+            return kernel[grid]
+
+    return Counted()
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=str)
 @pytest.mark.parametrize(("t", "width"), [(1, 1536), (3, 2560), (2, 1000)])
 @pytest.mark.parametrize("joined", [False, True], ids=["separate", "joined"])
 def test_silu_mul_matches_eager(t: int, width: int, dtype: torch.dtype, joined: bool) -> None:

@@ -6,6 +6,8 @@ residual add before a norm and the `F.silu(g) * u` of a SwiGLU FFN are separate 
 - `rms_norm_kernel`, grid (rows,): one program holds a whole row (E <= MAX_WIDTH) in registers,
   optionally adds the residual delta first (writing the sum too), and scales the row by
   weight / sqrt(mean(x^2) + eps).
+- `rms_norm_pair_kernel`, grid (rows of both,): two such norms, each of its own rows and weight (a
+  layer's per-head q and k norms), in one launch.
 - `silu_mul_kernel`, grid (rows, column blocks): silu(g) * u for gate and up rows that may be
   column views of one joined [T, 2F] projection.
 
@@ -42,6 +44,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool |
     `quantize`: also write the output quantized for the next GEMV (None: where the integer-dot GEMV
     would take it)."""
     return _launch(x, None, weight, eps, quantize)[1]
+
+
+def rms_norm_pair(
+    a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(a, wa, eps), rms_norm(b, wb, eps)) in one launch: a [..., E] and b [..., E] of one
+    dtype and width (a layer's queries and keys, normalized per head: Qwen3, Gemma 3), each row as
+    `rms_norm` computes it."""
+    e = a.shape[-1]
+    if e > MAX_WIDTH or b.shape[-1] != e or b.dtype != a.dtype:
+        raise ValueError(f"a pair of norms takes rows of one width <= {MAX_WIDTH} and dtype")
+    a2, b2 = _rows(a), _rows(b)
+    ya = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    yb = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    rows = a2.shape[0] + b2.shape[0]
+    block = triton.next_power_of_2(e)
+    if rows:
+        pdl = programmatic_launch(ya.device)
+        rms_norm_pair_kernel[(rows,)](
+            a2, _unit(wa), ya, a2.shape[0], a2.stride(0), b2, _unit(wb), yb, b2.stride(0), e, eps,
+            WAIT=pdl, BLOCK=block, num_warps=min(max(block // 512, 1), 16), launch_pdl=pdl,
+        )  # fmt: skip
+    return ya, yb
 
 
 def add_rms_norm(
@@ -82,7 +107,7 @@ def _launch(
     h = x2 if delta is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     qx = quantized_output(y, quantize)
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    weight = _unit(weight)
     block = triton.next_power_of_2(e)
     if x2.shape[0]:
         pdl = programmatic_launch(y.device)
@@ -96,8 +121,12 @@ def _launch(
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t as [rows, last] with a unit stride along the last axis (a view where possible)."""
-    t = t if t.stride(-1) == 1 else t.contiguous()
-    return t.reshape(-1, t.shape[-1])
+    return _unit(t).reshape(-1, t.shape[-1])
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """t with a unit stride along its last axis."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 # --- kernels ------------------------------------------------------------------------------------
@@ -131,6 +160,34 @@ def rms_norm_kernel(
     tl.store(y_ptr + row * n + cols, y, mask=mask)
     if QUANT:
         store_quantized_block(y, 0, row, n, xq_ptr, dx_ptr, xs_ptr)
+
+
+@triton.jit
+def rms_norm_pair_kernel(
+    a_ptr, wa_ptr, ya_ptr, rows_a, sa, b_ptr, wb_ptr, yb_ptr, sb, n, eps,
+    WAIT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row r of ya = rms_norm(a, wa) for r < rows_a, else row r - rows_a of yb = rms_norm(b, wb), as
+    `rms_norm_kernel` computes a row (ya, yb contiguous [rows, n]). WAIT: as `rms_norm_kernel`'s; the
+    next kernel (the fused RoPE and attention) may launch at once, as it waits for this one first."""
+    if WAIT:
+        gdc_wait()
+        gdc_launch_dependents()
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    if r < rows_a:
+        x = tl.load(a_ptr + r * sa + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(wa_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(b_ptr + (r - rows_a) * sb + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(wb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+    y = x * rstd * w
+    if r < rows_a:
+        tl.store(ya_ptr + r * n + cols, y.to(ya_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(yb_ptr + (r - rows_a) * n + cols, y.to(yb_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ from llmx.ops import (
     linear_many,
     moe_ffn,
     rms_norm,
+    rms_norm_pair,
     rope_attention,
     router,
 )
@@ -187,11 +188,13 @@ class Model:
 
     def qk_norm(self, w: TensorGroup, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head RMSNorm of queries and keys where the model has it (Qwen3, Gemma 3)."""
-        qn, kn = w.optional("attn_q_norm"), w.optional("attn_k_norm")
+        qn, kn, eps = w.optional("attn_q_norm"), w.optional("attn_k_norm"), self.config.norm_eps
+        if qn is not None and kn is not None:
+            return rms_norm_pair(q, qn, k, kn, eps)
         if qn is not None:
-            q = rms_norm(q, qn, self.config.norm_eps)
+            q = rms_norm(q, qn, eps)
         if kn is not None:
-            k = rms_norm(k, kn, self.config.norm_eps)
+            k = rms_norm(k, kn, eps)
         return q, k
 
     def routed_experts(self, w: TensorGroup, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

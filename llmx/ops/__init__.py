@@ -20,7 +20,7 @@ from llmx.ops.ffn import geglu, shared_expert, swiglu
 from llmx.ops.masks import causal_mask, ring_mask
 from llmx.ops.matmul import embedding, linear, linear_many
 from llmx.ops.moe import moe_ffn, route, router
-from llmx.ops.norms import add_rms_norm, rms_norm
+from llmx.ops.norms import add_rms_norm, rms_norm, rms_norm_pair
 from llmx.ops.rope import Rope, Yarn
 from llmx.ops.split import PartialSum, RowSplit, current_device
 
@@ -42,6 +42,7 @@ __all__ = [
     "moe_ffn",
     "ring_mask",
     "rms_norm",
+    "rms_norm_pair",
     "rope_attention",
     "route",
     "router",

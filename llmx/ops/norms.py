@@ -36,6 +36,21 @@ def rms_norm(
     return y if residual is None else residual + y
 
 
+def rms_norm_pair(
+    a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(a, wa, eps), rms_norm(b, wb, eps)): a layer's per-head query and key norms, one launch
+    for decode steps on a GPU (see FUSED_NORM) where a and b share a device, dtype and width."""
+    if (
+        fused_rows(a) and fused_rows(b) and a.device == b.device and a.dtype == b.dtype
+        and a.shape[-1] == b.shape[-1] <= FUSED_NORM_MAX_WIDTH
+    ):  # fmt: skip
+        from llmx.kernels import norm
+
+        return norm.rms_norm_pair(a, wa.to(a.device), b, wb.to(b.device), eps)
+    return rms_norm(a, wa, eps), rms_norm(b, wb, eps)
+
+
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
