@@ -1254,23 +1254,6 @@ static inline __attribute__((always_inline)) void wide_tile(const uint8_t *w, in
     for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, total[t]);
 }
 
-/* The x rows ROW_TILE at a time, a last few in a tile of 4, 2 or 1: its time follows its rows. */
-static inline void wide_legacy(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx,
-                               const int64_t *xs, int64_t nx, float *y, int64_t y_stride, int kind) {
-    for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
-        const int64_t nt = tile_of(nx, t0);
-        const uint8_t *next = t0 == 0 ? w + W_TILE * row_bytes : NULL; /* read ahead once */
-        if (nt > 4)
-            wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, ROW_TILE);
-        else if (nt > 2)
-            wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, 4);
-        else if (nt > 1)
-            wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, 2);
-        else
-            wide_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, kind, 1);
-    }
-}
-
 /* Q4_K and Q5_K (five) in tiles of 16 W rows: each sub-block of 32 weights as a group of the legacy
  * types (its 16 pairs of positions p and p + 16 transposed, dpwssd with each x row's pairs), times the
  * rows' d * scale of the sub-block, less their dmin * min times x's sums. Its float sums run in their
@@ -1329,32 +1312,6 @@ static inline __attribute__((always_inline)) void wide_k_tile(const uint8_t *w, 
     for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, acc[t]);
 }
 
-static void wide_k_nibbles(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
-                           int64_t nx, float *y, int64_t y_stride, int five) {
-    for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
-        const int64_t nt = tile_of(nx, t0);
-        const uint8_t *next = t0 == 0 ? w + W_TILE * row_bytes : NULL;
-        if (nt > 4)
-            wide_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, five, ROW_TILE);
-        else if (nt > 2)
-            wide_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, five, 4);
-        else if (nt > 1)
-            wide_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, five, 2);
-        else
-            wide_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, five, 1);
-    }
-}
-
-static void wide_q4_k(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
-                      int64_t nx, float *y, int64_t y_stride) {
-    wide_k_nibbles(w, row_bytes, blocks, qx, xs, nx, y, y_stride, 0);
-}
-
-static void wide_q5_k(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
-                      int64_t nx, float *y, int64_t y_stride) {
-    wide_k_nibbles(w, row_bytes, blocks, qx, xs, nx, y, y_stride, 1);
-}
-
 /* Q6_K in tiles of 16 W rows: each group of 32 weights as the legacy types' blocks, its codes (q - 32)
  * times their 16-weight scale in 16 bits (|.| <= 4096), times the rows' d. */
 static inline __attribute__((always_inline)) void wide_q6_k_tile(const uint8_t *w, int64_t row_bytes, int64_t blocks,
@@ -1402,36 +1359,51 @@ static inline __attribute__((always_inline)) void wide_q6_k_tile(const uint8_t *
     for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, acc[t]);
 }
 
-static void wide_q6_k(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
-                      int64_t nx, float *y, int64_t y_stride) {
+/* A tile of `type`'s wide kernel, its `rows` (a constant where the call is inlined) x rows at a time. */
+static inline __attribute__((always_inline)) void wide_type_tile(int type, const uint8_t *w, int64_t row_bytes,
+                                                                 int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                                                                 int64_t nt, const uint8_t *next, float *y,
+                                                                 int64_t y_stride, int rows) {
+    if (type == T_Q6_K)
+        wide_q6_k_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride, rows);
+    else if (type == T_Q4_K || type == T_Q5_K)
+        wide_k_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride, type == T_Q5_K, rows);
+    else
+        wide_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride,
+                  type == T_Q4_0 ? L_Q4_0 : type == T_Q4_1 ? L_Q4_1 : L_Q8_0, rows);
+}
+
+/* `type`'s wide kernel: the x rows ROW_TILE at a time, a last few in a tile of 4, 2 or 1 (its time
+ * follows its rows); the next tile of W read ahead once. */
+static inline __attribute__((always_inline)) void wide_rows(int type, const uint8_t *w, int64_t row_bytes,
+                                                            int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
+                                                            int64_t nx, float *y, int64_t y_stride) {
     for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
         const int64_t nt = tile_of(nx, t0);
         const uint8_t *next = t0 == 0 ? w + W_TILE * row_bytes : NULL;
-        if (nt > 4)
-            wide_q6_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, ROW_TILE);
-        else if (nt > 2)
-            wide_q6_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 4);
-        else if (nt > 1)
-            wide_q6_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 2);
+        const int rows = nt > 4 ? ROW_TILE : nt > 2 ? 4 : nt > 1 ? 2 : 1;
+        if (rows == ROW_TILE)
+            wide_type_tile(type, w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, ROW_TILE);
+        else if (rows == 4)
+            wide_type_tile(type, w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 4);
+        else if (rows == 2)
+            wide_type_tile(type, w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 2);
         else
-            wide_q6_k_tile(w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 1);
+            wide_type_tile(type, w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 1);
     }
 }
 
-static void wide_q4_0(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
-                      int64_t nx, float *y, int64_t y_stride) {
-    wide_legacy(w, row_bytes, blocks, qx, xs, nx, y, y_stride, L_Q4_0);
-}
-
-static void wide_q4_1(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
-                      int64_t nx, float *y, int64_t y_stride) {
-    wide_legacy(w, row_bytes, blocks, qx, xs, nx, y, y_stride, L_Q4_1);
-}
-
-static void wide_q8_0(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
-                      int64_t nx, float *y, int64_t y_stride) {
-    wide_legacy(w, row_bytes, blocks, qx, xs, nx, y, y_stride, L_Q8_0);
-}
+#define WIDE_OF_TYPE(name, type)                                                                                  \
+    static void name(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs, \
+                     int64_t nx, float *y, int64_t y_stride) {                                                     \
+        wide_rows(type, w, row_bytes, blocks, qx, xs, nx, y, y_stride);                                          \
+    }
+WIDE_OF_TYPE(wide_q4_0, T_Q4_0)
+WIDE_OF_TYPE(wide_q4_1, T_Q4_1)
+WIDE_OF_TYPE(wide_q8_0, T_Q8_0)
+WIDE_OF_TYPE(wide_q4_k, T_Q4_K)
+WIDE_OF_TYPE(wide_q5_k, T_Q5_K)
+WIDE_OF_TYPE(wide_q6_k, T_Q6_K)
 #endif
 
 /* A type's wide kernel (NULL: none), and from how many x rows it serves. */
