@@ -1072,7 +1072,8 @@ static rows_fn rows_of(int type) {
  * 2 rows 202 against 290: from 4 rows the time grows with the x rows alone, the multiply-adds bound it.
  * One x row keeps the one-row kernel (175 us against 191 for Q4_1, but 123 against 110 for Q8_0). The
  * K-quants take the same form a group of 32 weights at a time (wide_k_tile, wide_q6_k_tile), their float
- * sums in an order of their own: 8 x rows Q4_K 1053 -> 549 us, Q5_K 866 -> 560-659, Q6_K 697 -> 565. */
+ * sums in an order of their own: 8 x rows Q4_K 1053 -> 549 us, Q5_K 866 -> 560-659, Q6_K 697 -> 565; Q5_0
+ * and Q5_1 the 32-weight form with their fifth bits (671-674 -> 477-498). */
 typedef void (*wide_fn)(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
                         int64_t nx, float *y, int64_t y_stride);
 #define W_TILE 16
@@ -1137,9 +1138,10 @@ static inline void transpose16x8(const __m256i v[16], __m512i out[8]) {
     }
 }
 
-/* Block b of 16 rows row_bytes apart (`kind`: Q4_0, Q4_1, Q8_0) as pairs of codes: wp[p] lane r holds row
- * r's codes of positions p (low 16 bits) and p + 16 (Q4_0/Q4_1: byte p's two nibbles; Q8_0: bytes p and
- * p + 16, signed); returns the rows' d (and Q4_1's m) as floats. */
+/* Block b of 16 rows row_bytes apart (`kind`: any of the 32-weight types) as pairs of codes: wp[p] lane r
+ * holds row r's codes of positions p (low 16 bits) and p + 16 (the nibble types: byte p's two nibbles,
+ * with Q5_0's and Q5_1's fifth bits p and p + 16; Q8_0: bytes p and p + 16, signed); returns the rows' d
+ * (and Q4_1's and Q5_1's m) as floats. */
 static inline void legacy_pairs16(const uint8_t *b, int64_t row_bytes, int kind, __m512i wp[16], __m512 *d, __m512 *m) {
     if (kind == L_Q8_0) {
         const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
@@ -1152,21 +1154,26 @@ static inline void legacy_pairs16(const uint8_t *b, int64_t row_bytes, int kind,
         *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)halves));
         return;
     }
-    /* Each row's block read as words (masked: no byte outside it): Q4_1's d and m, then its 16 bytes of
-     * nibbles; Q4_0's from 2 bytes before it, so that d fills the first word's high half. */
-    const int q4_0 = kind == L_Q4_0;
-    const __mmask32 inside = q4_0 ? 0xFFFFCu : 0xFFFFFu;
+    /* Each row's block read as words (masked: no byte outside it): d (and m) in the first word, Q5's qh
+     * in the next, then the 16 bytes of nibbles; the types without m from 2 bytes before the block, so
+     * that d fills the first word's high half. */
+    const int shifted = !legacy_has_m(kind), five = kind == L_Q5_0 || kind == L_Q5_1;
+    const int bytes = legacy_bytes(kind) + 2 * shifted;
+    const __mmask32 inside = ((bytes == 32 ? 0xFFFFFFFFu : (1u << bytes) - 1u) >> (2 * shifted)) << (2 * shifted);
     __m256i rows[16];
     __m512i words[8];
-    for (int r = 0; r < W_TILE; r++) rows[r] = _mm256_maskz_loadu_epi8(inside, b + r * row_bytes - 2 * q4_0);
+    for (int r = 0; r < W_TILE; r++) rows[r] = _mm256_maskz_loadu_epi8(inside, b + r * row_bytes - 2 * shifted);
     transpose16x8(rows, words);
-    const __m512i dm = q4_0 ? _mm512_srli_epi32(words[0], 16) : words[0];
+    const __m512i dm = shifted ? _mm512_srli_epi32(words[0], 16) : words[0];
     *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
     *m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
-    const __m512i keep = _mm512_set1_epi32(0x000F000F);
-    for (int p = 0; p < 16; p++) { /* byte p: word 1 + p / 4, its byte p % 4 */
-        const __m512i v = _mm512_and_si512(_mm512_srli_epi32(words[1 + p / 4], 8 * (p % 4)), _mm512_set1_epi32(0xFF));
+    const __m512i keep = _mm512_set1_epi32(0x000F000F), bit = _mm512_set1_epi32(0x00010001);
+    const int codes = 1 + five;
+    for (int p = 0; p < 16; p++) { /* byte p: word codes + p / 4, its byte p % 4 */
+        const __m512i v = _mm512_and_si512(_mm512_srli_epi32(words[codes + p / 4], 8 * (p % 4)), _mm512_set1_epi32(0xFF));
         wp[p] = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), keep, 0xA8); /* (v | v << 12) & keep */
+        if (five) /* qh's bits p and p + 16 to bit 4 of the two codes */
+            wp[p] = _mm512_or_si512(wp[p], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words[1], p), bit), 4));
     }
 }
 
@@ -1218,7 +1225,7 @@ static inline __attribute__((always_inline)) void wide_block(const uint8_t *w, i
 }
 
 /* A tile's 16 W rows times `rows` x rows (1, 2, 4 or 8; xs[0..nt), the rest repeating the last, their
- * results dropped) for the 32-weight types without fifth bits (Q4_0, Q4_1, Q8_0), as dot_legacy_nibbles and
+ * results dropped) for the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as dot_legacy_nibbles and
  * dot_q8_0 compute each product: eight blocks at a time into lanes b mod 8, hsum's tree, then the last
  * blocks. */
 static inline __attribute__((always_inline)) void wide_tile(const uint8_t *w, int64_t row_bytes, int64_t blocks,
@@ -1359,6 +1366,17 @@ static inline __attribute__((always_inline)) void wide_q6_k_tile(const uint8_t *
     for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, acc[t]);
 }
 
+/* The legacy kind of one of the 32-weight types. */
+static inline int legacy_kind(int type) {
+    switch (type) {
+    case T_Q4_0: return L_Q4_0;
+    case T_Q4_1: return L_Q4_1;
+    case T_Q5_0: return L_Q5_0;
+    case T_Q5_1: return L_Q5_1;
+    default: return L_Q8_0;
+    }
+}
+
 /* A tile of `type`'s wide kernel, its `rows` (a constant where the call is inlined) x rows at a time. */
 static inline __attribute__((always_inline)) void wide_type_tile(int type, const uint8_t *w, int64_t row_bytes,
                                                                  int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
@@ -1369,8 +1387,7 @@ static inline __attribute__((always_inline)) void wide_type_tile(int type, const
     else if (type == T_Q4_K || type == T_Q5_K)
         wide_k_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride, type == T_Q5_K, rows);
     else
-        wide_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride,
-                  type == T_Q4_0 ? L_Q4_0 : type == T_Q4_1 ? L_Q4_1 : L_Q8_0, rows);
+        wide_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride, legacy_kind(type), rows);
 }
 
 /* `type`'s wide kernel: the x rows ROW_TILE at a time, a last few in a tile of 4, 2 or 1 (its time
@@ -1401,6 +1418,8 @@ static inline __attribute__((always_inline)) void wide_rows(int type, const uint
 WIDE_OF_TYPE(wide_q4_0, T_Q4_0)
 WIDE_OF_TYPE(wide_q4_1, T_Q4_1)
 WIDE_OF_TYPE(wide_q8_0, T_Q8_0)
+WIDE_OF_TYPE(wide_q5_0, T_Q5_0)
+WIDE_OF_TYPE(wide_q5_1, T_Q5_1)
 WIDE_OF_TYPE(wide_q4_k, T_Q4_K)
 WIDE_OF_TYPE(wide_q5_k, T_Q5_K)
 WIDE_OF_TYPE(wide_q6_k, T_Q6_K)
@@ -1414,6 +1433,8 @@ static wide_fn wide_of(int type, int64_t *from) {
     case T_Q4_0: return wide_q4_0;
     case T_Q4_1: return wide_q4_1;
     case T_Q8_0: return wide_q8_0;
+    case T_Q5_0: return wide_q5_0;
+    case T_Q5_1: return wide_q5_1;
     case T_Q4_K: return wide_q4_k;
     case T_Q5_K: return wide_q5_k;
     case T_Q6_K: return wide_q6_k;
