@@ -228,18 +228,19 @@ def _run(
     if choice in ("dot8", "gemv"):
         dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         out = torch.empty((t if topk_weights is not None else t * slots, n), dtype=dtype, device=x.device)
-        res = out if residual is None else residual.contiguous()  # read only with RES
+        res = None if residual is None else residual.contiguous()  # read with out's strides
         if out.numel() and choice == "dot8":  # x quantized once for all pairs (gate and up share it)
             qx = PENDING.quantized(x) or quantize_x(x2)
-            _gemv8(qx, w, raw, w2, raw2, ids, None if topk_weights is None else weights, out, x_div, residual)
+            _gemv8(qx, w, raw, w2, raw2, ids, None if topk_weights is None else weights, out, x_div, res)
         elif out.numel():
             cfg = for_device(raw.device).gemv(name, 1)
             moe_kernels().moe_gemv_kernel[(cdiv(n, cfg.bn), out.shape[0])](
-                x2, raw, raw2, table, ids, weights, res, out, n, k, n_expert, slots, x_div, x2.stride(0),
+                x2, raw, raw2, table, ids, weights, out if res is None else res, out, n, k, n_expert, slots,
+                x_div, x2.stride(0),
                 raw.stride(0), raw2.stride(0), out.stride(0),
                 QT=name, QT2=name2, PACKED=packed, PACKED2=packed2, G=g, G2=g2, BN=cfg.bn,
                 BK=step_weights(cfg.bk, k), GATED=w2 is not None, SUM=topk_weights is not None,
-                RES=residual is not None, num_warps=cfg.num_warps,
+                RES=res is not None, num_warps=cfg.num_warps,
             )  # fmt: skip
         return out if topk_weights is not None else out.reshape(t, slots, n)
     r = r or route(ids, n_expert)
@@ -277,8 +278,8 @@ def _gemv8(
 ) -> None:
     """The integer-dot grouped GEMV's launch (`moe_kernels.moe_gemv8_kernel`): out = x (quantized,
     `qx`) times the experts `ids` [T, k] of W, gated by W2's where given, or summed over the slots
-    weighted by `topk_weights` (plus `residual` where given); x row p // x_div for pair p. `raw`,
-    `raw2`: W's and W2's `layout.rows` (W's again without W2)."""
+    weighted by `topk_weights` (plus `residual`, out's shape and strides, where given); x row p // x_div
+    for pair p. `raw`, `raw2`: W's and W2's `layout.rows` (W's again without W2)."""
     n_expert, n, k = w.shape
     cfg, bk = _gemv8_shape(w, k, topk_weights is not None)
     types, row_units = [], []
