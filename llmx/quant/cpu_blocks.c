@@ -1138,16 +1138,38 @@ static inline void transpose16x8(const __m256i v[16], __m512i out[8]) {
     }
 }
 
+/* The 32 bytes at p as 16 words of two halves: bytes i (low half) and i + 16, zero- or sign-extended. */
+static inline __m512i byte_pairs(const uint8_t *p, int is_signed) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m256i v = load32(p);
+    return _mm512_permutexvar_epi16(interleave, is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v));
+}
+
+/* Where a tile's `rows` x rows read their codes, scales and sums: xs[0..nt), the rest repeating the
+ * last (their results are dropped). */
+static inline void tile_x(const qx_rows_t *qx, const int64_t *xs, int64_t nt, int rows, const int32_t *pairs[ROW_TILE],
+                          const float *dx[ROW_TILE], const float *s32[ROW_TILE]) {
+    for (int t = 0; t < rows; t++) {
+        const int64_t row = xs[t < nt ? t : nt - 1];
+        pairs[t] = qx->pair + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups, s32[t] = qx->s32 + row * qx->groups;
+    }
+}
+
+/* Block blk's share of the next tile's bytes asked for (`next`: that tile, NULL: none; `bytes`: a block
+ * of one row), so that a tile's stream from RAM runs ahead of its products. */
+static inline void prefetch_share(const uint8_t *next, int bytes, int64_t blk) {
+    if (next != NULL)
+        for (int o = 0; o < W_TILE * bytes; o += 64) _mm_prefetch((const char *)(next + W_TILE * bytes * blk + o), _MM_HINT_T0);
+}
+
 /* Block b of 16 rows row_bytes apart (`kind`: any of the 32-weight types) as pairs of codes: wp[p] lane r
  * holds row r's codes of positions p (low 16 bits) and p + 16 (the nibble types: byte p's two nibbles,
  * with Q5_0's and Q5_1's fifth bits p and p + 16; Q8_0: bytes p and p + 16, signed); returns the rows' d
  * (and Q4_1's and Q5_1's m) as floats. */
 static inline void legacy_pairs16(const uint8_t *b, int64_t row_bytes, int kind, __m512i wp[16], __m512 *d, __m512 *m) {
     if (kind == L_Q8_0) {
-        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
-                                                    7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        for (int r = 0; r < W_TILE; r++)
-            wp[r] = _mm512_permutexvar_epi16(interleave, _mm512_cvtepi8_epi16(load32(b + r * row_bytes + 2)));
+        for (int r = 0; r < W_TILE; r++) wp[r] = byte_pairs(b + r * row_bytes + 2, 1);
         transpose16(wp);
         uint16_t halves[W_TILE]; /* the rows' d: cheaper through memory than a gather */
         for (int r = 0; r < W_TILE; r++) memcpy(halves + r, b + r * row_bytes, 2);
@@ -1210,14 +1232,12 @@ static inline __m512 tree8(const __m512 a[8]) {
 }
 
 /* Block blk of a tile: the rows' products with each of `rows` x rows (sums[t], row r in lane r) and the
- * rows' d and m (Q4_0's m: its offset times d); with `next` not NULL, the block's share of the next tile's
- * bytes is asked for (`next`: that tile). */
+ * rows' d and m (Q4_0's m: its offset times d), with its share of the next tile asked for (prefetch_share). */
 static inline __attribute__((always_inline)) void wide_block(const uint8_t *w, int64_t row_bytes, int64_t blk, int kind,
                                                              const uint8_t *next, const int32_t *const pairs[ROW_TILE],
                                                              __m512 sums[ROW_TILE], __m512 *d, __m512 *m, int rows) {
     const int bytes = legacy_bytes(kind);
-    if (next != NULL)
-        for (int o = 0; o < W_TILE * bytes; o += 64) _mm_prefetch((const char *)(next + W_TILE * bytes * blk + o), _MM_HINT_T0);
+    prefetch_share(next, bytes, blk);
     __m512i wp[16];
     legacy_pairs16(w + bytes * blk, row_bytes, kind, wp, d, m);
     if (!legacy_has_m(kind)) *m = _mm512_mul_ps(*d, _mm512_set1_ps(legacy_offset(kind)));
@@ -1236,11 +1256,9 @@ static inline __attribute__((always_inline)) void wide_tile(const uint8_t *w, in
     const int32_t *pairs[ROW_TILE];
     const float *dx[ROW_TILE], *s32[ROW_TILE];
     __m512 acc[ROW_TILE][8], offsets[ROW_TILE][8], total[ROW_TILE], sums[ROW_TILE], d, m;
-    for (int t = 0; t < rows; t++) {
-        const int64_t row = xs[t < nt ? t : nt - 1];
-        pairs[t] = qx->pair + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups, s32[t] = qx->s32 + row * qx->groups;
+    tile_x(qx, xs, nt, rows, pairs, dx, s32);
+    for (int t = 0; t < rows; t++)
         for (int i = 0; i < 8; i++) acc[t][i] = offsets[t][i] = _mm512_setzero_ps();
-    }
     int64_t blk = 0;
     for (; blk + 8 <= blocks; blk += 8)
         for (int i = 0; i < 8; i++) {
@@ -1271,21 +1289,15 @@ static inline __attribute__((always_inline)) void wide_k_tile(const uint8_t *w, 
                                                               const uint8_t *next, float *y, int64_t y_stride,
                                                               int five, int rows) {
     const int bytes = five ? 176 : 144, nibbles = five ? 48 : 16;
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i keep = _mm512_set1_epi32(0x000F000F), bit = _mm512_set1_epi32(0x00010001);
     const int32_t *pairs[ROW_TILE];
     const float *dx[ROW_TILE], *s32[ROW_TILE];
     __m512 acc[ROW_TILE], sums[ROW_TILE];
-    for (int t = 0; t < rows; t++) {
-        const int64_t row = xs[t < nt ? t : nt - 1];
-        pairs[t] = qx->pair + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups, s32[t] = qx->s32 + row * qx->groups;
-        acc[t] = _mm512_setzero_ps();
-    }
+    tile_x(qx, xs, nt, rows, pairs, dx, s32);
+    for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = w + bytes * blk;
-        if (next != NULL)
-            for (int o = 0; o < W_TILE * bytes; o += 64) _mm_prefetch((const char *)(next + W_TILE * bytes * blk + o), _MM_HINT_T0);
+        prefetch_share(next, bytes, blk);
         __m256i dsc_rows[W_TILE], dmn_rows[W_TILE];
         __m512i dsc[8], dmn[8]; /* sub-block s: its d * scale, dmin * min of the 16 rows */
         for (int r = 0; r < W_TILE; r++) {
@@ -1300,10 +1312,10 @@ static inline __attribute__((always_inline)) void wide_k_tile(const uint8_t *w, 
             __m512i wp[16];
             for (int r = 0; r < W_TILE; r++) {
                 const uint8_t *row = b + r * row_bytes;
-                const __m512i v = _mm512_permutexvar_epi16(interleave, _mm512_cvtepu8_epi16(load32(row + nibbles + 32 * (sb / 2))));
+                const __m512i v = byte_pairs(row + nibbles + 32 * (sb / 2), 0);
                 wp[r] = _mm512_and_si512(sb & 1 ? _mm512_srli_epi16(v, 4) : v, keep);
                 if (five) { /* bit sb of qh's bytes p and p + 16, to bit 4 of the codes */
-                    const __m512i h = _mm512_permutexvar_epi16(interleave, _mm512_cvtepu8_epi16(load32(row + 16)));
+                    const __m512i h = byte_pairs(row + 16, 0);
                     wp[r] = _mm512_or_si512(wp[r], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, sb), bit), 4));
                 }
             }
@@ -1325,22 +1337,16 @@ static inline __attribute__((always_inline)) void wide_q6_k_tile(const uint8_t *
                                                                  const qx_rows_t *qx, const int64_t *xs, int64_t nt,
                                                                  const uint8_t *next, float *y, int64_t y_stride,
                                                                  int rows) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i low = _mm512_set1_epi32(0x000F000F), two = _mm512_set1_epi32(0x00030003);
     const __m512i offset = _mm512_set1_epi16(32);
     const int32_t *pairs[ROW_TILE];
-    const float *dx[ROW_TILE];
+    const float *dx[ROW_TILE], *s32[ROW_TILE];
     __m512 acc[ROW_TILE], sums[ROW_TILE];
-    for (int t = 0; t < rows; t++) {
-        const int64_t row = xs[t < nt ? t : nt - 1];
-        pairs[t] = qx->pair + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups;
-        acc[t] = _mm512_setzero_ps();
-    }
+    tile_x(qx, xs, nt, rows, pairs, dx, s32);
+    for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = w + 210 * blk;
-        if (next != NULL)
-            for (int o = 0; o < W_TILE * 210; o += 64) _mm_prefetch((const char *)(next + W_TILE * 210 * blk + o), _MM_HINT_T0);
+        prefetch_share(next, 210, blk);
         uint16_t halves[W_TILE];
         for (int r = 0; r < W_TILE; r++) memcpy(halves + r, b + r * row_bytes + 208, 2);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)halves));
@@ -1349,8 +1355,7 @@ static inline __attribute__((always_inline)) void wide_q6_k_tile(const uint8_t *
             __m512i wp[16];
             for (int r = 0; r < W_TILE; r++) {
                 const uint8_t *row = b + r * row_bytes;
-                const __m512i l = _mm512_permutexvar_epi16(interleave, _mm512_cvtepu8_epi16(load32(row + 64 * h + 32 * (j & 1))));
-                const __m512i q = _mm512_permutexvar_epi16(interleave, _mm512_cvtepu8_epi16(load32(row + 128 + 32 * h)));
+                const __m512i l = byte_pairs(row + 64 * h + 32 * (j & 1), 0), q = byte_pairs(row + 128 + 32 * h, 0);
                 const __m512i nib = _mm512_and_si512(j & 2 ? _mm512_srli_epi16(l, 4) : l, low);
                 const __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(q, 2 * j), two), 4);
                 const int8_t *sc = (const int8_t *)(row + 192 + 8 * h + 2 * j); /* positions p, then p + 16 */
