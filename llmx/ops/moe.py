@@ -12,15 +12,15 @@ The experts run where their stacks live (the activation moves there and back, as
 unless the runtime takes that crossing over for a while (`crossing`): it may capture a GPU step in
 pieces around expert stacks in RAM, or copy the experts a prompt uses to the GPU.
 `moe_ffn` is the one entry point for the experts' compute. Stacks of GGUF blocks on a GPU take the
-grouped Triton kernels (`llmx.quant.triton.moe`): the routing stays on the device, so no step waits
-for the host and a CUDA graph can hold the layer; on a GPU the router's softmax and top-k are one
-Triton launch (`route`, `llmx.kernels.router`). CPU stacks of the native kernels' types take one
-native call for the layer (`quant.weight.moe_swiglu`), decode steps and prompts alike: every chosen
-expert's blocks read once, the rows of all of them shared out among the threads. A CPU decode step's
-router (float32, as GGUFs keep it) is one native call too (`router`), so that the step has no torch
-op between its native calls and replays (`runtime.cpu_replay`). Elsewhere (float stacks, other
-types) tokens are grouped by expert with a sort, and each expert that has tokens multiplies all of
-its rows at once (`grouped_ffn`).
+grouped Triton kernels (`llmx.quant.triton.moe`): the routing stays on the device, so no step waits for
+the host and a CUDA graph can hold the layer; on a GPU the router's softmax and top-k are one Triton
+launch (`route`, `llmx.kernels.router`), which for a few tokens computes the logits too. CPU stacks of
+the native kernels' types take one native call for the layer (`quant.weight.moe_swiglu`), decode steps
+and prompts alike: every chosen expert's blocks read once, the rows of all of them shared out among the
+threads. A CPU decode step's router (float32, as GGUFs keep it) is one native call too (`router`), so
+that the step has no torch op between its native calls and replays (`runtime.cpu_replay`). Elsewhere
+(float stacks, other types) tokens are grouped by expert with a sort, and each expert that has tokens
+multiplies all of its rows at once (`grouped_ffn`).
 """
 
 from __future__ import annotations
@@ -81,9 +81,18 @@ def router(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` of the router w's logits for x [T, E] (w [X, E]): for a CPU decode step one native call
     (`quant.weight.moe_route`), so that the step has no torch op between its native calls
-    (`runtime.cpu_replay`); elsewhere the logits' matmul, then `route` (on a GPU its one Triton launch)."""
-    native = qw.moe_route(x, w, k, normalize) if isinstance(w, QWeight) else None  # -sm row: split
-    return native if native is not None else route(linear(x, w), k, normalize)  # any placement's
+    (`runtime.cpu_replay`); for a few tokens on a GPU one Triton launch, the logits' GEMV with the
+    choice (`kernels.router.route_tokens`); elsewhere the logits' matmul, then `route` (on a GPU its
+    one Triton launch)."""
+    if isinstance(w, QWeight):  # -sm row: split
+        native = qw.moe_route(x, w, k, normalize)
+        if native is None and x.is_cuda and has_triton():
+            from llmx.kernels import router as kernel
+
+            native = kernel.route_tokens(x, w.raw, k, normalize)
+        if native is not None:
+            return native
+    return route(linear(x, w), k, normalize)  # any placement's
 
 
 def moe_ffn(

@@ -57,6 +57,25 @@ def sm_count(device: torch.device, interpreted: int) -> int:
     return _sm_count(_index(device))
 
 
+COUNTERS = 4096  # a device's counters: more than any launch's tiles or tokens that count in them
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def zeroed_counters(device: torch.device) -> torch.Tensor | None:
+    """`device`'s COUNTERS int32 words, all 0 between launches: a launch whose last program does the
+    rest of a tile's or token's work (mmq's split over K, the router's top-k) counts its programs in
+    them and that last program sets its words back to 0, so launches share them where they run one
+    after another, as a device's steps do on its one stream. Made once by the first eager call; None
+    while a CUDA graph is being captured before then (the buffer must outlive every graph: that
+    launch takes its path without counters)."""
+    counts = _COUNTERS.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return counts
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 

@@ -34,6 +34,7 @@ from llmx.quant.triton.launch import (
     mmq,
     programmatic_launch,
     sm_count,
+    zeroed_counters,
 )
 from llmx.quant.triton.layout import Blocks, label, rows
 from llmx.quant.triton.tuning import GemmConfig, LaunchShape, for_device
@@ -48,7 +49,6 @@ MMQ_MIN_BM = 16  # the fewest rows of x a program of "mmq" takes: tl.dot's least
 # weight on "mmq" (H100): 9.8 / 13.1 ms at 16 / 32 rows, 4 programs an SM 10.1 / 13.6, unsplit 20.1 / 22.8
 MMQ_PROGRAMS_PER_SM = 2
 MMQ_MIN_SPLIT_STEPS = 2
-MMQ_SPLIT_COUNTS = 4096  # a device's split counters: more than any split launch's tiles (< its SMs)
 INTERPRETED_SMS = 8  # the interpreter's stand-in for the SMs: the tests' small launches split
 ROWS8_BM = 8  # rows of x a program of "dot8_rows" takes (llama.cpp's mmvq: up to 8), to be measured
 # Half-precision weight rows dequantized at a time for "dequant": a Llama-3-8B FFN matrix (112 MiB)
@@ -248,7 +248,7 @@ def _mmq(qx: QuantizedX, ws: list[Blocks], outs: list[torch.Tensor], residual: t
     tiles = sum(cdiv(w.shape[0], cfg.bn) for w in ws)
     steps = cdiv(k // qt.block_elems, su)
     splits, split_steps = mmq_splits(tiles * m_tiles, steps, sm_count(device, INTERPRETED_SMS))
-    counts = _split_counts(device)
+    counts = zeroed_counters(device)
     if counts is None:  # a capture before any eager call: no split
         splits, split_steps, counts = 1, steps, torch.zeros(1, dtype=torch.int32, device=device)
     parts = outs[0]  # unread without a split
@@ -271,22 +271,6 @@ def mmq_splits(programs: int, steps: int, sms: int) -> tuple[int, int]:
     splits = max(1, min(wanted, steps // MMQ_MIN_SPLIT_STEPS))
     split_steps = cdiv(steps, splits)
     return cdiv(steps, split_steps), split_steps
-
-
-_COUNTS: dict[torch.device, torch.Tensor] = {}  # each device's split counters, all 0 between launches
-
-
-def _split_counts(device: torch.device) -> torch.Tensor | None:
-    """`device`'s MMQ_SPLIT_COUNTS counters of the split launches (each launch's last program sets
-    its tiles' back to 0, so launches share them where they run one after another, as a device's
-    decode steps do on its one stream), made once by the first eager call; None while a CUDA graph is
-    being captured before then (that launch does not split: the buffer must outlive every graph)."""
-    counts = _COUNTS.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _COUNTS[device] = torch.zeros(MMQ_SPLIT_COUNTS, dtype=torch.int32, device=device)
-    return counts
 
 
 def _gemv8(
