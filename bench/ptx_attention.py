@@ -1,15 +1,16 @@
 """What the attention kernels' cache reads compile to on Hopper, without a GPU.
 
-Triton compiles `decode_attention.attention_kernel` and `prefill_attention.prefill_kernel` for sm_90
-here (PTX needs no device) at Llama-3-8B's shape (32 heads, 8 KV heads, D = 128) for each cache
-type, and counts what a thread issues: global loads (`ld.global`: waited on in registers),
-asynchronous copies (`cp.async`: the loads the compiler pipelines through shared memory, only those
-of 4 bytes or more), shared-memory stores, loads and barriers (layout conversions), conversions
-(`cvt`) and all instructions; and the shared memory a program takes (it bounds the programs an SM
-holds). The integer arguments are specialized as a launch specializes them (divisible by 16 or not),
-so a block cache's head stride (136 bytes of q8_0) is known only 8-aligned, as on the device.
-Triton versions lay the same kernel out differently: to see the device's 3.6, put its wheel's
-package first on PYTHONPATH (`pip install --target DIR triton==3.6.0`; no GPU needed).
+Triton compiles `decode_attention.attention_kernel` (split over the keys, its output quantized) and
+`prefill_attention.prefill_kernel` for sm_90 here (PTX needs no device) at Llama-3-8B's shape (32
+heads, 8 KV heads, D = 128) for each cache type, and counts what a thread issues: global loads
+(`ld.global`: waited on in registers), asynchronous copies (`cp.async`: the loads the compiler
+pipelines through shared memory, only those of 4 bytes or more), shared-memory stores, loads and
+barriers (layout conversions), conversions (`cvt`) and all instructions; and the shared memory a
+program takes (it bounds the programs an SM holds). The integer arguments are specialized as a
+launch specializes them (divisible by 16 or not), so a block cache's head stride (136 bytes of q8_0)
+is known only 8-aligned, as on the device. Triton versions lay the same kernel out differently: to
+see the device's 3.6, put its wheel's package first on PYTHONPATH (`pip install --target DIR
+triton==3.6.0`; no GPU needed).
 
     python bench/ptx_attention.py [--types f16,q8_0,q4_0] [--heads 32,8,128]
 """
@@ -75,14 +76,16 @@ def main() -> None:
         )
         rows = {"k_ptr": cache, "v_ptr": cache, "kc_ptr": cache, "vc_ptr": cache, "levels_ptr": "*fp32",
                 "pos_ptr": "*i64", "kpos_ptr": "*i64", "table_ptr": "*i32", "part_ptr": "*fp32",
-                "stats_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}  # fmt: skip
+                "stats_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "count_ptr": "*i32",
+                "xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}  # fmt: skip
         strides = {"sq_b": n_head * d, "sq_t": n_head * d, "sq": d, "sq_h": d, "sk_b": n_kv * d, "sk": d,
                    "sv_b": n_kv * d, "sv": d, "skc_n": n_kv * head, "svc_n": n_kv * head, "sk_n": n_kv * head,
                    "sv_n": n_kv * head, "skc_h": head, "svc_h": head, "sk_h": head, "sv_h": head}  # fmt: skip
         decode = compile_sm90(
             attention_kernel, rows, strides,
             kinds | dict(N_DIMS=d, NEOX=False, WINDOW=False, SOFTCAP=False, PAGED=False, BR=1, WAIT=False,
-                         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_N=BLOCK_N),
+                         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_N=BLOCK_N,
+                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False),
             4, 3,  # as `decode_attention._launch` launches a float16 or block cache (float32: 1)
         )  # fmt: skip
         bm, bn, warps, stages = _tiles(d, True, False, code != 0)

@@ -129,14 +129,17 @@ def test_fused_matches_eager(case: Case) -> None:
 
 
 @pytest.mark.parametrize("head_dim", [32, 40])
-def test_output_carries_its_quantized_form_where_heads_hold_whole_groups(head_dim, monkeypatch) -> None:
-    """The combine kernel writes its row quantized as `quantize_x` would (asked for as on a GPU);
+@pytest.mark.parametrize("pos", [37, 150])  # one chunk; three, merged by the last program
+def test_output_carries_its_quantized_form_where_heads_hold_whole_groups(head_dim, pos, monkeypatch) -> None:
+    """The kernel writes its row quantized as `quantize_x` would (asked for as on a GPU), from the
+    one chunk's program or the last of the chunks' to finish (which sets its counter back to 0);
     with heads of 40 a group of 32 would straddle two heads, so none is written."""
-    from llmx.quant.triton import activation
+    from llmx.quant.triton import activation, launch
 
     monkeypatch.setattr(activation, "wants_quantized", lambda x: True)
-    c = Case(4, 2, head_dim, 32, True, F32, pos=37, n_read=38)
+    c = Case(4, 2, head_dim, 32, True, F32, pos=pos, n_read=pos + 1)
     out = run(c, "on", *random_step(c))
+    assert not launch.zeroed_counters(out.device).any()
     qx = activation.PENDING.quantized(out)
     if head_dim % 32:
         assert qx is None

@@ -1,7 +1,6 @@
-"""One decode token's attention layer in two launches: RoPE on q and k, the KV-cache write, and
+"""One decode token's attention layer in one launch: RoPE on q and k, the KV-cache write, and
 grouped-query attention over the cache, flash-decoding style (split over the keys, then combined);
-for one token of each of B sequences over a paged cache, the same two launches
-(`paged_decode_attention`).
+for one token of each of B sequences over a paged cache, the same launch (`paged_decode_attention`).
 
 The eager path (`Rope.apply`, the cache's `index_copy_`, `ops.attention`) costs ~25 small kernels a
 layer. Shapes (one token): q [1, H, D], k, v [1, Hk, D], cos/sin [1, n_dims/2] float32 (the step's
@@ -19,10 +18,12 @@ the one stored.
   from pos, so the masked tail of a CUDA-graph bucket (rows pos+1..n_read-1) and keys left of the
   window are never read, and a window layer still spreads over all S programs. The program whose
   chunk holds pos writes the new key and value to the cache and takes that row from its registers;
-  no other program reads the row, so the write needs no ordering. Each program leaves an
-  unnormalized output with its running max and sum.
-- `combine_kernel`, grid (B * H,): merges each head's S partial outputs with log-sum-exp weights,
-  and on a GPU also writes the row quantized for the o projection's integer-dot GEMV.
+  no other program reads the row, so the write needs no ordering. With one chunk the program
+  writes its heads' output; with S it leaves an unnormalized output with its running max and sum,
+  and counts itself in its (token, KV head)'s counter (`launch.zeroed_counters`): the last of the
+  S merges the S partial outputs with log-sum-exp weights, in the chunks' order, writes the output
+  and sets the counter back to 0 (a launch of its own before: one launch a layer fewer). Where the
+  o projection reads int8 x, the output row is also written quantized for it.
 
 Paged (`runtime.paged`, `PAGED`): token b's position pos = positions[b] lives in pool row
 tables[b, pos // BR] * BR + pos % BR (blocks of BR rows), and so does each key it reads: the visible
@@ -57,7 +58,7 @@ from llmx.kernels.cache_rows import TL_DTYPE, dot, head_at, load_rows
 from llmx.kernels.cache_store import blocks_value, quantize_head, store_head
 from llmx.quant import QType
 from llmx.quant.triton import activation, launch
-from llmx.quant.triton.dot8 import store_quantized_block
+from llmx.quant.triton.dot8 import store_quantized
 
 BLOCK_N = 64  # keys per loop step
 INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's, so tests split as it does
@@ -116,7 +117,7 @@ def paged_decode_attention(
     types: tuple[QType, QType] | None = None,
 ) -> torch.Tensor:
     """`decode_attention` for one token of each of B sequences over a paged cache
-    (`runtime.paged`), in the same two launches: q [B, H, D], k, v [B, Hk, D], cos/sin [B, n_dims/2]
+    (`runtime.paged`), in the same launch: q [B, H, D], k, v [B, Hk, D], cos/sin [B, n_dims/2]
     (each token's angles); sequence b's token sits at positions[b] (int64 [B]) and its positions
     0..positions[b] in the pools' blocks of `block_rows` rows listed by tables[b] (int32 [B, W]):
     position p is pool row tables[b, p // block_rows] * block_rows + p % block_rows. Its k and v are
@@ -146,15 +147,22 @@ def _launch(
     neox: bool, scale: float | None, softcap: float | None, window: int | None,
     types: tuple[QType, QType] | None,
 ) -> torch.Tensor:  # fmt: skip
-    """Both kernels for `n_seq` tokens: over a contiguous cache (`paged` None: one token, rows
+    """The kernel for `n_seq` tokens: over a contiguous cache (`paged` None: one token, rows
     0..n_read-1, a ring past its rows) or a paged one (`paged`: the block tables and block rows)."""
     _, n_head, d = q.shape
     n_kv = k.shape[1]
     splits = split_count(n_seq, n_kv, span, q.device)
-    partial = torch.empty(n_seq * n_head, splits, d, dtype=torch.float32, device=q.device)
-    # max (log2 units), sum
-    stats = torch.empty(n_seq * n_head, splits, 2, dtype=torch.float32, device=q.device)
+    counts = launch.zeroed_counters(q.device) if splits > 1 else None
+    if counts is None:  # one split, or a CUDA graph captured before any eager step: no counters
+        splits = 1
     out = torch.empty(n_seq, n_head * d, dtype=q.dtype, device=q.device)
+    partial = stats = out  # unread with one split
+    if counts is None:
+        counts = out
+    else:
+        partial = torch.empty(n_seq * n_head, splits, d, dtype=torch.float32, device=q.device)
+        # max (log2 units), sum
+        stats = torch.empty(n_seq * n_head, splits, 2, dtype=torch.float32, device=q.device)
     q, k, v, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cos, sin))
     tables, block_rows = paged if paged is not None else (positions, 1)  # unread without `paged`
     block_d = max(16, triton.next_power_of_2(d))
@@ -172,9 +180,12 @@ def _launch(
         if k_cache.dtype == torch.uint8
         else TL_DTYPE[k_cache.dtype]
     )
+    # The output goes on to the o projection: quantized here for its integer-dot GEMV, by heads.
+    qx = activation.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
     pdl = launch.programmatic_launch(q.device)  # after the q/k/v GEMV: resident as it ends
     attention_kernel[(n_kv, splits, n_seq)](
-        q, k, v, cos, sin, positions, tables, k_cache, v_cache, partial, stats, cache_rows.levels(q.device),
+        q, k, v, cos, sin, positions, tables, k_cache, v_cache, partial, stats, counts, out,
+        *activation.quantized_pointers(out, qx), cache_rows.levels(q.device),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         tables.stride(0),
@@ -183,14 +194,8 @@ def _launch(
         G=n_head // n_kv, D=d, N_DIMS=n_dims, NEOX=neox, WINDOW=window is not None,
         SOFTCAP=softcap is not None, DOT=dot_type, KT=kt, KB=kb, VT=vt, VB=vb,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        PAGED=paged is not None, BR=block_rows, WAIT=pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
-    )  # fmt: skip
-    # The output goes on to the o projection: quantized here for its integer-dot GEMV, by heads.
-    qx = activation.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
-    combine_kernel[(n_seq * n_head,)](
-        partial, stats, out, splits, n_head, *activation.quantized_pointers(out, qx),
-        D=d, QUANT=qx is not None, TRIGGER=qx is not None and pdl,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+        PAGED=paged is not None, BR=block_rows, WAIT=pdl, SPLIT=splits > 1, QUANT=qx is not None,
+        TRIGGER=qx is not None and pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -229,12 +234,14 @@ def _rotate(ptrs, d, mask, cos_ptr, sin_ptr, N_DIMS: tl.constexpr, NEOX: tl.cons
 @triton.jit
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, part_ptr, stats_ptr,
-    levels_ptr, sq_b, sq, sk_b, sk, sv_b, sv, scos_b, ssin_b, skc_n, skc_h, svc_n, svc_h, st_b,
+    count_ptr, out_ptr, xq_ptr, dx_ptr, xs_ptr, levels_ptr,
+    sq_b, sq, sk_b, sk, sv_b, sv, scos_b, ssin_b, skc_n, skc_h, svc_n, svc_h, st_b,
     n_read, n_rows, window, scale, softcap, n_splits,
     G: tl.constexpr, D: tl.constexpr, N_DIMS: tl.constexpr, NEOX: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr,
     VB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, BR: tl.constexpr, WAIT: tl.constexpr,
+    PAGED: tl.constexpr, BR: tl.constexpr, WAIT: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):  # fmt: skip
     if WAIT:  # launched as a programmatic dependent (norm.rms_norm_kernel's note)
         gdc_wait()
@@ -320,30 +327,59 @@ def attention_kernel(
     else:
         store_head(vc_ptr + slot * svc_n, v_codes, v_d, v_m, holds_pos, D, VT, VB, BLOCK_D)
 
-    # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 in combine.
-    base = (b * (tl.num_programs(0) * G) + heads) * n_splits + split
-    tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=qmask)
-    tl.store(stats_ptr + base * 2, m_i, mask=gmask)
-    tl.store(stats_ptr + base * 2 + 1, l_i, mask=gmask)
+    if TRIGGER:  # the o projection's GEMV may start loading its weights (norm.rms_norm_kernel's note)
+        gdc_launch_dependents()
+    n_kv = tl.num_programs(0)
+    if not SPLIT:
+        o = acc / tl.where(gmask, l_i, 1.0)[:, None]
+        _finish(o, out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
+    else:
+        # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 below.
+        first = (b64 * (n_kv * G) + heads) * n_splits  # this token's heads' partials of split 0
+        tl.store(part_ptr + (first + split)[:, None] * D + d[None, :], acc, mask=qmask)
+        tl.store(stats_ptr + (first + split) * 2, m_i, mask=gmask)
+        tl.store(stats_ptr + (first + split) * 2 + 1, l_i, mask=gmask)
+        # every thread's partials are stored before the count (the barrier), and visible to the
+        # program that counts last (acq_rel), which reads them past the L1 (.cg) and merges the
+        # splits in their order (the same result whichever program ends last)
+        tl.debug_barrier()
+        count_ptr += b * n_kv + kvh
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == n_splits - 1:
+            top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            for i in range(n_splits):  # the split holding pos is never empty: top is finite
+                m_s = tl.load(stats_ptr + (first + i) * 2, mask=gmask, other=0.0, cache_modifier=".cg")
+                top = tl.maximum(top, m_s)
+            total = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            weight = tl.zeros([BLOCK_G], tl.float32)
+            for i in range(n_splits):
+                m_s = tl.load(stats_ptr + (first + i) * 2, mask=gmask, other=0.0, cache_modifier=".cg")
+                l_s = tl.load(stats_ptr + (first + i) * 2 + 1, mask=gmask, other=1.0, cache_modifier=".cg")
+                part = tl.load(part_ptr + (first + i)[:, None] * D + d[None, :], mask=qmask, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+                w = tl.exp2(m_s - top)
+                total += w[:, None] * part
+                weight += w * l_s
+            tl.store(count_ptr, 0)
+            o = total / weight[:, None]
+            _finish(o, out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
 
 
 @triton.jit
-def combine_kernel(
-    part_ptr, stats_ptr, out_ptr, n_splits, n_head, xq_ptr, dx_ptr, xs_ptr,
-    D: tl.constexpr, QUANT: tl.constexpr, TRIGGER: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    if TRIGGER:  # the o projection's GEMV may start loading its weights (norm.rms_norm_kernel's note)
-        gdc_launch_dependents()
-    h = tl.program_id(0)  # token h // n_head's head h % n_head: its output row is [n_head * D]
-    s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    smask, dmask = s < n_splits, d < D
-    base = h * n_splits + s
-    m = tl.load(stats_ptr + base * 2, mask=smask, other=float("-inf"))
-    l_sum = tl.load(stats_ptr + base * 2 + 1, mask=smask, other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))  # the split holding pos is never empty, so the max is finite
-    o = tl.load(part_ptr + base[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w * l_sum, 0)
-    out = out.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + h * D + d, out, mask=dmask)
-    if QUANT:  # D == BLOCK_D, a multiple of 32: a token's head i is groups i * D / 32.. of its row
-        store_quantized_block(out, (h % n_head) * (D // 32), h // n_head, n_head * D, xq_ptr, dx_ptr, xs_ptr)
+def _finish(
+    o, out_ptr, xq_ptr, dx_ptr, xs_ptr, b, kvh, n_kv, G: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr
+):
+    """Heads kvh * G.. of token b's output, o [BLOCK_G, BLOCK_D] (rows past G and columns past D not
+    stored), in out's dtype; QUANT (D == BLOCK_D, a multiple of 32): also quantized, as rounded,
+    for the o projection's integer-dot GEMV (its groups are the row's kvh * G * D / 32..)."""
+    BLOCK_G: tl.constexpr = o.shape[0]
+    BLOCK_D: tl.constexpr = o.shape[1]
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    n = n_kv * G * D  # a token's output row
+    o = o.to(out_ptr.dtype.element_ty)
+    ok = (g < G)[:, None] & (d < D)[None, :]
+    tl.store(out_ptr + b * n + (kvh * G + g)[:, None] * D + d[None, :], o, mask=ok)
+    if QUANT:
+        NG: tl.constexpr = BLOCK_G * BLOCK_D // 32
+        r = tl.arange(0, NG)
+        groups = tl.reshape(o.to(tl.float32), (NG, 32))
+        store_quantized(groups, kvh * (G * D // 32) + r, r < G * D // 32, b, n, xq_ptr, dx_ptr, xs_ptr)
