@@ -152,7 +152,8 @@ def _launch(
     _, n_head, d = q.shape
     n_kv = k.shape[1]
     splits = split_count(n_seq, n_kv, span, q.device)
-    counts = launch.zeroed_counters(q.device) if splits > 1 else None
+    # a (token, KV head) counts its chunks in word b * Hk + kvh (split_count keeps B * Hk small)
+    counts = launch.zeroed_counters(q.device) if splits > 1 and n_seq * n_kv <= launch.COUNTERS else None
     if counts is None:  # one split, or a CUDA graph captured before any eager step: no counters
         splits = 1
     out = torch.empty(n_seq, n_head * d, dtype=q.dtype, device=q.device)
