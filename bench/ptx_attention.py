@@ -59,6 +59,9 @@ def compile_sm90(fn, pointers: dict[str, str], ints: dict[str, int], consts: dic
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+NORMS = False  # Llama has no per-head q/k norms (Qwen3, Gemma 3 do)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="f16,q8_0,q4_0", help="cache types (f16, bf16, q8_0, q4_0, ...)")
@@ -77,7 +80,8 @@ def main() -> None:
         rows = {"k_ptr": cache, "v_ptr": cache, "kc_ptr": cache, "vc_ptr": cache, "levels_ptr": "*fp32",
                 "pos_ptr": "*i64", "kpos_ptr": "*i64", "table_ptr": "*i32", "part_ptr": "*fp32",
                 "stats_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "count_ptr": "*i32",
-                "xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}  # fmt: skip
+                "xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32", "qn_ptr": "*fp32",
+                "kn_ptr": "*fp32"}  # fmt: skip
         strides = {"sq_b": n_head * d, "sq_t": n_head * d, "sq": d, "sq_h": d, "sk_b": n_kv * d, "sk": d,
                    "sv_b": n_kv * d, "sv": d, "skc_n": n_kv * head, "svc_n": n_kv * head, "sk_n": n_kv * head,
                    "sv_n": n_kv * head, "skc_h": head, "svc_h": head, "sk_h": head, "sv_h": head}  # fmt: skip
@@ -85,7 +89,7 @@ def main() -> None:
             attention_kernel, rows, strides,
             kinds | dict(N_DIMS=d, NEOX=False, WINDOW=False, SOFTCAP=False, PAGED=False, BR=1, WAIT=False,
                          BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_N=BLOCK_N,
-                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False),
+                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False, Q_NORM=NORMS, K_NORM=NORMS),
             4, 3,  # as `decode_attention._launch` launches a float16 or block cache (float32: 1)
         )  # fmt: skip
         bm, bn, warps, stages = _tiles(d, True, False, code != 0)

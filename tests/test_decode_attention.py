@@ -91,7 +91,7 @@ def random_step(c: Case, seed: int = 0):
     return tuple(t.to(DEVICE) for t in (q, k, v, kc, vc))
 
 
-def run(c: Case, mode: str, q, k, v, kc, vc) -> torch.Tensor:
+def run(c: Case, mode: str, q, k, v, kc, vc, norms: ops.HeadNorms | None = None) -> torch.Tensor:
     """`ops.rope_attention` as `Model.self_attention` calls it, writing into kc, vc, with the fused
     decode kernels `mode`."""
     rope = Rope(c.n_dims, 10000.0, c.neox)
@@ -99,19 +99,19 @@ def run(c: Case, mode: str, q, k, v, kc, vc) -> torch.Tensor:
     cos, sin = rope.tables(positions, c.n_read)
     mask = causal_mask(positions, c.n_read, c.window)
     cache = LayerWriter(kc, vc, positions, c.n_read, AttentionKernels(decode=mode))
-    return ops.rope_attention(q, k, v, rope, cos, sin, cache, mask, c.window, c.scale, c.softcap)
+    return ops.rope_attention(q, k, v, rope, cos, sin, cache, mask, c.window, c.scale, c.softcap, norms)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def check(c: Case, seed: int = 0) -> None:
+def check(c: Case, seed: int = 0, norms: ops.HeadNorms | None = None) -> None:
     q, k, v, kc0, vc0 = random_step(c, seed)
     ref_k, ref_v = kc0.clone(), vc0.clone()
-    ref = run(c, "off", q, k, v, ref_k, ref_v)
+    ref = run(c, "off", q, k, v, ref_k, ref_v, norms)
     out_k, out_v = kc0.clone(), vc0.clone()
-    out = run(c, "on", q, k, v, out_k, out_v)
+    out = run(c, "on", q, k, v, out_k, out_v, norms)
 
     assert out.shape == (1, c.n_head * c.head_dim) and out.dtype == q.dtype
     err = relative_error(out, ref)
@@ -126,6 +126,18 @@ def check(c: Case, seed: int = 0) -> None:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_fused_matches_eager(case: Case) -> None:
     check(case)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=str)
+@pytest.mark.parametrize("which", ["q and k", "q", "k"])
+def test_fused_applies_the_head_norms_before_rope(case: Case, which: str) -> None:
+    """Qwen3's and Gemma 3's per-head q/k RMSNorm inside the kernel, as the eager path applies it
+    before RoPE (`ops.HeadNorms`): one head norm or both."""
+    g = torch.Generator().manual_seed(11)
+    weights = [(torch.rand(case.head_dim, generator=g) + 0.5).to(DEVICE) for _ in range(2)]
+    q_weight = weights[0] if "q" in which else None
+    k_weight = weights[1] if "k" in which else None
+    check(case, norms=ops.HeadNorms(q_weight, k_weight, 1e-6))
 
 
 @pytest.mark.parametrize("head_dim", [32, 40])

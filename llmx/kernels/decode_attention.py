@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -59,6 +60,9 @@ from llmx.kernels.cache_store import blocks_value, quantize_head, store_head
 from llmx.quant import QType
 from llmx.quant.triton import activation, launch
 from llmx.quant.triton.dot8 import store_quantized
+
+if TYPE_CHECKING:
+    from llmx.ops.norms import HeadNorms
 
 BLOCK_N = 64  # keys per loop step
 INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's, so tests split as it does
@@ -81,19 +85,21 @@ def decode_attention(
     softcap: float | None = None,
     window: int | None = None,
     types: tuple[QType, QType] | None = None,
+    norms: HeadNorms | None = None,
 ) -> torch.Tensor:
     """RoPE'd q [1, H, D] attending over cache rows 0..n_read-1 after k, v [1, Hk, D] (k rotated)
     are written at row positions[0]; keys j <= pos are visible (and j > pos - window with a window).
 
-    Rotation as `ops.Rope.apply` with `n_dims` and `neox`; scores scaled by `scale` (default
-    1/sqrt(D)), then soft-capped to softcap * tanh(s / softcap) when `softcap` is set. `types`:
-    the caches' (K's, V's) where either is GGUF blocks, None for float caches.
+    `norms`: each head of q and k RMS-normalized first (`ops.HeadNorms`). Rotation as
+    `ops.Rope.apply` with `n_dims` and `neox`; scores scaled by `scale` (default 1/sqrt(D)), then
+    soft-capped to softcap * tanh(s / softcap) when `softcap` is set. `types`: the caches' (K's,
+    V's) where either is GGUF blocks, None for float caches.
     Requires n_read > pos. Returns [1, H * D] in q's dtype.
     """
     span = n_read if window is None else min(n_read, window)
     return _launch(
         q, k, v, cos, sin, k_cache, v_cache, positions, None, n_read, 1, span, n_dims=n_dims, neox=neox,
-        scale=scale, softcap=softcap, window=window, types=types,
+        scale=scale, softcap=softcap, window=window, types=types, norms=norms,
     )  # fmt: skip
 
 
@@ -115,6 +121,7 @@ def paged_decode_attention(
     softcap: float | None = None,
     window: int | None = None,
     types: tuple[QType, QType] | None = None,
+    norms: HeadNorms | None = None,
 ) -> torch.Tensor:
     """`decode_attention` for one token of each of B sequences over a paged cache
     (`runtime.paged`), in the same launch: q [B, H, D], k, v [B, Hk, D], cos/sin [B, n_dims/2]
@@ -128,7 +135,7 @@ def paged_decode_attention(
     span = tables.shape[1] * block_rows if window is None else min(tables.shape[1] * block_rows, window)
     return _launch(
         q, k, v, cos, sin, k_pool, v_pool, positions, (tables, block_rows), 0, q.shape[0], span,
-        n_dims=n_dims, neox=neox, scale=scale, softcap=softcap, window=window, types=types,
+        n_dims=n_dims, neox=neox, scale=scale, softcap=softcap, window=window, types=types, norms=norms,
     )  # fmt: skip
 
 
@@ -145,7 +152,7 @@ def _launch(
     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
     paged: tuple[torch.Tensor, int] | None, n_read: int, n_seq: int, span: int, *, n_dims: int,
     neox: bool, scale: float | None, softcap: float | None, window: int | None,
-    types: tuple[QType, QType] | None,
+    types: tuple[QType, QType] | None, norms: HeadNorms | None,
 ) -> torch.Tensor:  # fmt: skip
     """The kernel for `n_seq` tokens: over a contiguous cache (`paged` None: one token, rows
     0..n_read-1, a ring past its rows) or a paged one (`paged`: the block tables and block rows)."""
@@ -183,15 +190,17 @@ def _launch(
     )
     # The output goes on to the o projection: quantized here for its integer-dot GEMV, by heads.
     qx = activation.quantized_output(out, None if d == block_d and d % 32 == 0 else False)
+    qn, kn = _norm_weights(norms, q)
     pdl = launch.programmatic_launch(q.device)  # after the q/k/v GEMV: resident as it ends
     attention_kernel[(n_kv, splits, n_seq)](
         q, k, v, cos, sin, positions, tables, k_cache, v_cache, partial, stats, counts, out,
-        *activation.quantized_pointers(out, qx), cache_rows.levels(q.device),
+        *activation.quantized_pointers(out, qx), qn, kn, cache_rows.levels(q.device),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         tables.stride(0),
         n_read, k_cache.shape[0], window or 0, 1.0 / math.sqrt(d) if scale is None else scale,
-        softcap or 1.0, splits,
+        softcap or 1.0, splits, 0.0 if norms is None else norms.eps,
+        Q_NORM=norms is not None and norms.q is not None, K_NORM=norms is not None and norms.k is not None,
         G=n_head // n_kv, D=d, N_DIMS=n_dims, NEOX=neox, WINDOW=window is not None,
         SOFTCAP=softcap is not None, DOT=dot_type, KT=kt, KB=kb, VT=vt, VB=vb,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
@@ -199,6 +208,14 @@ def _launch(
         TRIGGER=qx is not None and pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+def _norm_weights(norms: HeadNorms | None, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query and key norms' weights on q's device, q standing in (unread) for an absent one."""
+    if norms is None:
+        return q, q
+    qn, kn = (q if w is None else w.to(q.device) for w in (norms.q, norms.k))
+    return qn, kn
 
 
 @cache
@@ -212,9 +229,13 @@ def target_programs(device: torch.device) -> int:
 
 
 @triton.jit
-def _rotate(ptrs, d, mask, cos_ptr, sin_ptr, N_DIMS: tl.constexpr, NEOX: tl.constexpr):
+def _rotate(
+    ptrs, d, mask, cos_ptr, sin_ptr, N_DIMS: tl.constexpr, NEOX: tl.constexpr, norm_ptr, eps,
+    AXIS: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
     """The values at ptrs + d rotated as `Rope.apply` does, in float32: each pair (a, b) of the first
-    N_DIMS becomes (a cos - b sin, a sin + b cos); the rest pass through. `d` indexes the last axis."""
+    N_DIMS becomes (a cos - b sin, a sin + b cos); the rest pass through. `d` indexes the last axis,
+    AXIS, of D values a head. NORM: each head RMS-normalized first, by the weights at norm_ptr."""
     rotating = d < N_DIMS
     if NEOX:  # pairs (i, i + N_DIMS/2)
         first = d < N_DIMS // 2
@@ -227,6 +248,10 @@ def _rotate(ptrs, d, mask, cos_ptr, sin_ptr, N_DIMS: tl.constexpr, NEOX: tl.cons
     partner = tl.where(rotating, partner, d)
     x = tl.load(ptrs + d, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(ptrs + partner, mask=mask & rotating, other=0.0).to(tl.float32)
+    if NORM:  # as `ops.rms_norm` of the head: x * rsqrt(mean(x^2) + eps) * w
+        r = tl.rsqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) / D + eps)
+        x *= r * tl.load(norm_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        xp *= r * tl.load(norm_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
     cos = tl.load(cos_ptr + angle, mask=rotating, other=1.0)
     sin = tl.load(sin_ptr + angle, mask=rotating, other=0.0)
     return x * cos + tl.where(first, -xp, xp) * sin
@@ -235,9 +260,9 @@ def _rotate(ptrs, d, mask, cos_ptr, sin_ptr, N_DIMS: tl.constexpr, NEOX: tl.cons
 @triton.jit
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, part_ptr, stats_ptr,
-    count_ptr, out_ptr, xq_ptr, dx_ptr, xs_ptr, levels_ptr,
+    count_ptr, out_ptr, xq_ptr, dx_ptr, xs_ptr, qn_ptr, kn_ptr, levels_ptr,
     sq_b, sq, sk_b, sk, sv_b, sv, scos_b, ssin_b, skc_n, skc_h, svc_n, svc_h, st_b,
-    n_read, n_rows, window, scale, softcap, n_splits,
+    n_read, n_rows, window, scale, softcap, n_splits, eps, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
     G: tl.constexpr, D: tl.constexpr, N_DIMS: tl.constexpr, NEOX: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr,
     VB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -266,8 +291,21 @@ def attention_kernel(
 
     heads = kvh * G + g  # of this token's
     qmask = gmask[:, None] & dmask[None, :]
-    q = _rotate(q_ptr + heads[:, None] * sq, d[None, :], qmask, cos_ptr, sin_ptr, N_DIMS, NEOX)
-    k_new = _rotate(k_ptr + kvh * sk, d, dmask, cos_ptr, sin_ptr, N_DIMS, NEOX)
+    q = _rotate(
+        q_ptr + heads[:, None] * sq,
+        d[None, :],
+        qmask,
+        cos_ptr,
+        sin_ptr,
+        N_DIMS,
+        NEOX,
+        qn_ptr,
+        eps,
+        1,
+        D,
+        Q_NORM,
+    )
+    k_new = _rotate(k_ptr + kvh * sk, d, dmask, cos_ptr, sin_ptr, N_DIMS, NEOX, kn_ptr, eps, 0, D, K_NORM)
     v_new = tl.load(v_ptr + kvh * sv + d, mask=dmask, other=0.0).to(tl.float32)
     # this step's row as the cache will hold it: rounded to its dtype, or quantized (codes kept to store)
     if KT == 0:

@@ -15,6 +15,7 @@ import torch
 from llmx.errors import LlmxError
 from llmx.model_config import ModelConfig
 from llmx.ops import (
+    HeadNorms,
     LayerKV,
     Rope,
     Yarn,
@@ -24,7 +25,6 @@ from llmx.ops import (
     linear_many,
     moe_ffn,
     rms_norm,
-    rms_norm_pair,
     rope_attention,
     router,
 )
@@ -182,20 +182,14 @@ class Model:
         """RoPE'd grouped-query attention over the cache, before the output projection: [T, H*D]."""
         rope = rope or self.rope
         q, k, v = self.qkv(w, h)
-        q, k = self.qk_norm(w, q, k)
         cos, sin = step.rope(rope)
-        return rope_attention(q, k, v, rope, cos, sin, cache_kv, step.mask(window), window, **kw)
+        norms = self.head_norms(w)
+        return rope_attention(q, k, v, rope, cos, sin, cache_kv, step.mask(window), window, norms=norms, **kw)
 
-    def qk_norm(self, w: TensorGroup, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head RMSNorm of queries and keys where the model has it (Qwen3, Gemma 3)."""
-        qn, kn, eps = w.optional("attn_q_norm"), w.optional("attn_k_norm"), self.config.norm_eps
-        if qn is not None and kn is not None:
-            return rms_norm_pair(q, qn, k, kn, eps)
-        if qn is not None:
-            q = rms_norm(q, qn, eps)
-        if kn is not None:
-            k = rms_norm(k, kn, eps)
-        return q, k
+    def head_norms(self, w: TensorGroup) -> HeadNorms | None:
+        """Per-head RMSNorm of queries and keys, before RoPE, where the model has it (Qwen3, Gemma 3)."""
+        qn, kn = w.optional("attn_q_norm"), w.optional("attn_k_norm")
+        return None if qn is None and kn is None else HeadNorms(qn, kn, self.config.norm_eps)
 
     def routed_experts(self, w: TensorGroup, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual plus the routed experts' FFN of the normed h [T, E]: each token's top-k experts by

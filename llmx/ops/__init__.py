@@ -20,11 +20,12 @@ from llmx.ops.ffn import geglu, shared_expert, swiglu
 from llmx.ops.masks import causal_mask, ring_mask
 from llmx.ops.matmul import embedding, linear, linear_many
 from llmx.ops.moe import moe_ffn, route, router
-from llmx.ops.norms import add_rms_norm, rms_norm, rms_norm_pair
+from llmx.ops.norms import HeadNorms, add_rms_norm, rms_norm
 from llmx.ops.rope import Rope, Yarn
 from llmx.ops.split import PartialSum, RowSplit, current_device
 
 __all__ = [
+    "HeadNorms",
     "LayerKV",
     "PartialSum",
     "Rope",
@@ -42,7 +43,6 @@ __all__ = [
     "moe_ffn",
     "ring_mask",
     "rms_norm",
-    "rms_norm_pair",
     "rope_attention",
     "route",
     "router",

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmx.ops.block_attention import block_attention
 from llmx.ops.masks import ring_mask
+from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
 from llmx.plan.memory import PREFILL_KERNEL_MAX_HEAD_DIM, score_heads
 from llmx.quant import QType
@@ -86,7 +87,7 @@ class LayerKV(Protocol):
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
         sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
-        softcap: float | None,
+        softcap: float | None, norms: HeadNorms | None = None,
     ) -> torch.Tensor | None: ...  # fmt: skip
 
 
@@ -102,17 +103,21 @@ def rope_attention(
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    norms: HeadNorms | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] and k [T, Hk, D] rotated by `rope` (cos/sin from `Rope.tables`), k and v stored
-    in `cache`, then `attention` over its first n_read rows: [T, H * D].
+    """q [T, H, D] and k [T, Hk, D] normalized per head by `norms` where given, rotated by `rope`
+    (cos/sin from `Rope.tables`), k and v stored in `cache`, then `attention` over its first n_read
+    rows: [T, H * D].
 
     `mask` (from `causal_mask`, for the eager path) and `window` (for the fused kernel) describe the
-    same visibility. A one-token step goes to the cache's fused kernel where one takes it (two
-    launches on a GPU instead of ~25; see `AttentionKernels`).
+    same visibility. A one-token step goes to the cache's fused kernel where one takes it (one
+    launch on a GPU, the norms in it, instead of ~25; see `AttentionKernels`).
     """
-    out = cache.rope_store_attend(q, k, v, rope, cos, sin, mask, window, scale, softcap)
+    out = cache.rope_store_attend(q, k, v, rope, cos, sin, mask, window, scale, softcap, norms)
     if out is not None:
         return out
+    if norms is not None:
+        q, k = norms(q, k)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     return cached_attention(q, k, v, cache, mask, window, scale, softcap)
 

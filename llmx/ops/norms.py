@@ -1,10 +1,13 @@
-"""RMSNorm, and the residual add + RMSNorm of a block's second half.
+"""RMSNorm, and the residual add + RMSNorm of a block's second half; a layer's per-head query and key
+norms (`HeadNorms`), which the fused decode attention kernels apply in their launch.
 
 Steps of at most FUSED_NORM_MAX_TOKENS tokens take one kernel a call: `llmx.kernels.norm` (Triton)
 on a GPU, `cpu_native.rms_norm` on the CPU; larger steps and other cases PyTorch's ops.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +52,24 @@ def rms_norm_pair(
 
         return norm.rms_norm_pair(a, wa.to(a.device), b, wb.to(b.device), eps)
     return rms_norm(a, wa, eps), rms_norm(b, wb, eps)
+
+
+@dataclass(frozen=True)
+class HeadNorms:
+    """A layer's RMSNorm of each query head and each key head (Qwen3, Gemma 3), by `q` and `k` [D]
+    (either may be absent), before RoPE. `ops.rope_attention` hands them to the cache's fused kernel,
+    which applies them as it loads q and k (a decode step on a GPU: one launch a layer fewer), or
+    calls this first."""
+
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+    eps: float
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q is not None and self.k is not None:
+            return rms_norm_pair(q, self.q, k, self.k, self.eps)
+        q = q if self.q is None else rms_norm(q, self.q, self.eps)
+        return q, k if self.k is None else rms_norm(k, self.k, self.eps)
 
 
 def add_rms_norm(

@@ -31,6 +31,7 @@ from llmx.errors import LlmxError
 from llmx.models.common import Step
 from llmx.ops import current_device
 from llmx.ops.cached_attention import cached_attention
+from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
 from llmx.runtime.blocks import BlockTable
 from llmx.runtime.cpu_replay import CpuBatchReplay
@@ -74,21 +75,24 @@ class BatchKV:
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
         sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
-        softcap: float | None,
+        softcap: float | None, norms: HeadNorms | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """q [T, H, D], k and v [T, Hk, D] of the whole batch -> [T, H * D]. The decode tokens (chunks
-        of one) go in one call where the paged cache's native kernel takes them (`DecodeTokens`); the
-        other rows get RoPE at once, then each sequence's are stored and attended over its own
-        gathered rows; `mask` (the batch's: None) is replaced by each sequence's."""
+        of one) go in one call where the paged cache's native kernel takes them (`DecodeTokens`, with
+        the `norms`); the other rows get the norms and RoPE at once, then each sequence's are stored
+        and attended over its own gathered rows; `mask` (the batch's: None) is replaced by each
+        sequence's."""
         layout, decoded = self.layout, None
         if layout.singles:
             rows = layout.single_rows
             q1, k1, v1, cos1, sin1 = (t if rows is None else t[rows] for t in (q, k, v, cos, sin))
             tokens = layout.cache.decode(self.layer, *layout.single_tables(layout.cache.k[self.layer].device))
-            decoded = tokens.rope_store_attend(q1, k1, v1, rope, cos1, sin1, window, scale, softcap)
+            decoded = tokens.rope_store_attend(q1, k1, v1, rope, cos1, sin1, window, scale, softcap, norms)
             if decoded is not None and rows is None:
                 return decoded  # every row a decode token: the usual step
         eager = [j for j in range(len(layout.chunks)) if decoded is None or j not in layout.singles]
+        if norms is not None:
+            q, k = norms(q, k)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         steps = layout.steps(self.device)
         outs = {}
@@ -233,10 +237,10 @@ class PaddedKV:
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
         sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
-        softcap: float | None,
+        softcap: float | None, norms: HeadNorms | None = None,
     ) -> torch.Tensor:  # fmt: skip
         tokens = self.cache.decode(self.layer, self.tables, self.positions)
-        out = tokens.rope_store_attend(q, k, v, rope, cos, sin, window, scale, softcap)
+        out = tokens.rope_store_attend(q, k, v, rope, cos, sin, window, scale, softcap, norms)
         if out is None:
             raise LlmxError("a padded batched decode step needs the paged decode kernel on the pools' device")
         return out

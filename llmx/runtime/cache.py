@@ -27,6 +27,7 @@ import torch
 
 from llmx.errors import LlmxError
 from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels, native_cpu_decode
+from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
 from llmx.quant import F16, QType, kv_layout, qtype
 from llmx.quant.cpu_native import Attention as NativeAttention
@@ -182,25 +183,28 @@ class LayerWriter:
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
         sin: torch.Tensor, mask: torch.Tensor | None, window: int | None, scale: float | None,
-        softcap: float | None,
+        softcap: float | None, norms: HeadNorms | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """`ops.rope_attention` of one token in one fused kernel: q [1, H, D] and this step's k, v
-        [1, Hk, D] -> [1, H * D], k rotated and stored (quantized, for a block type) with v at
-        `positions`. Triton's kernel (`kernels.decode_attention`) where everything lives on one GPU,
-        the native one (`kernels.cpu_attention`) for a float32 CPU step over its past (a ring's, or a
-        sliding window's, included); None, nothing written, where neither takes the step or
-        `kernels.decode` is "off"."""
+        [1, Hk, D] -> [1, H * D], q and k normalized by `norms` where given, k rotated and stored
+        (quantized, for a block type) with v at `positions`. Triton's kernel
+        (`kernels.decode_attention`, the norms in it) where everything lives on one GPU, the native
+        one (`kernels.cpu_attention`, the norms before it) for a float32 CPU step over its past (a
+        ring's, or a sliding window's, included); None, nothing written, where neither takes the
+        step or `kernels.decode` is "off"."""
         if self._triton_takes(q, v):
             from llmx.kernels.decode_attention import decode_attention
 
             return decode_attention(
                 q, k, v, cos, sin, self.k, self.v, self.positions, self.n_read, types=self.types,
-                n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
+                n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window, norms=norms,
             )  # fmt: skip
         native = self.native
         if isinstance(native, NativeAttention) and self._native_takes(q, v, softcap, native):
             from llmx.kernels import cpu_attention
 
+            if norms is not None:
+                q, k = norms(q, k)
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
             position = self.n_read - 1
             return cpu_attention.rope_decode_attention(

@@ -32,6 +32,7 @@ import torch
 from llmx.errors import LlmxError
 from llmx.kernels import cpu_attention
 from llmx.ops.cached_attention import AttentionKernels
+from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
 from llmx.quant import QType, kv_layout
 from llmx.quant.triton.launch import has_triton
@@ -172,9 +173,11 @@ class DecodeTokens:
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
         sin: torch.Tensor, window: int | None, scale: float | None, softcap: float | None,
+        norms: HeadNorms | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """`ops.rope_attention` of the B tokens in one call: q [B, H, D], k and v [B, Hk, D], cos and
-        sin [B, n_dims / 2] their angles -> [B, H * D], each k rotated and stored with its v at its
+        sin [B, n_dims / 2] their angles -> [B, H * D], q and k normalized by `norms` where given
+        (in Triton's kernel, before the native one), each k rotated and stored with its v at its
         position, each token attending its positions up to its own (the last `window`, for a sliding
         window). As for one sequence's decode (`runtime.cache.LayerWriter`): Triton's kernel where
         everything lives on one GPU (or anywhere with `kernels.decode` "on": the interpreter on the
@@ -195,10 +198,13 @@ class DecodeTokens:
             return paged_decode_attention(
                 q, k, v, cos, sin, self.k, self.v, self.tables, self.positions, block_rows=self.block_rows,
                 n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window, types=types,
+                norms=norms,
             )  # fmt: skip
         cpu = not q.is_cuda and q.dtype == torch.float32 and self.k.device.type == "cpu"
         if not cpu or softcap is not None or kv_layout.grouped_blocks(types, self.k.device):
             return None
+        if norms is not None:
+            q, k = norms(q, k)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return cpu_attention.paged_rope_decode_attention(
             q, k, v, rope.neox, cos, sin, self.k, self.v, types, self.tables, self.block_rows, self.positions,
