@@ -291,20 +291,8 @@ def attention_kernel(
 
     heads = kvh * G + g  # of this token's
     qmask = gmask[:, None] & dmask[None, :]
-    q = _rotate(
-        q_ptr + heads[:, None] * sq,
-        d[None, :],
-        qmask,
-        cos_ptr,
-        sin_ptr,
-        N_DIMS,
-        NEOX,
-        qn_ptr,
-        eps,
-        1,
-        D,
-        Q_NORM,
-    )
+    q_at = q_ptr + heads[:, None] * sq
+    q = _rotate(q_at, d[None, :], qmask, cos_ptr, sin_ptr, N_DIMS, NEOX, qn_ptr, eps, 1, D, Q_NORM)
     k_new = _rotate(k_ptr + kvh * sk, d, dmask, cos_ptr, sin_ptr, N_DIMS, NEOX, kn_ptr, eps, 0, D, K_NORM)
     v_new = tl.load(v_ptr + kvh * sv + d, mask=dmask, other=0.0).to(tl.float32)
     # this step's row as the cache will hold it: rounded to its dtype, or quantized (codes kept to store)
