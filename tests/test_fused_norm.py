@@ -101,7 +101,7 @@ def test_query_and_key_norms_in_one_launch(dtype: torch.dtype, monkeypatch) -> N
     launches = []
     monkeypatch.setattr(norm, "rms_norm_kernel", _counted(norm.rms_norm_kernel, launches))
     monkeypatch.setattr(norm, "rms_norm_pair_kernel", _counted(norm.rms_norm_pair_kernel, launches))
-    nq, nk = ops.rms_norm_pair(q, wq, k, wk, EPS)
+    nq, nk = ops.norms.rms_norm_pair(q, wq, k, wk, EPS)
     assert launches == ["rms_norm_pair_kernel"]
     assert torch.equal(nq, ops.rms_norm(q, wq, EPS)) and torch.equal(nk, ops.rms_norm(k, wk, EPS))
     for out, x, w in ((nq, q, wq), (nk, k, wk)):

@@ -595,6 +595,9 @@ def test_a_prompt_copies_exactly_the_experts_its_routing_chose(tiny, monkeypatch
     """Above the staging threshold (here: from 2 tokens) each layer's experts in RAM that the batch
     routes to, and only those, are copied to the GPU: bytes_streamed is the sum, over every layer of
     every chunk, of the chosen experts' bytes; the logits stay transformers'."""
+    from llmx.kernels import router as router_kernel  # GPU tests only: it imports triton
+
+    route_tokens = router_kernel.route_tokens
     monkeypatch.setattr(expert_staging, "staging_threshold", lambda layers, k, device: 2)
     model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **CPU_EXPERTS["cpu-moe"])
     executor, config = model.engine.executor, tiny.model.config
@@ -607,7 +610,15 @@ def test_a_prompt_copies_exactly_the_experts_its_routing_chose(tiny, monkeypatch
         chosen.append(ids.unique().numel())
         return weights, ids
 
-    monkeypatch.setattr(moe_ops, "route", recorded)  # after the load: its decode graph has no host read
+    def recorded_tokens(x, w, k, normalize):  # a few tokens' logits and choice in one launch
+        routed = route_tokens(x, w, k, normalize)
+        if routed is not None:
+            chosen.append(routed[1].unique().numel())
+        return routed
+
+    # after the load: its decode graph has no host read
+    monkeypatch.setattr(moe_ops, "route", recorded)
+    monkeypatch.setattr(router_kernel, "route_tokens", recorded_tokens)
 
     def prefill(ids: list[int]) -> tuple[torch.Tensor, int]:
         model.engine.reset()

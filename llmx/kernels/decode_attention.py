@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -61,9 +60,8 @@ from llmx.quant import QType
 from llmx.quant.triton import activation, launch
 from llmx.quant.triton.dot8 import store_quantized
 
-if TYPE_CHECKING:
-    from llmx.ops.norms import HeadNorms
-
+# the per-head RMSNorms of q and k (`ops.HeadNorms`): their weights [D] (None: that side has none), eps
+Norms = tuple[torch.Tensor | None, torch.Tensor | None, float]
 BLOCK_N = 64  # keys per loop step
 INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's, so tests split as it does
 
@@ -85,12 +83,12 @@ def decode_attention(
     softcap: float | None = None,
     window: int | None = None,
     types: tuple[QType, QType] | None = None,
-    norms: HeadNorms | None = None,
+    norms: Norms | None = None,
 ) -> torch.Tensor:
     """RoPE'd q [1, H, D] attending over cache rows 0..n_read-1 after k, v [1, Hk, D] (k rotated)
     are written at row positions[0]; keys j <= pos are visible (and j > pos - window with a window).
 
-    `norms`: each head of q and k RMS-normalized first (`ops.HeadNorms`). Rotation as
+    `norms`: each head of q and k RMS-normalized first (`Norms`). Rotation as
     `ops.Rope.apply` with `n_dims` and `neox`; scores scaled by `scale` (default 1/sqrt(D)), then
     soft-capped to softcap * tanh(s / softcap) when `softcap` is set. `types`: the caches' (K's,
     V's) where either is GGUF blocks, None for float caches.
@@ -121,7 +119,7 @@ def paged_decode_attention(
     softcap: float | None = None,
     window: int | None = None,
     types: tuple[QType, QType] | None = None,
-    norms: HeadNorms | None = None,
+    norms: Norms | None = None,
 ) -> torch.Tensor:
     """`decode_attention` for one token of each of B sequences over a paged cache
     (`runtime.paged`), in the same launch: q [B, H, D], k, v [B, Hk, D], cos/sin [B, n_dims/2]
@@ -152,7 +150,7 @@ def _launch(
     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
     paged: tuple[torch.Tensor, int] | None, n_read: int, n_seq: int, span: int, *, n_dims: int,
     neox: bool, scale: float | None, softcap: float | None, window: int | None,
-    types: tuple[QType, QType] | None, norms: HeadNorms | None,
+    types: tuple[QType, QType] | None, norms: Norms | None,
 ) -> torch.Tensor:  # fmt: skip
     """The kernel for `n_seq` tokens: over a contiguous cache (`paged` None: one token, rows
     0..n_read-1, a ring past its rows) or a paged one (`paged`: the block tables and block rows)."""
@@ -199,8 +197,8 @@ def _launch(
         sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         tables.stride(0),
         n_read, k_cache.shape[0], window or 0, 1.0 / math.sqrt(d) if scale is None else scale,
-        softcap or 1.0, splits, 0.0 if norms is None else norms.eps,
-        Q_NORM=norms is not None and norms.q is not None, K_NORM=norms is not None and norms.k is not None,
+        softcap or 1.0, splits, 0.0 if norms is None else norms[2],
+        Q_NORM=norms is not None and norms[0] is not None, K_NORM=norms is not None and norms[1] is not None,
         G=n_head // n_kv, D=d, N_DIMS=n_dims, NEOX=neox, WINDOW=window is not None,
         SOFTCAP=softcap is not None, DOT=dot_type, KT=kt, KB=kb, VT=vt, VB=vb,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
@@ -210,11 +208,11 @@ def _launch(
     return out
 
 
-def _norm_weights(norms: HeadNorms | None, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm_weights(norms: Norms | None, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The query and key norms' weights on q's device, q standing in (unread) for an absent one."""
     if norms is None:
         return q, q
-    qn, kn = (q if w is None else w.to(q.device) for w in (norms.q, norms.k))
+    qn, kn = (q if w is None else w.to(q.device) for w in norms[:2])
     return qn, kn
 
 

@@ -65,6 +65,10 @@ class HeadNorms:
     k: torch.Tensor | None
     eps: float
 
+    def weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """(q's weights, k's, eps), as the fused kernels take them (`kernels.decode_attention.Norms`)."""
+        return self.q, self.k, self.eps
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q is not None and self.k is not None:
             return rms_norm_pair(q, self.q, k, self.k, self.eps)

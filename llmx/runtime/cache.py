@@ -197,7 +197,8 @@ class LayerWriter:
 
             return decode_attention(
                 q, k, v, cos, sin, self.k, self.v, self.positions, self.n_read, types=self.types,
-                n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window, norms=norms,
+                n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
+                norms=None if norms is None else norms.weights(),
             )  # fmt: skip
         native = self.native
         if isinstance(native, NativeAttention) and self._native_takes(q, v, softcap, native):

@@ -198,7 +198,7 @@ class DecodeTokens:
             return paged_decode_attention(
                 q, k, v, cos, sin, self.k, self.v, self.tables, self.positions, block_rows=self.block_rows,
                 n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window, types=types,
-                norms=norms,
+                norms=None if norms is None else norms.weights(),
             )  # fmt: skip
         cpu = not q.is_cuda and q.dtype == torch.float32 and self.k.device.type == "cpu"
         if not cpu or softcap is not None or kv_layout.grouped_blocks(types, self.k.device):
