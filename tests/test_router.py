@@ -20,7 +20,6 @@ pytest.importorskip("triton")
 
 from llmx.kernels import router  # noqa: E402
 from llmx.ops.moe import route  # noqa: E402
-from llmx.quant import choice  # noqa: E402
 from llmx.quant.triton import launch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,8 +125,8 @@ def test_route_tokens_reads_half_precision_routers_and_repeats_its_bits():
 
 def test_route_tokens_leaves_what_it_does_not_take():
     x, w = torch.zeros(1, 64, device=DEVICE), torch.zeros(8, 64, device=DEVICE)
-    many = torch.zeros(choice.ROUTER_GEMV_MAX_TOKENS + 1, 64, device=DEVICE)
-    assert router.route_tokens(many, w, 2, True) is None  # a GEMM's batch
+    many = torch.zeros(launch.COUNTERS + 1, 64, device=DEVICE)
+    assert router.route_tokens(many, w, 2, True) is None  # more tokens than counters
     assert router.route_tokens(x, torch.zeros(8, 32, device=DEVICE), 2, True) is None  # widths differ
     assert router.route_tokens(x, w.to(torch.uint8), 2, True) is None  # GGUF blocks
     assert router.route_tokens(x, w, 9, True) is None  # k past the experts

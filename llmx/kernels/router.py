@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from llmx.quant import choice
-from llmx.quant.triton.launch import programmatic_launch, zeroed_counters
+from llmx.quant.triton.launch import COUNTERS, programmatic_launch, zeroed_counters
 
 MAX_EXPERTS = 256  # widest router row held in registers (Qwen3-MoE: 128)
 MAX_K = 16  # rounds of the unrolled selection
@@ -60,13 +59,13 @@ def route_tokens(
     x: torch.Tensor, w: torch.Tensor, k: int, normalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`route` of the logits x [T, E] @ w.T (w: the router [X, E], float32/16, bfloat16) in one
-    launch, or None where that launch does not take them: more than `choice.ROUTER_GEMV_MAX_TOKENS`
-    tokens (a GEMM reads the router once for all of them), a row or k past the kernel's limits, or
-    no counters yet (a CUDA graph captured before any eager step)."""
+    launch, or None where that launch does not take them: more tokens than it has counters, a row
+    or k past the kernel's limits, or no counters yet (a CUDA graph captured before any eager step).
+    Each token's programs read the whole router: `ops.moe.router` sends it few tokens."""
     t, e = x.shape
     n_expert = w.shape[0]
     floats = w.dtype in (torch.float32, torch.float16, torch.bfloat16) and w.device == x.device
-    fits = 0 < t <= choice.ROUTER_GEMV_MAX_TOKENS and w.shape[1] == e and n_expert <= MAX_EXPERTS
+    fits = 0 < t <= COUNTERS and w.shape[1] == e and n_expert <= MAX_EXPERTS
     if not (floats and fits and 0 < k <= min(n_expert, MAX_K)):
         return None
     counts = zeroed_counters(x.device)

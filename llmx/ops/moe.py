@@ -14,7 +14,7 @@ pieces around expert stacks in RAM, or copy the experts a prompt uses to the GPU
 `moe_ffn` is the one entry point for the experts' compute. Stacks of GGUF blocks on a GPU take the
 grouped Triton kernels (`llmx.quant.triton.moe`): the routing stays on the device, so no step waits for
 the host and a CUDA graph can hold the layer; on a GPU the router's softmax and top-k are one Triton
-launch (`route`, `llmx.kernels.router`), which for a few tokens computes the logits too. CPU stacks of
+launch (`route`, `llmx.kernels.router`), which for a decode step computes the logits too. CPU stacks of
 the native kernels' types take one native call for the layer (`quant.weight.moe_swiglu`), decode steps
 and prompts alike: every chosen expert's blocks read once, the rows of all of them shared out among the
 threads. A CPU decode step's router (float32, as GGUFs keep it) is one native call too (`router`), so
@@ -35,6 +35,7 @@ from llmx.ops.ffn import swiglu
 from llmx.ops.matmul import linear
 from llmx.ops.split import PartialSum, RowSplit
 from llmx.quant import weight as qw
+from llmx.quant.choice import ROUTER_GEMV_MAX_TOKENS
 from llmx.quant.triton import moe as grouped
 from llmx.quant.triton.launch import has_triton
 from llmx.quant.triton.layout import TRITON_TYPES
@@ -81,12 +82,12 @@ def router(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` of the router w's logits for x [T, E] (w [X, E]): for a CPU decode step one native call
     (`quant.weight.moe_route`), so that the step has no torch op between its native calls
-    (`runtime.cpu_replay`); for a few tokens on a GPU one Triton launch, the logits' GEMV with the
-    choice (`kernels.router.route_tokens`); elsewhere the logits' matmul, then `route` (on a GPU its
-    one Triton launch)."""
+    (`runtime.cpu_replay`); for a decode step on a GPU one Triton launch, the logits' GEMV with the
+    choice (`kernels.router.route_tokens`, up to `choice.ROUTER_GEMV_MAX_TOKENS` tokens); elsewhere
+    the logits' matmul, then `route` (on a GPU its one Triton launch)."""
     if isinstance(w, QWeight):  # -sm row: split
         native = qw.moe_route(x, w, k, normalize)
-        if native is None and x.is_cuda and has_triton():
+        if native is None and x.is_cuda and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and has_triton():
             from llmx.kernels import router as kernel
 
             native = kernel.route_tokens(x, w.raw, k, normalize)

@@ -77,9 +77,9 @@ MMQ_M = {"Q4_K": (16, 32), "Q8_0": (16, 32)}
 MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a GPU
 MOE_KERNELS = ("dot8", "gemv", "gemm")  # the grouped expert kernels (`moe`'s answers)
 # tokens whose router logits join the top-k's launch on a GPU (`kernels.router.route_tokens`), each
-# token's programs reading the whole router (1 MB a Qwen3-MoE layer, from the L2 after the first);
-# more take a GEMM that reads it once, then the top-k's launch
-ROUTER_GEMV_MAX_TOKENS = 16
+# token's programs reading the whole router (1 MB a Qwen3-MoE layer); more take a GEMM that reads it
+# once, then the top-k's launch. One: a decode step, the steps its GPU checks cover (bench/RESULTS.md)
+ROUTER_GEMV_MAX_TOKENS = 1
 # rows of x the native GEMV takes (it can take cpu_native.MAX_ROWS): from 16, chunks dequantized for
 # torch.mm are faster on the CI machine's Zen 3 (one thread, CPU time: even at 16 rows, 1.5x at 32;
 # the GEMV 1.4x faster at 8), and 15 closes one of BUCKET_TOPS' buckets
