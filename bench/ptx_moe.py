@@ -27,7 +27,7 @@ from llmx.quant.triton import moe, moe_kernels
 from llmx.quant.triton.tuning import LaunchShape
 
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "w2_ptr": "*u8"}
-POINTERS |= {"ids_ptr": "*i32", "topw_ptr": "*fp32", "out_ptr": "*fp32"}
+POINTERS |= {"ids_ptr": "*i32", "topw_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": "*fp32"}
 UNALIGNED = ("N", "E", "x_div", "row_units", "row_units2")  # integers not taken as multiples of 16
 SLOTS = 8
 
@@ -36,7 +36,7 @@ def compiled(name: str, k: int, cfg: LaunchShape, summed: bool) -> dict[str, str
     """The PTX and cubin of one launch: gate and up of type `name` (or a summed down projection)."""
     names = list(moe_kernels.moe_gemv8_kernel.arg_names)
     consts: dict[str, object] = {"BN": cfg.bn, "LATE": cfg.late_headers, "SLOTS": SLOTS, "ASM": True}
-    consts |= {"GATED": not summed, "SUM": summed}
+    consts |= {"GATED": not summed, "SUM": summed, "RES": summed, "PDL": True}  # as decode launches them
     consts |= moe.gemv8_constants([(qtype(name), 4)] * 2, k, moe.step_weights(cfg.bk, k))
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in names}
     aligned = [i for i, n in enumerate(names) if n not in consts and n not in UNALIGNED]

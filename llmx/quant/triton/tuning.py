@@ -25,7 +25,8 @@ An entry holds, per kernel:
   summed in one (the down projection): BN rows a program, BK weights a step (at most the row's,
   rounded up to a power of two). Picked without a GPU from what Triton compiles for sm_90
   (`bench/ptx_moe.py`): the dense shapes for gate and up; for the down projection's 768-weight
-  rows, the shapes whose loop moves no data between threads.
+  rows, the shapes whose loop moves no data between threads; Q4_K gate and up and Q6_K down
+  then timed on an H100 (`bench/moe_kernels.py --dot8-sweep`, experts from HBM).
 """
 
 from __future__ import annotations
