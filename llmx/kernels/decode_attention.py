@@ -370,10 +370,9 @@ def attention_kernel(
         tl.debug_barrier()
         count_ptr += b * n_kv + kvh
         if tl.atomic_add(count_ptr, 1, sem="acq_rel") == n_splits - 1:
+            # one pass, rescaling as the running max grows (as the key loop does); an empty split
+            # (max -inf) adds nothing, and the split holding pos makes the max finite
             top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            for i in range(n_splits):  # the split holding pos is never empty: top is finite
-                m_s = tl.load(stats_ptr + (first + i) * 2, mask=gmask, other=0.0, cache_modifier=".cg")
-                top = tl.maximum(top, m_s)
             total = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
             weight = tl.zeros([BLOCK_G], tl.float32)
             for i in range(n_splits):
@@ -381,9 +380,12 @@ def attention_kernel(
                 l_s = tl.load(stats_ptr + (first + i) * 2 + 1, mask=gmask, other=1.0, cache_modifier=".cg")
                 part = tl.load(part_ptr + (first + i)[:, None] * D + d[None, :], mask=qmask, other=0.0,
                                cache_modifier=".cg")  # fmt: skip
-                w = tl.exp2(m_s - top)
-                total += w[:, None] * part
-                weight += w * l_s
+                new = tl.maximum(top, m_s)
+                finite = tl.where(new == float("-inf"), 0.0, new)
+                kept, w = tl.exp2(top - finite), tl.exp2(m_s - finite)
+                total = total * kept[:, None] + w[:, None] * part
+                weight = weight * kept + w * l_s
+                top = new
             tl.store(count_ptr, 0)
             o = total / weight[:, None]
             _finish(o, out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
