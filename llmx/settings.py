@@ -76,7 +76,8 @@ SETTINGS = (
         "LLMX_FUSED_ATTENTION",
         _listed(FUSED_MODES),
         "auto",
-        "one-token steps: RoPE, KV write and attention in fused kernels (Triton on GPUs, native on the "
+        "one-token steps: RoPE (after the per-head q/k norms of Qwen3 and Gemma 3), KV write and "
+        "attention in fused kernels (Triton on GPUs, native on the "
         "CPU); `off`: PyTorch's ops everywhere; `on` forces the Triton kernel on the CPU too (tests)",
     ),
     Setting(
