@@ -91,8 +91,9 @@ def test_per_head_norm_of_three_axes(monkeypatch) -> None:
 
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
 def test_query_and_key_norms_in_one_launch(dtype: torch.dtype, monkeypatch) -> None:
-    """`ops.rms_norm_pair`: a layer's q [T, H, D] and k [T, Hk, D] (column views of one projection, as
-    the model's are) normalized per head, each by its own weight, as two fused norms compute them."""
+    """`ops.norms.rms_norm_pair` (what `ops.HeadNorms` calls): a layer's q [T, H, D] and k [T, Hk, D]
+    (column views of one projection, as the model's are) normalized per head, each by its own weight,
+    as two fused norms compute them."""
     t, h, hk, d = 2, 4, 2, 64
     qkv = rows((t, (h + 2 * hk) * d), dtype, 5, 2.0)
     q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + hk) * d].view(t, hk, d)
