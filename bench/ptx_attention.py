@@ -1,16 +1,16 @@
 """What the attention kernels' cache reads compile to on Hopper, without a GPU.
 
 Triton compiles `decode_attention.attention_kernel` (split over the keys, its output quantized) and
-`prefill_attention.prefill_kernel` for sm_90 here (PTX needs no device) at Llama-3-8B's shape (32
-heads, 8 KV heads, D = 128) for each cache type, and counts what a thread issues: global loads
-(`ld.global`: waited on in registers), asynchronous copies (`cp.async`: the loads the compiler
-pipelines through shared memory, only those of 4 bytes or more), shared-memory stores, loads and
-barriers (layout conversions), conversions (`cvt`) and all instructions; and the shared memory a
-program takes (it bounds the programs an SM holds). The integer arguments are specialized as a
-launch specializes them (divisible by 16 or not), so a block cache's head stride (136 bytes of q8_0)
-is known only 8-aligned, as on the device. Triton versions lay the same kernel out differently: to
-see the device's 3.6, put its wheel's package first on PYTHONPATH (`pip install --target DIR
-triton==3.6.0`; no GPU needed).
+`prefill_attention.prefill_kernel` (over a contiguous cache, and "paged" over a paged one) for sm_90
+here (PTX needs no device) at Llama-3-8B's shape (32 heads, 8 KV heads, D = 128) for each cache
+type, and counts what a thread issues: global loads (`ld.global`: waited on in registers),
+asynchronous copies (`cp.async`: the loads the compiler pipelines through shared memory, only those
+of 4 bytes or more), shared-memory stores, loads and barriers (layout conversions), conversions
+(`cvt`) and all instructions; and the shared memory a program takes (it bounds the programs an SM
+holds). The integer arguments are specialized as a launch specializes them (divisible by 16 or not),
+so a block cache's head stride (136 bytes of q8_0) is known only 8-aligned, as on the device. Triton
+versions lay the same kernel out differently: to see the device's 3.6, put its wheel's package first
+on PYTHONPATH (`pip install --target DIR triton==3.6.0`; no GPU needed).
 
     python bench/ptx_attention.py [--types f16,q8_0,q4_0] [--heads 32,8,128]
 """
@@ -81,7 +81,7 @@ def main() -> None:
                 "pos_ptr": "*i64", "kpos_ptr": "*i64", "table_ptr": "*i32", "part_ptr": "*fp32",
                 "stats_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "count_ptr": "*i32",
                 "xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32", "qn_ptr": "*fp32",
-                "kn_ptr": "*fp32"}  # fmt: skip
+                "kn_ptr": "*fp32", "starts_ptr": "*i32", "tables_ptr": "*i32"}  # fmt: skip
         strides = {"sq_b": n_head * d, "sq_t": n_head * d, "sq": d, "sq_h": d, "sk_b": n_kv * d, "sk": d,
                    "sv_b": n_kv * d, "sv": d, "skc_n": n_kv * head, "svc_n": n_kv * head, "sk_n": n_kv * head,
                    "sv_n": n_kv * head, "skc_h": head, "svc_h": head, "sk_h": head, "sv_h": head}  # fmt: skip
@@ -93,11 +93,12 @@ def main() -> None:
             4, 3,  # as `decode_attention._launch` launches a float16 or block cache (float32: 1)
         )  # fmt: skip
         bm, bn, warps, stages = _tiles(d, True, False, code != 0)
-        prefill = compile_sm90(
-            prefill_kernel, rows, strides,
-            kinds | dict(WINDOW=False, SOFTCAP=False, RING=False, BLOCK_M=bm, BLOCK_N=bn), warps, stages,
-        )  # fmt: skip
-        for kernel, compiled in (("decode", decode), ("prefill", prefill)):
+        prefill_kinds = kinds | dict(WINDOW=False, SOFTCAP=False, RING=False, BLOCK_M=bm, BLOCK_N=bn)
+        prefill, paged = (
+            compile_sm90(prefill_kernel, rows, strides, prefill_kinds | dict(PAGED=p, BR=br), warps, stages)
+            for p, br in ((False, 1), (True, 16))
+        )
+        for kernel, compiled in (("decode", decode), ("prefill", prefill), ("paged", paged)):
             shown = " ".join(f"{k} {n}" for k, n in counts(compiled.asm["ptx"]).items())
             print(f"{kernel:8} {name:7} {shown}  shared {compiled.metadata.shared}")
 

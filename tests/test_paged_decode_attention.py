@@ -33,7 +33,7 @@ from references import GPU_BATCH_TOLERANCE, greedy_alone  # noqa: E402
 from tiny_models import random_prompt, write_tiny  # noqa: E402
 
 import llmx  # noqa: E402
-from llmx.kernels import decode_attention  # noqa: E402
+from llmx.kernels import decode_attention, prefill_attention  # noqa: E402
 from llmx.ops import Rope  # noqa: E402
 from llmx.ops.cached_attention import AttentionKernels, cached_attention  # noqa: E402
 from llmx.ops.masks import causal_mask  # noqa: E402
@@ -295,6 +295,15 @@ def test_forward_batch_sends_its_decode_rows_to_one_launch_a_layer(arch, cache_t
     check_forward_batch(arch, cache_type, 0, ON, tmp_path, monkeypatch)
 
 
+@pytest.mark.parametrize(("arch", "cache_type"), FORWARD_CASES)
+def test_forward_batch_sends_its_prompt_chunks_to_one_launch_a_layer(arch, cache_type, tmp_path, monkeypatch):
+    """With the flash kernel for prompts (as on a GPU), the prompt chunks of every sequence in a step
+    make one more launch a layer (`PromptChunks`), and every sequence's logits are still its own."""
+    check_forward_batch(
+        arch, cache_type, 0, AttentionKernels(decode="on", prefill="on"), tmp_path, monkeypatch
+    )
+
+
 def check_forward_batch(arch, cache_type, n_gpu_layers, kernels, tmp_path, monkeypatch) -> None:
     steps, chunk = 3, 8
     model = llmx.load(write_tiny(arch, "Q8_0", tmp_path), ctx_size=256, n_gpu_layers=n_gpu_layers,
@@ -305,19 +314,31 @@ def check_forward_batch(arch, cache_type, n_gpu_layers, kernels, tmp_path, monke
     alone = [_alone(model, p, steps) for p in prompts]  # first: the pools below lie over the engine's cache
     paged = PagedKVCache.over(executor.cache, n_seq=4)
     paged.kernels = kernels
-    calls: list[int] = []
-    kernel = decode_attention.paged_decode_attention
+    calls: list[int] = []  # the decode tokens of each launch
+    chunked: list[int] = []  # the prompt chunks of each launch
+    kernel, prompt_kernel = decode_attention.paged_decode_attention, prefill_attention.paged_prefill_attention
     monkeypatch.setattr(
         decode_attention,
         "paged_decode_attention",
         lambda q, *a, **kw: calls.append(len(q)) or kernel(q, *a, **kw),
     )
+    monkeypatch.setattr(
+        prefill_attention,
+        "paged_prefill_attention",
+        lambda q, k, v, positions, starts, *a, **kw: (
+            chunked.append(len(starts) - 1) or prompt_kernel(q, k, v, positions, starts, *a, **kw)
+        ),
+    )
+    one_launch = kernels.prefill == "on" or (kernels.prefill == "auto" and n_gpu_layers == "all" and
+                                             torch.cuda.is_available())  # fmt: skip
     tables = [BlockTable() for _ in prompts]
     early, late = range(len(prompts) - 1), len(prompts) - 1
     got = {}
     out = forward_batch(executor, paged, [Chunk(tables[j], prompts[j]) for j in early])
     assert calls == [1] * model.config.n_layer  # the prompt of one token is a decode-shaped row
+    assert chunked == ([2] * model.config.n_layer if one_launch else [])
     calls.clear()
+    chunked.clear()
     got |= {(j, 0): out[j] for j in early}
     done = 0
     for s in range(steps):
@@ -327,7 +348,9 @@ def check_forward_batch(arch, cache_type, n_gpu_layers, kernels, tmp_path, monke
         chunks.append(Chunk(tables[late], piece, logits=done == lengths[late]))
         out = forward_batch(executor, paged, chunks)
         assert calls == [len(early)] * model.config.n_layer
+        assert chunked == ([1] * model.config.n_layer if one_launch else [])
         calls.clear()
+        chunked.clear()
         got |= {(j, s + 1): out[j] for j in early}
     got[late, 0] = out[-1]
     tolerance = GPU_BATCH_TOLERANCE if n_gpu_layers == "all" and torch.cuda.is_available() else 5e-3

@@ -173,6 +173,86 @@ def test_default_tiles_on_the_interpreter_are_small() -> None:
     assert kernel._tiles(64, cuda=False, wide=False)[:2] == (16, 16)
 
 
+# --- a paged cache: the prompt chunks of several sequences in one launch ----------------------------
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Prompt chunks of several sequences over one paged pool: (first position, rows) of each."""
+
+    chunks: tuple[tuple[int, int], ...]
+    n_head: int = 8
+    n_head_kv: int = 2
+    d: int = 64
+    window: int | None = None
+    softcap: float | None = None
+    scale: float = 0.125
+    block_rows: int = 16
+
+    def __str__(self) -> str:
+        extra = "".join(f"-{k}{v}" for k, v in (("w", self.window), ("cap", self.softcap)) if v)
+        shape = "+".join(f"{p}:{t}" for p, t in self.chunks)
+        return f"{shape}-h{self.n_head}kv{self.n_head_kv}-d{self.d}-br{self.block_rows}{extra}"
+
+
+def check_paged(c: Chunks, kt: str, vt: str, seed: int = 0) -> torch.Tensor:
+    """`paged_prefill_attention` over every chunk of `c` at once, each sequence's blocks scattered over
+    the pool in random order, against the reference over that sequence's rows gathered."""
+    g = torch.Generator().manual_seed(seed)
+    br = c.block_rows
+    spans = [-(-(p + t) // br) for p, t in c.chunks]  # blocks each sequence holds
+    order = torch.randperm(sum(spans) + 3, generator=g)  # three blocks nobody holds
+    ends = torch.tensor(spans).cumsum(0).tolist()
+    blocks = [order[a - n : a].tolist() for n, a in zip(spans, ends, strict=True)]
+    n_rows = len(order) * br
+    k, v = (torch.randn(n_rows, c.n_head_kv, c.d, generator=g) for _ in range(2))
+    (kc, kf), (vc, vf) = cache_rows(kt, k), cache_rows(vt, v)
+    tables = torch.tensor([b + [0] * (max(spans) - len(b)) for b in blocks], dtype=torch.int32)
+    q = torch.randn(sum(t for _, t in c.chunks), c.n_head, c.d, generator=g)
+    positions = torch.cat([torch.arange(p, p + t) for p, t in c.chunks])
+    starts = torch.tensor([0, *torch.tensor([t for _, t in c.chunks]).cumsum(0).tolist()], dtype=torch.int32)
+    types = None if kt in FLOATS and vt in FLOATS else (qtype(kt), qtype(vt))
+    out = kernel.paged_prefill_attention(
+        q.to(DEVICE), kc, vc, positions.to(DEVICE), starts.to(DEVICE), tables.to(DEVICE),
+        max(t for _, t in c.chunks), block_rows=br, types=types, window=c.window, scale=c.scale,
+        softcap=c.softcap,
+    )  # fmt: skip
+    assert out.shape == (q.shape[0], c.n_head * c.d) and out.dtype == q.dtype
+    refs = []
+    for j, (p, t) in enumerate(c.chunks):
+        rows = (torch.tensor(blocks[j])[:, None] * br + torch.arange(br)).flatten()[: p + t]
+        a = int(starts[j])
+        mask = causal_mask(positions[a : a + t], p + t, c.window)
+        refs.append(reference(q[a : a + t].to(DEVICE), kf[rows].to(DEVICE), vf[rows].to(DEVICE), mask,
+                              c.scale, c.softcap))  # fmt: skip
+    err = relative_error(out, torch.cat(refs))
+    assert err < tolerance(kt), f"relative error {err:.2e}"
+    return out
+
+
+PAGED_CASES = [
+    Chunks(((0, 37), (21, 5), (53, 1), (40, 20))),  # first and later chunks, one of a single row
+    Chunks(((0, 3), (70, 33)), n_head=6, n_head_kv=2),  # groups of 3; one chunk many tiles long
+    Chunks(((30, 30), (0, 12), (77, 9)), window=10),  # a window narrower than a tile
+    Chunks(((19, 40), (0, 40)), window=33, block_rows=8),  # unmasked blocks inside the window
+    Chunks(((5, 19), (40, 2)), n_head=4, n_head_kv=4, softcap=2.0, scale=0.3),
+    Chunks(((24, 9), (0, 33)), n_head=4, n_head_kv=1, d=256, window=12, softcap=30.0),  # Gemma's shape
+]
+
+
+@pytest.mark.parametrize("case", PAGED_CASES, ids=str)
+def test_paged_chunks_shapes_and_masks(case: Chunks) -> None:
+    check_paged(case, "F16", "F16")
+
+
+@pytest.mark.parametrize(
+    ("kt", "vt"), [("F32", "F32"), ("BF16", "BF16"), ("Q8_0", "Q4_0"), ("Q5_1", "IQ4_NL"), ("F16", "Q5_0")],
+    ids=lambda p: p,
+)  # fmt: skip
+def test_paged_chunks_read_every_cache_type(kt: str, vt: str) -> None:
+    check_paged(Chunks(((0, 21), (30, 23))), kt, vt)
+
+
 # --- through ops.cached_attention: the cache's writer, positions, a ring ---------------------------
 
 
@@ -281,3 +361,17 @@ def test_gpu_gemma3_shape(kt: str, vt: str, t: int, n_read: int) -> None:
 @pytest.mark.parametrize("step", [*STEPS, Step(600, 128, 700, window=512)], ids=str)
 def test_gpu_cached_attention_takes_the_kernel(kt, vt, step, monkeypatch) -> None:
     test_cached_attention_takes_the_kernel(kt, vt, step, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("kt", "vt"), [("F16", "F16"), ("BF16", "BF16"), ("Q8_0", "Q8_0"), ("Q4_0", "Q8_0")])
+def test_gpu_paged_chunks_llama3_shape(kt: str, vt: str) -> None:
+    """A server's step: prompt chunks of 128 to 512 rows, one long history, beside a single row."""
+    chunks = ((0, 128), (384, 128), (0, 512), (1500, 300), (700, 1), (128, 77))
+    check_paged(Chunks(chunks, scale=128**-0.5, **LLAMA3), kt, vt)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_chunks_gemma3_shape() -> None:
+    chunks = ((0, 300), (600, 200), (1000, 64))
+    check_paged(Chunks(chunks, n_head=4, n_head_kv=1, d=256, window=512, scale=256**-0.5), "Q8_0", "F16")

@@ -19,6 +19,11 @@ the diagonal or the window's edge with one, and blocks that no query of the tile
 read. A ring cache (a sliding-window layer's, once wrapped: `key_positions` gives each row's
 position) is read whole, masked by those positions.
 
+Over a paged cache (`paged_prefill_attention`: a server step's prompt chunks of several sequences, as
+`runtime.paged` lays them out) a third grid axis takes the chunks: a program finds its chunk's
+queries from their starts and reads its sequence's keys through the block table, so one launch a
+layer serves every chunk of the step.
+
 Scores, softmax and sums are float32 (softcap * tanh(s / softcap) for Gemma 2's soft-capping); the
 two products take f16 operands for the block types and f16 caches, bf16 for bf16 caches (tensor
 cores), float32 for f32 caches and under TRITON_INTERPRET=1 (numpy cannot multiply bf16).
@@ -84,6 +89,57 @@ def prefill_attention(
                 for x, qt in zip((k, v), types, strict=True)
             )
             types = None
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    positions = positions.to(q.device)
+    ring = key_positions is not None
+    kpos = key_positions.to(q.device) if ring else positions  # not read without a ring
+    return _launch(
+        q, k, v, positions, kpos, None, t, n_read, 1, types=types, ring=ring, window=window, scale=scale,
+        softcap=softcap, block_m=block_m, block_n=block_n,
+    )  # fmt: skip
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    positions: torch.Tensor,
+    starts: torch.Tensor,
+    tables: torch.Tensor,
+    longest: int,
+    *,
+    block_rows: int,
+    types: tuple[QType, QType] | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The prompt chunks of C sequences over a paged cache (`runtime.paged`) in one launch: chunk c is
+    rows starts[c]..starts[c+1]-1 of q [T, H, D] at `positions` [T] (a chunk's positions consecutive,
+    its keys and values already stored), and attends over its sequence's positions 0..its last, pool
+    rows tables[c, p // block_rows] * block_rows + p % block_rows (`tables` int32 [C, W]). `starts`
+    int32 [C + 1] on q's device; `longest`: the most rows a chunk has (the grid's tiles). Masks,
+    windows and soft-capping as `prefill_attention`'s; block rows are converted tile by tile (no
+    float copy of a pool). Returns [T, H * D] in q's dtype."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return _launch(
+        q, k_pool, v_pool, positions, positions, (tables, block_rows, starts), longest, 0,
+        starts.shape[0] - 1, types=types, ring=False, window=window, scale=scale, softcap=softcap,
+    )  # fmt: skip
+
+
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kpos: torch.Tensor,
+    paged: tuple[torch.Tensor, int, torch.Tensor] | None, t: int, n_read: int, n_chunks: int, *,
+    types: tuple[QType, QType] | None, ring: bool, window: int | None, scale: float | None,
+    softcap: float | None, block_m: int | None = None, block_n: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The kernel over a contiguous cache (`paged` None: one chunk of `t` queries over rows
+    0..n_read-1) or over a paged one (`paged`: the tables, their block rows and the chunks' starts;
+    `t` the longest chunk)."""
+    n_head, d = q.shape[1], q.shape[2]
+    n_kv = k.shape[1]
+    group = n_head // n_kv
     (kt, kb), (vt, vb) = cache_rows.codes(types, k, v)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache's do
     dot_type = tl.float32 if not q.is_cuda else tl.float16 if k.dtype == torch.uint8 else TL_DTYPE[k.dtype]
@@ -91,19 +147,16 @@ def prefill_attention(
         d, q.is_cuda, torch.float32 in (k.dtype, v.dtype), torch.uint8 in (k.dtype, v.dtype)
     )
     bm, bn = block_m or bm, block_n or bn
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    positions = positions.to(q.device)
-    ring = key_positions is not None
-    kpos = key_positions.to(q.device) if ring else positions  # not read without a ring
-    out = torch.empty(t, n_head * d, dtype=q.dtype, device=q.device)
-    grid = (triton.cdiv(t * group, bm), n_kv)
+    tables, block_rows, starts = paged if paged is not None else (positions, 1, positions)  # unread unpaged
+    out = torch.empty(q.shape[0], n_head * d, dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(t * group, bm), n_kv, n_chunks)
     prefill_kernel[grid](
-        q, k, v, out, positions, kpos, cache_rows.levels(q.device),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, k, v, out, positions, kpos, cache_rows.levels(q.device), starts, tables,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tables.stride(0),
         t, n_read, window or 0, 1.0 / math.sqrt(d) if scale is None else scale, softcap or 1.0,
         G=group, D=d, WINDOW=window is not None, SOFTCAP=softcap is not None, RING=ring, DOT=dot_type,
         KT=kt, KB=kb, VT=vt, VB=vb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=warps, num_stages=stages,
+        PAGED=paged is not None, BR=block_rows, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -130,14 +183,26 @@ def _tiles(d: int, cuda: bool, wide: bool, blocks: bool = False) -> tuple[int, i
 
 @triton.jit
 def prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, kpos_ptr, levels_ptr,
-    sq_t, sq_h, sk_n, sk_h, sv_n, sv_h,
+    q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, kpos_ptr, levels_ptr, starts_ptr, tables_ptr,
+    sq_t, sq_h, sk_n, sk_h, sv_n, sv_h, s_table,
     n_q, n_read, window, scale, softcap,
     G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, RING: tl.constexpr,
     DOT: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr, VB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+    BR: tl.constexpr,
 ):  # fmt: skip
     tile, kvh = tl.program_id(0), tl.program_id(1)
+    if PAGED:  # chunk c: its queries, outputs and positions from its start, its keys through its table
+        c = tl.program_id(2)
+        first = tl.load(starts_ptr + c)
+        n_q = tl.load(starts_ptr + c + 1) - first
+        if tile * BLOCK_M >= n_q * G:  # the grid's tiles are the longest chunk's
+            return
+        q_ptr += first.to(tl.int64) * sq_t
+        out_ptr += first.to(tl.int64) * (tl.num_programs(1) * G * D)
+        pos_ptr += first
+        n_read = tl.load(pos_ptr + n_q - 1).to(tl.int32) + 1
+        tables_ptr += c.to(tl.int64) * s_table
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # rows t * G + g of this KV head's queries
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -154,9 +219,9 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if RING:  # rows in no position order: all of them, masked by the positions they hold
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, qpos, 0, n_read, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
-            sv_h, n_read, window, scale, softcap,
-            True, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D,
+            acc, m_i, l_i, q, qpos, 0, n_read, k_ptr, v_ptr, kpos_ptr, tables_ptr, levels_ptr, kvh, sk_n,
+            sk_h, sv_n, sv_h, n_read, window, scale, softcap,
+            True, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D, PAGED, BR,
         )  # fmt: skip
     else:
         # Keys [lo, hi) are visible to some query of the tile, [full_lo, full_hi) to all of them:
@@ -170,20 +235,20 @@ def prefill_kernel(
             start = lo // BLOCK_N * BLOCK_N
             a = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), hi)
             acc, m_i, l_i = _attend(
-                acc, m_i, l_i, q, qpos, start, a, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h,
-                sv_n, sv_h, n_read, window, scale, softcap,
-                True, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D,
+                acc, m_i, l_i, q, qpos, start, a, k_ptr, v_ptr, kpos_ptr, tables_ptr, levels_ptr, kvh, sk_n,
+                sk_h, sv_n, sv_h, n_read, window, scale, softcap,
+                True, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D, PAGED, BR,
             )  # fmt: skip
         b = tl.maximum(full_hi // BLOCK_N * BLOCK_N, a)
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, qpos, a, b, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
-            sv_h, n_read, window, scale, softcap,
-            False, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D,
+            acc, m_i, l_i, q, qpos, a, b, k_ptr, v_ptr, kpos_ptr, tables_ptr, levels_ptr, kvh, sk_n, sk_h,
+            sv_n, sv_h, n_read, window, scale, softcap,
+            False, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D, PAGED, BR,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, qpos, b, hi, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n,
-            sv_h, n_read, window, scale, softcap,
-            True, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D,
+            acc, m_i, l_i, q, qpos, b, hi, k_ptr, v_ptr, kpos_ptr, tables_ptr, levels_ptr, kvh, sk_n, sk_h,
+            sv_n, sv_h, n_read, window, scale, softcap,
+            True, WINDOW, SOFTCAP, RING, DOT, D, KT, KB, VT, VB, BLOCK_N, BLOCK_D, PAGED, BR,
         )  # fmt: skip
 
     # every query sees at least its own key, so l_i > 0 for every row stored
@@ -195,21 +260,26 @@ def prefill_kernel(
 
 @triton.jit
 def _attend(
-    acc, m_i, l_i, q, qpos, start, end, k_ptr, v_ptr, kpos_ptr, levels_ptr, kvh, sk_n, sk_h, sv_n, sv_h,
-    n_read, window, scale, softcap,
+    acc, m_i, l_i, q, qpos, start, end, k_ptr, v_ptr, kpos_ptr, tables_ptr, levels_ptr, kvh, sk_n, sk_h,
+    sv_n, sv_h, n_read, window, scale, softcap,
     MASK: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, RING: tl.constexpr, DOT: tl.constexpr,
     D: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr, VB: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
     """Key blocks [start, end) (multiples of BLOCK_N) into the running (acc, max, sum) of the queries
     q [BLOCK_M, BLOCK_D] at `qpos`; with MASK each key is checked against each query (and rows past
-    n_read dropped), without it every key is visible to every query."""
+    n_read dropped), without it every key is visible to every query. PAGED: key position n lives in
+    pool row tables[n // BR] * BR + n % BR."""
     k_ptr += head_at(kvh, sk_h, D, KT, KB)  # this KV head's start in a row
     v_ptr += head_at(kvh, sv_h, D, VT, VB)
     for n in range(start, end, BLOCK_N):
         rows = n + tl.arange(0, BLOCK_N)
         rmask = rows < n_read
-        r64 = rows.to(tl.int64)[:, None]
+        if PAGED:
+            block = tl.load(tables_ptr + rows // BR, mask=rmask, other=0).to(tl.int64)
+            r64 = (block * BR + rows % BR)[:, None]
+        else:
+            r64 = rows.to(tl.int64)[:, None]
         keys = load_rows(k_ptr + r64 * sk_n, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D, DOT)
         s = dot(q, tl.trans(keys.to(DOT)), DOT)  # [BLOCK_M, BLOCK_N]
         # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1

@@ -4,9 +4,10 @@ The rows of every sequence in the step form one activation [T, E], so the embedd
 matmul (`ops.linear` on the QWeights, which reads each weight once for all T rows) and the FFN run
 once for the whole batch: that is where batching pays. Attention reads each sequence's own blocks of
 the paged cache (`runtime.paged`): the decode tokens of all sequences in one call a layer
-(`DecodeTokens`: the native kernel on the CPU, Triton's paged decode kernel on a GPU), a prompt's
-chunk (and the decode tokens where neither kernel takes them) with the existing attention ops over
-its rows gathered. RoPE rotates each row by its own position.
+(`DecodeTokens`: the native kernel on the CPU, Triton's paged decode kernel on a GPU), the prompt
+chunks of all sequences in one more (`PromptChunks`: one store, then Triton's flash kernel over the
+pool, on a GPU), and where neither takes them (the CPU's prompt chunks) each sequence's rows with the
+existing attention ops over its rows gathered. RoPE rotates each row by its own position.
 
 A step of decode tokens alone (every chunk one token: the usual step while no prompt is being read)
 replays a CUDA graph on GPUs where every segment can hold one (`decode_padded`, `Executor.batch_graphs`):
@@ -37,7 +38,7 @@ from llmx.runtime.blocks import BlockTable
 from llmx.runtime.cpu_replay import CpuBatchReplay
 from llmx.runtime.executor import Executor, ids_on
 from llmx.runtime.graphs import batch_bucket, width_bucket
-from llmx.runtime.paged import PagedKVCache, SequenceKV
+from llmx.runtime.paged import ChunkRows, PagedKVCache, SequenceKV
 from llmx.runtime.segments import Segment
 
 
@@ -79,9 +80,10 @@ class BatchKV:
     ) -> torch.Tensor:  # fmt: skip
         """q [T, H, D], k and v [T, Hk, D] of the whole batch -> [T, H * D]. The decode tokens (chunks
         of one) go in one call where the paged cache's native kernel takes them (`DecodeTokens`, with
-        the `norms`); the other rows get the norms and RoPE at once, then each sequence's are stored
-        and attended over its own gathered rows; `mask` (the batch's: None) is replaced by each
-        sequence's."""
+        the `norms`); the other rows get the norms and RoPE at once, then are stored and attended in
+        one more call where Triton's flash kernel takes them (`PromptChunks`), else each sequence's
+        are stored and attended over its own gathered rows; `mask` (the batch's: None) is replaced by
+        each sequence's."""
         layout, decoded = self.layout, None
         if layout.singles:
             rows = layout.single_rows
@@ -90,23 +92,37 @@ class BatchKV:
             decoded = tokens.rope_store_attend(q1, k1, v1, rope, cos1, sin1, window, scale, softcap, norms)
             if decoded is not None and rows is None:
                 return decoded  # every row a decode token: the usual step
-        eager = [j for j in range(len(layout.chunks)) if decoded is None or j not in layout.singles]
+        eager = tuple(j for j in range(len(layout.chunks)) if decoded is None or j not in layout.singles)
+        rows = None if len(eager) == len(layout.chunks) else layout.activation_rows(eager, q.device)
+        if rows is not None:
+            q, k, v, cos, sin = (t[rows] for t in (q, k, v, cos, sin))
         if norms is not None:
             q, k = norms(q, k)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        steps = layout.steps(self.device)
-        outs = {}
-        for j in eager:
-            (a, b), kv, m = layout.bounds[j], layout.view(self.layer, j, self.device), steps[j].mask(window)
-            outs[j] = cached_attention(q[a:b], k[a:b], v[a:b], kv, m, window, scale, softcap)
+        prompts = layout.cache.prompts(self.layer)
+        if prompts.takes(q):
+            rows_in_pool = layout.prompt_rows(eager, q.device)
+            out = prompts.store_attend(q, k, v, rows_in_pool, window, scale, softcap)
+        else:
+            out = torch.cat([self._attend_alone(j, q, k, v, eager, window, scale, softcap) for j in eager])
         if decoded is None:
-            return torch.cat([outs[j] for j in eager])
-        out = torch.empty(q.shape[0], decoded.shape[1], dtype=decoded.dtype, device=decoded.device)
-        out[layout.single_rows] = decoded
-        for j in eager:
-            a, b = layout.bounds[j]
-            out[a:b] = outs[j]
-        return out
+            return out
+        full = torch.empty(layout.bounds[-1][1], decoded.shape[1], dtype=decoded.dtype, device=decoded.device)
+        full[layout.single_rows] = decoded
+        full[rows] = out
+        return full
+
+    def _attend_alone(
+        self, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eager: tuple[int, ...],
+        window: int | None, scale: float | None, softcap: float | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Chunk j's rows stored and attended over its sequence's rows gathered (`SequenceKV`); q, k, v
+        the rows of the `eager` chunks."""
+        layout = self.layout
+        a = sum(len(layout.chunks[i].ids) for i in eager[: eager.index(j)])
+        b = a + len(layout.chunks[j].ids)
+        kv, mask = layout.view(self.layer, j, self.device), layout.steps(self.device)[j].mask(window)
+        return cached_attention(q[a:b], k[a:b], v[a:b], kv, mask, window, scale, softcap)
 
 
 @dataclass
@@ -126,6 +142,13 @@ class _Layout:
     )
     # per pool device: the decode tokens' block tables and positions
     _single_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False
+    )
+    # per device and set of chunks: their rows of the activation, and where they lie in the pools
+    _activation_rows: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = field(
+        default_factory=dict, init=False
+    )
+    _prompt_rows: dict[tuple[torch.device, tuple[int, ...]], ChunkRows] = field(
         default_factory=dict, init=False
     )
 
@@ -170,6 +193,23 @@ class _Layout:
             tables = self.cache.tables([c.table for c in chunks])
             self._single_tables[device] = tables.to(device), positions.to(device)
         return self._single_tables[device]
+
+    def activation_rows(self, chunks: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The rows of the activation that `chunks` (indices, ascending) hold, on `device`."""
+        key = (device, chunks)
+        if key not in self._activation_rows:
+            rows = torch.cat([torch.arange(*self.bounds[j]) for j in chunks])
+            self._activation_rows[key] = rows.to(device, non_blocking=True)
+        return self._activation_rows[key]
+
+    def prompt_rows(self, chunks: tuple[int, ...], device: torch.device) -> ChunkRows:
+        """Where `chunks` (indices, ascending) lie in the pools on `device` (`PagedKVCache.chunk_rows`)."""
+        key = (device, chunks)
+        if key not in self._prompt_rows:
+            picked = [self.chunks[j] for j in chunks]
+            lengths = [len(c.ids) for c in picked]
+            self._prompt_rows[key] = self.cache.chunk_rows([c.table for c in picked], lengths, device)
+        return self._prompt_rows[key]
 
     def _pool_rows(self, c: Chunk, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool rows this step writes for chunk `c`, and those its attention reads."""

@@ -19,6 +19,9 @@ in position order, so the existing attention ops read them as they read a contig
 `DecodeTokens` is the decode tokens of several sequences in one layer for one step: one call stores
 them all and attends each over its blocks where they lie (no gather): the native kernel on the CPU,
 Triton's paged decode kernel (`kernels.decode_attention.paged_decode_attention`) on a GPU.
+`PromptChunks` is the prompt chunks of several sequences in one layer for one step: one store of all
+their rows, then one launch of Triton's flash kernel over the pool (`kernels.prefill_attention.
+paged_prefill_attention`), each chunk reading its sequence's blocks where they lie.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from llmx.errors import LlmxError
 from llmx.kernels import cpu_attention
-from llmx.ops.cached_attention import AttentionKernels
+from llmx.ops.cached_attention import AttentionKernels, flash_prefill
 from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
 from llmx.quant import QType, kv_layout
@@ -116,6 +119,26 @@ class PagedKVCache:
             typed = kt is not None and vt is not None
             widths |= {head_dim(k, kt), head_dim(v, vt)} if typed else {k.shape[-1], v.shape[-1]}
         return self.kernels.decode != "off" and len(widths) == 1
+
+    def chunk_rows(
+        self, tables: Sequence[BlockTable], lengths: Sequence[int], device: torch.device
+    ) -> ChunkRows:
+        """Where chunks of `lengths` rows, one a sequence of `tables` placed after the positions it
+        holds (its blocks already reserved), lie in the pools: `ChunkRows` on `device`."""
+        counts, br = torch.tensor(lengths), self.block_rows
+        positions = torch.cat(
+            [torch.arange(t.length, t.length + n) for t, n in zip(tables, lengths, strict=True)]
+        )
+        blocks = self.tables(tables)
+        owner = torch.repeat_interleave(torch.arange(len(tables)), counts)
+        slots = blocks[owner, positions // br].long() * br + positions % br
+        starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+        on = (slots, positions, starts, blocks)
+        return ChunkRows(*(x.to(device, non_blocking=True) for x in on), longest=int(counts.max()))
+
+    def prompts(self, i: int) -> PromptChunks:
+        """Layer i's view for the prompt chunks of several sequences."""
+        return PromptChunks(self.k[i], self.v[i], self.types, self.kernels, self.block_rows)
 
     def decode(self, i: int, tables: torch.Tensor, positions: torch.Tensor) -> DecodeTokens:
         """Layer i's view for one token of each of several sequences: sequence b's at positions[b]
@@ -209,4 +232,52 @@ class DecodeTokens:
         return cpu_attention.paged_rope_decode_attention(
             q, k, v, rope.neox, cos, sin, self.k, self.v, types, self.tables, self.block_rows, self.positions,
             window, scale,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChunkRows:
+    """A step's prompt chunks of C sequences (T rows in all, chunk c rows starts[c]..starts[c+1]-1): the
+    pool rows they are written to (`slots` int64 [T]) at `positions` (int64 [T]), the sequences' block
+    tables (int32 [C, W]) and the most rows a chunk has (`longest`), on one device."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    starts: torch.Tensor
+    tables: torch.Tensor
+    longest: int
+
+
+@dataclass(frozen=True)
+class PromptChunks:
+    """One layer's pools k, v [rows, Hk, row] (`types` as `SequenceKV`'s) for a step's prompt chunks of
+    several sequences, in blocks of `block_rows` rows."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    types: tuple[QType, QType] | None
+    kernels: AttentionKernels
+    block_rows: int
+
+    def takes(self, q: torch.Tensor) -> bool:
+        """Whether Triton's flash kernel takes the step's queries q [T, H, D], as `flash_prefill`
+        decides for one sequence: not on a CPU without `kernels.prefill` "on", nor with `-fa off`,
+        a pool on another device than q or unequal head widths."""
+        return flash_prefill(q, self.k, self.v, self)
+
+    def store_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: ChunkRows, window: int | None,
+        scale: float | None, softcap: float | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`ops.cached_attention` of every chunk at once, where `takes(q)`: q [T, H, D], k and v
+        [T, Hk, D] (after RoPE) of the chunks `rows` -> [T, H * D]. k and v are stored at the chunks'
+        rows first; each row attends its sequence's positions up to its own (the last `window`)."""
+        types = self.types or (None, None)
+        store_rows(self.k, rows.slots, k, types[0])
+        store_rows(self.v, rows.slots, v, types[1])
+        from llmx.kernels.prefill_attention import paged_prefill_attention
+
+        return paged_prefill_attention(
+            q, self.k, self.v, rows.positions, rows.starts, rows.tables, rows.longest,
+            block_rows=self.block_rows, types=self.types, window=window, scale=scale, softcap=softcap,
         )  # fmt: skip
