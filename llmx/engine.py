@@ -160,6 +160,10 @@ class Engine:
         self.timings.prompt_bytes_streamed += self.executor.bytes_streamed - streamed
         return torch.cat(outs) if all_logits else outs[-1][-1]
 
+    def token_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        """`ids` as a tensor on the device that embeds them, where a sampler on it leaves its tokens."""
+        return torch.tensor(ids, dtype=torch.long).to(self.executor.embed_device)
+
     def decode(self, token: int | torch.Tensor, on_device: bool = False) -> torch.Tensor:
         """One generation step: logits [vocab] for the token after `token` (an id, or an id [1] on a
         device); as `forward`'s, on the CPU or left on the device."""

@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from bench.kernels import gpu_state, parse_shapes, sustained, table_row
 from llmx import cli
@@ -176,11 +177,15 @@ class CountingEngine:
         self.calls.append(("prefill", self.n_past, len(ids)))
         self.n_past += len(ids)
 
-    def decode(self, token):
+    def token_ids(self, ids):
+        return torch.tensor(ids)
+
+    def decode(self, token, on_device=False):
         self.calls.append(("decode", self.n_past))
         self.n_past += 1
         self.timings.gen_tokens += 1
         self.timings.gen_host_seconds += 0.001
+        return torch.zeros(8)
 
     def synchronize(self) -> None:
         pass

@@ -7,8 +7,13 @@ a prompt shape's first run is eager and its second captures the shape's CUDA gra
 Each repetition starts from a context of `n_depth` random tokens, then times either one prompt of
 `n_prompt` random tokens or `n_gen` single-token decode steps fed random tokens, as llama-bench
 does: the speed of a step does not depend on which token it is, and sampling is not part of the
-measurement. The depth is filled untimed once per test, and later repetitions rewind to it, where
-llama-bench fills it again for each: at 32K tokens of depth the fills would be most of the run. A
+measurement. The steps run as generation runs them (`generate_steps`, `Engine.continue_from`): each
+one's token already on the device, its result (a token, not the logits) read by the host one step
+late, while the next step runs; llama-bench waits for each step's logits instead, as llama.cpp's
+generation, which samples on the host, does.
+
+The depth is filled untimed once per test, and later repetitions rewind to it, where llama-bench
+fills it again for each: at 32K tokens of depth the fills would be most of the run. A
 rewound context's rows past the depth are written again before they are read; a sliding-window
 layer's ring holds some of the last run's tokens in place of the depth's last ones, which changes
 the values a step reads but not its work.
@@ -28,6 +33,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import torch
+
+from llmx.runtime.host_copy import HostCopy
 
 if TYPE_CHECKING:
     from llmx.engine import Timings
@@ -41,7 +49,8 @@ class TimedEngine(Protocol):
 
     def reset(self) -> None: ...
     def prefill(self, ids: list[int]) -> object: ...
-    def decode(self, token: int) -> object: ...
+    def decode(self, token: int | torch.Tensor, on_device: bool = False) -> torch.Tensor: ...
+    def token_ids(self, ids: Sequence[int]) -> torch.Tensor: ...
     def synchronize(self) -> None: ...
 
 
@@ -107,11 +116,24 @@ def time_once(
     t0 = time.perf_counter()
     if prompt:
         engine.prefill(prompt)
-    for token in tokens:
-        engine.decode(token)
+    generate_steps(engine, tokens)
     engine.synchronize()
     seconds = time.perf_counter() - t0
     return Sample(seconds, engine.timings.since(before))
+
+
+def generate_steps(engine: TimedEngine, tokens: Sequence[int]) -> None:
+    """One decode step for each of `tokens`, as `Engine.continue_from` runs generation's: the ids on
+    the device that embeds them, each step's result (its greedy token, as a sampler on the device
+    would leave it) read by the host after the next step is issued."""
+    ids = engine.token_ids(tokens)
+    late: HostCopy | None = None
+    for i in range(len(tokens)):
+        logits = engine.decode(ids[i : i + 1], on_device=True)
+        now = HostCopy(logits.argmax(-1, keepdim=True))
+        if late is not None:
+            late.values()
+        late = now
 
 
 def warmup_runs(test: BenchTest) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import torch
 
-from llmx.bench.runner import TimedEngine, random_tokens
+from llmx.bench.runner import TimedEngine, generate_steps, random_tokens
 from llmx.errors import LlmxError
 
 
@@ -46,7 +46,7 @@ def sweep(
     engine.prefill(random_tokens(rng, n_ubatch, n_vocab))
     engine.reset()
     for n_kv in range(0, n_ctx - n_ubatch + 1, n_ubatch):
-        t_tg = _timed(engine, lambda: [engine.decode(t) for t in random_tokens(rng, n_gen, n_vocab)])
+        t_tg = _timed(engine, lambda: generate_steps(engine, random_tokens(rng, n_gen, n_vocab)))
         engine.n_past = n_kv  # forget the generated tokens: the next window starts where this one did
         t_pp = _timed(engine, lambda: engine.prefill(random_tokens(rng, n_ubatch, n_vocab)))
         yield {
