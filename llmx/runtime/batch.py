@@ -86,7 +86,8 @@ class BatchKV:
         each sequence's."""
         layout, decoded = self.layout, None
         if layout.singles:
-            rows = layout.single_rows
+            every = len(layout.singles) == len(layout.chunks)
+            rows = None if every else layout.activation_rows(layout.singles, q.device)
             q1, k1, v1, cos1, sin1 = (t if rows is None else t[rows] for t in (q, k, v, cos, sin))
             tokens = layout.cache.decode(self.layer, *layout.single_tables(layout.cache.k[self.layer].device))
             decoded = tokens.rope_store_attend(q1, k1, v1, rope, cos1, sin1, window, scale, softcap, norms)
@@ -108,7 +109,7 @@ class BatchKV:
         if decoded is None:
             return out
         full = torch.empty(layout.bounds[-1][1], decoded.shape[1], dtype=decoded.dtype, device=decoded.device)
-        full[layout.single_rows] = decoded
+        full[layout.activation_rows(layout.singles, q.device)] = decoded
         full[rows] = out
         return full
 
@@ -132,9 +133,7 @@ class _Layout:
     cache: PagedKVCache
     chunks: Sequence[Chunk]
     bounds: list[tuple[int, int]] = field(init=False)
-    singles: frozenset[int] = field(init=False)  # the chunks of one token (decode steps)
-    # their rows of the activation (on the CPU); None when they are all of it
-    single_rows: torch.Tensor | None = field(init=False)
+    singles: tuple[int, ...] = field(init=False)  # the chunks of one token (decode steps), ascending
     _steps: dict[torch.device, list[Step]] = field(default_factory=dict, init=False)
     # per pool device, per chunk: the pool rows it writes and those it reads
     _rows: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = field(
@@ -155,9 +154,7 @@ class _Layout:
     def __post_init__(self) -> None:
         ends = torch.tensor([len(c.ids) for c in self.chunks]).cumsum(0).tolist()
         self.bounds = [(end - len(c.ids), end) for c, end in zip(self.chunks, ends, strict=True)]
-        self.singles = frozenset(j for j, c in enumerate(self.chunks) if len(c.ids) == 1)
-        every = len(self.singles) == len(self.chunks)
-        self.single_rows = None if every else torch.tensor([self.bounds[j][0] for j in sorted(self.singles)])
+        self.singles = tuple(j for j, c in enumerate(self.chunks) if len(c.ids) == 1)
 
     def steps(self, device: torch.device) -> list[Step]:
         if device not in self._steps:
@@ -188,7 +185,7 @@ class _Layout:
         """The block tables of the decode tokens' sequences and the tokens' positions, on `device`
         (copied there once a step: every layer of a device reads the same)."""
         if device not in self._single_tables:
-            chunks = [self.chunks[j] for j in sorted(self.singles)]
+            chunks = [self.chunks[j] for j in self.singles]
             positions = torch.tensor([c.table.length for c in chunks], dtype=torch.long)
             tables = self.cache.tables([c.table for c in chunks])
             self._single_tables[device] = tables.to(device), positions.to(device)
