@@ -7,6 +7,12 @@ import os
 import struct
 from pathlib import Path
 
+# The suite runs in two processes on two cores (pytest-xdist, the README's command): OpenMP's workers
+# spinning while they wait would take the CPU from the other process's (a 2-thread decode beside a
+# busy process drops to a few tokens a second, bench/RESULTS.md); passive workers sleep instead. Set
+# before torch or the native kernels load their OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np
 import pytest
 
