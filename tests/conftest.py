@@ -55,16 +55,27 @@ NATIVE_BUILDS = {
 }
 
 
+@pytest.fixture(scope="session")
+def native_build_paths(tmp_path_factory) -> dict[str, Path]:
+    """Each of NATIVE_BUILDS compiled once a session, on first use (a build takes seconds; ~160 tests
+    use one): the shared libraries' paths by build."""
+    return {}
+
+
 @pytest.fixture(params=["native", *NATIVE_BUILDS])
-def native_kernels(request, monkeypatch, tmp_path):
+def native_kernels(request, monkeypatch, native_build_paths, tmp_path_factory):
     """The native CPU kernels as built for this machine, or one of NATIVE_BUILDS."""
     from llmx.quant import cpu_native
 
-    if request.param in NATIVE_BUILDS:
-        path = tmp_path / f"{request.param}.so"
-        cpu_native.compile_to(path, *NATIVE_BUILDS[request.param])
+    build = request.param
+    if build in NATIVE_BUILDS:
+        if build not in native_build_paths:
+            path = tmp_path_factory.mktemp("native") / f"{build}.so"
+            cpu_native.compile_to(path, *NATIVE_BUILDS[build])
+            native_build_paths[build] = path
+        path = native_build_paths[build]
         monkeypatch.setattr(cpu_native, "_library", lambda: cpu_native.bind(path))
-    return request.param
+    return build
 
 
 @pytest.fixture(scope="session")
