@@ -78,9 +78,9 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @dataclass(frozen=True)
-class Case:
-    t: int
-    n_read: int
+class Heads:
+    """The attention's heads and masks, for a case of one chunk (`Case`) or several (`Chunks`)."""
+
     n_head: int = 8
     n_head_kv: int = 2
     d: int = 64
@@ -90,7 +90,16 @@ class Case:
 
     def __str__(self) -> str:
         extra = "".join(f"-{k}{v}" for k, v in (("w", self.window), ("cap", self.softcap)) if v)
-        return f"t{self.t}of{self.n_read}-h{self.n_head}kv{self.n_head_kv}-d{self.d}{extra}"
+        return f"h{self.n_head}kv{self.n_head_kv}-d{self.d}{extra}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case(Heads):
+    t: int
+    n_read: int
+
+    def __str__(self) -> str:
+        return f"t{self.t}of{self.n_read}-{super().__str__()}"
 
 
 def check_kernel(
@@ -176,23 +185,16 @@ def test_default_tiles_on_the_interpreter_are_small() -> None:
 # --- a paged cache: the prompt chunks of several sequences in one launch ----------------------------
 
 
-@dataclass(frozen=True)
-class Chunks:
+@dataclass(frozen=True, kw_only=True)
+class Chunks(Heads):
     """Prompt chunks of several sequences over one paged pool: (first position, rows) of each."""
 
     chunks: tuple[tuple[int, int], ...]
-    n_head: int = 8
-    n_head_kv: int = 2
-    d: int = 64
-    window: int | None = None
-    softcap: float | None = None
-    scale: float = 0.125
     block_rows: int = 16
 
     def __str__(self) -> str:
-        extra = "".join(f"-{k}{v}" for k, v in (("w", self.window), ("cap", self.softcap)) if v)
         shape = "+".join(f"{p}:{t}" for p, t in self.chunks)
-        return f"{shape}-h{self.n_head}kv{self.n_head_kv}-d{self.d}-br{self.block_rows}{extra}"
+        return f"{shape}-br{self.block_rows}-{super().__str__()}"
 
 
 def check_paged(c: Chunks, kt: str, vt: str, seed: int = 0) -> torch.Tensor:
@@ -231,12 +233,12 @@ def check_paged(c: Chunks, kt: str, vt: str, seed: int = 0) -> torch.Tensor:
 
 
 PAGED_CASES = [
-    Chunks(((0, 37), (21, 5), (53, 1), (40, 20))),  # first and later chunks, one of a single row
-    Chunks(((0, 3), (70, 33)), n_head=6, n_head_kv=2),  # groups of 3; one chunk many tiles long
-    Chunks(((30, 30), (0, 12), (77, 9)), window=10),  # a window narrower than a tile
-    Chunks(((19, 40), (0, 40)), window=33, block_rows=8),  # unmasked blocks inside the window
-    Chunks(((5, 19), (40, 2)), n_head=4, n_head_kv=4, softcap=2.0, scale=0.3),
-    Chunks(((24, 9), (0, 33)), n_head=4, n_head_kv=1, d=256, window=12, softcap=30.0),  # Gemma's shape
+    Chunks(chunks=((0, 37), (21, 5), (53, 1), (40, 20))),  # first and later chunks, one of a single row
+    Chunks(chunks=((0, 3), (70, 33)), n_head=6, n_head_kv=2),  # groups of 3; one chunk many tiles long
+    Chunks(chunks=((30, 30), (0, 12), (77, 9)), window=10),  # a window narrower than a tile
+    Chunks(chunks=((19, 40), (0, 40)), window=33, block_rows=8),  # unmasked blocks inside the window
+    Chunks(chunks=((5, 19), (40, 2)), n_head=4, n_head_kv=4, softcap=2.0, scale=0.3),
+    Chunks(chunks=((24, 9), (0, 33)), n_head=4, n_head_kv=1, d=256, window=12, softcap=30.0),  # Gemma's shape
 ]
 
 
@@ -250,7 +252,7 @@ def test_paged_chunks_shapes_and_masks(case: Chunks) -> None:
     ids=lambda p: p,
 )  # fmt: skip
 def test_paged_chunks_read_every_cache_type(kt: str, vt: str) -> None:
-    check_paged(Chunks(((0, 21), (30, 23))), kt, vt)
+    check_paged(Chunks(chunks=((0, 21), (30, 23))), kt, vt)
 
 
 # --- through ops.cached_attention: the cache's writer, positions, a ring ---------------------------
@@ -368,10 +370,12 @@ def test_gpu_cached_attention_takes_the_kernel(kt, vt, step, monkeypatch) -> Non
 def test_gpu_paged_chunks_llama3_shape(kt: str, vt: str) -> None:
     """A server's step: prompt chunks of 128 to 512 rows, one long history, beside a single row."""
     chunks = ((0, 128), (384, 128), (0, 512), (1500, 300), (700, 1), (128, 77))
-    check_paged(Chunks(chunks, scale=128**-0.5, **LLAMA3), kt, vt)
+    check_paged(Chunks(chunks=chunks, scale=128**-0.5, **LLAMA3), kt, vt)
 
 
 @pytest.mark.gpu
 def test_gpu_paged_chunks_gemma3_shape() -> None:
     chunks = ((0, 300), (600, 200), (1000, 64))
-    check_paged(Chunks(chunks, n_head=4, n_head_kv=1, d=256, window=512, scale=256**-0.5), "Q8_0", "F16")
+    check_paged(
+        Chunks(chunks=chunks, n_head=4, n_head_kv=1, d=256, window=512, scale=256**-0.5), "Q8_0", "F16"
+    )
