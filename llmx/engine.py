@@ -16,7 +16,7 @@ import torch
 
 from llmx.errors import LlmxError
 from llmx.quant.choice import BUCKET_TOPS
-from llmx.runtime.executor import Executor
+from llmx.runtime.executor import Executor, ids_on
 from llmx.runtime.host_copy import HostCopy
 from llmx.text.device_sampler import DeviceSampler
 from llmx.text.sampler import SamplingParams
@@ -162,7 +162,7 @@ class Engine:
 
     def token_ids(self, ids: Sequence[int]) -> torch.Tensor:
         """`ids` as a tensor on the device that embeds them, where a sampler on it leaves its tokens."""
-        return torch.tensor(ids, dtype=torch.long).to(self.executor.embed_device)
+        return ids_on(ids, self.executor.embed_device)
 
     def decode(self, token: int | torch.Tensor, on_device: bool = False) -> torch.Tensor:
         """One generation step: logits [vocab] for the token after `token` (an id, or an id [1] on a

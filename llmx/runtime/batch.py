@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -105,7 +106,11 @@ class BatchKV:
             rows_in_pool = layout.prompt_rows(eager, q.device)
             out = prompts.store_attend(q, k, v, rows_in_pool, window, scale, softcap)
         else:
-            out = torch.cat([self._attend_alone(j, q, k, v, eager, window, scale, softcap) for j in eager])
+            starts = [0, *torch.tensor([len(layout.chunks[j].ids) for j in eager]).cumsum(0).tolist()]
+            out = torch.cat([
+                self._attend_alone(j, q[a:b], k[a:b], v[a:b], window, scale, softcap)
+                for j, (a, b) in zip(eager, pairwise(starts), strict=True)
+            ])  # fmt: skip
         if decoded is None:
             return out
         full = torch.empty(layout.bounds[-1][1], decoded.shape[1], dtype=decoded.dtype, device=decoded.device)
@@ -114,16 +119,13 @@ class BatchKV:
         return full
 
     def _attend_alone(
-        self, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eager: tuple[int, ...],
-        window: int | None, scale: float | None, softcap: float | None,
+        self, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+        scale: float | None, softcap: float | None,
     ) -> torch.Tensor:  # fmt: skip
-        """Chunk j's rows stored and attended over its sequence's rows gathered (`SequenceKV`); q, k, v
-        the rows of the `eager` chunks."""
+        """Chunk j's rows q, k, v stored and attended over its sequence's rows gathered (`SequenceKV`)."""
         layout = self.layout
-        a = sum(len(layout.chunks[i].ids) for i in eager[: eager.index(j)])
-        b = a + len(layout.chunks[j].ids)
         kv, mask = layout.view(self.layer, j, self.device), layout.steps(self.device)[j].mask(window)
-        return cached_attention(q[a:b], k[a:b], v[a:b], kv, mask, window, scale, softcap)
+        return cached_attention(q, k, v, kv, mask, window, scale, softcap)
 
 
 @dataclass
