@@ -25,6 +25,7 @@ call reads its weight from HBM.
     python bench/kernels.py [--types Q4_K,Q8_0] [--m 1,2,4,8,16,512] [--kernels dequant,dense]
                             [--sweep Q4_K [--shapes 2/2048/1,4/2048/2/late] [--sweep-m 8]]
                             [--dequant-sweep Q4_0] [--sustain SECONDS] [--rows-bm 4,8,16] [--json PATH]
+                            [--tile-sweep 64/128/256/8/3,32/64/256/4/3 --m 16,64]
 
 `--sweep` also times a grid of GEMV launch shapes at M = 1 (how the integer-dot shapes of
 `llmx/quant/triton/launch_shapes.json` were chosen), or at `--sweep-m` rows ("dot8_rows"),
@@ -32,6 +33,8 @@ call reads its weight from HBM.
 at M <= 8 after S seconds of back-to-back calls and notes the SM clock and power they left: a
 GEMV that keeps the SMs busy issuing can hold an H200 at its power cap, at lower clocks.
 `--rows-bm 4,8,16` times "dot8_rows" at each of these rows of x a program (`matmul.ROWS8_BM`).
+`--tile-sweep` times the half-precision tensor-core GEMM "mmh" at each of these tiles (its
+`launch_shapes.json` entry) for each type and `--m`.
 Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT is set.
 """
 
@@ -60,7 +63,7 @@ from llmx.quant import BLOCK_TYPES, choice, qtype
 from llmx.quant.triton import activation, launch
 from llmx.quant.triton import matmul as tops
 from llmx.quant.triton.layout import prepare
-from llmx.quant.triton.tuning import LaunchShape
+from llmx.quant.triton.tuning import GemmConfig, LaunchShape
 
 SHAPES = [(14336, 4096), (4096, 14336)]
 
@@ -239,14 +242,15 @@ def measure(
     `sustain_s` seconds of them, see `graph_ms`)."""
     n, k = w.shape
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    # x quantized beforehand, as decode's norm and gate kernels write it (the GEMV's time alone)
+    # x quantized (or scaled into f16) beforehand, once for the weights that share it in a step
     qx = activation.quantize_x(x) if kernel in tops.INT8_KERNELS else None
+    half = activation.half_rows(x) if kernel == "mmh" else None
     if m <= choice.GEMV_MAX_M:
-        calls = [partial(tops.linear, x, c, kernel=kernel, qx=qx) for c in copies(w)]
+        calls = [partial(tops.linear, x, c, kernel=kernel, qx=qx, half=half) for c in copies(w)]
         t = graph_ms(calls, sustain_s=sustain_s)
         extra |= sustained(sustain_s)
     else:
-        t = bench_ms(partial(tops.linear, x, w, kernel=kernel, qx=qx))
+        t = bench_ms(partial(tops.linear, x, w, kernel=kernel, qx=qx, half=half))
     gbs, tflops = w.raw.numel() * w.raw.element_size() / t / 1e6, 2 * m * n * k / t / 1e9
     frac = gbs / ceil["copy_gbs"] if m <= choice.GEMV_MAX_M else tflops / ceil["bf16_tflops"]
     row = {"type": w.qtype.name, "n": n, "k": k, "m": m, "kernel": kernel, "ms": t, "gbs": gbs}
@@ -286,8 +290,9 @@ def run(
             int8 = "dot8" if m == 1 else "dot8_rows"  # x quantized beforehand (`measure`)
             if tops.kernel_for(w, m, int8) == int8:
                 kernels = (int8, *kernels)
-            if m > 1 and tops.kernel_for(w, m, "mmq") == "mmq":
-                kernels = ("mmq", *kernels)
+            for tiled in ("mmq", "mmh"):
+                if m > 1 and tops.kernel_for(w, m, tiled) == tiled:
+                    kernels = (tiled, *kernels)
             for kern in filter(wanted, kernels):
                 if kern != "dot8_rows" or not rows_bms:
                     yield measure(w, m, kern, ceil, sustain_s, layout=layout)
@@ -361,6 +366,23 @@ def sweep(types: list[str], given: list[LaunchShape], m: int = 1) -> list[dict]:
     return rows
 
 
+def tile_sweep(types: list[str], tiles: list[GemmConfig], ms: list[int]) -> list[dict]:
+    """Time of "mmh" at each of `tiles` (BM/BN/BK/warps/stages) for each type, weight shape and M in
+    `ms`, x scaled into f16 beforehand; L2 cleared before each call."""
+    rows = []
+    for name, (n, k), m in itertools.product(types, SHAPES, ms):
+        w = prepare(make_weight(name, n, k))
+        half = activation.half_rows(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"))
+        out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        for cfg in tiles:
+            t = bench_ms(partial(tops._mmh, half, [w], [out], None, cfg))
+            row = {"type": name, "n": n, "k": k, "m": m, "kernel": "mmh", "tile": str(cfg), "ms": t}
+            rows.append(row | {"gbs": w.raw.numel() / t / 1e6})
+            label = f"tile sweep {name} {n}x{k} M={m} {cfg}"
+            print(f"{label}: {t * 1e3:.1f} us, {rows[-1]['gbs']:.0f} GB/s", flush=True)
+    return rows
+
+
 TABLE_HEAD = (
     "| type | N x K | M | kernel | layout | time µs | GB/s (weights) | TFLOP/s | fraction of ceiling |\n"
     "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -428,6 +450,9 @@ def main() -> None:
     ap.add_argument(
         "--rows-bm", default="", help="time dot8_rows at each of these rows of x a program, e.g. 4,8,16"
     )
+    ap.add_argument(
+        "--tile-sweep", default="", help="time mmh at each of these tiles BM/BN/BK/warps/stages (at --m rows)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     path = args.json or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else None)
@@ -440,6 +465,10 @@ def main() -> None:
     if args.sweep:
         result["sweep"] = sweep(args.sweep.split(","), parse_shapes(args.shapes), args.sweep_m)
         print(sweep_table(result["sweep"]) + "\n", flush=True)
+    if args.tile_sweep:
+        tiles = [GemmConfig.parse(t) for t in args.tile_sweep.split(",")]
+        ms = [int(m) for m in args.m.split(",")]
+        result["tile_sweep"] = tile_sweep(args.types.split(","), tiles, ms)
     if args.dequant_sweep:
         result["dequant_sweep"] = dequant_sweep(args.dequant_sweep.split(","), ceil)
         print(sweep_table(result["dequant_sweep"]) + "\n", flush=True)

@@ -18,11 +18,13 @@ needed).
 instead: its loop holds BM rows' x and reduces each row's sums every step (its shuffles and barriers).
 
     python bench/ptx_gemv.py --mmq 16,32,64 [--types ...] [--tile BM/BN/BK/warps/stages]
+    python bench/ptx_gemv.py --mmh 16,32,64 [--types ...] [--tile BM/BN/BK/warps/stages]
 
 `--mmq` compiles the integer tensor-core GEMM (`mmq.mmq_kernel`) instead, at each of these BM rows of
 x a program (at most the tile's BM), at the type's tile for sm_90 (`launch_shapes.json`) or `--tile`:
 its registers, the local-memory instructions of spilled ones, the tensor-core instructions (wgmma or
-mma) and the machine instructions of its loop over K.
+mma) and the machine instructions of its loop over K; `--mmh` the same for the half-precision one
+(`mmh.mmh_kernel`).
 """
 
 from __future__ import annotations
@@ -39,17 +41,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from llmx.quant import choice, qtype
-from llmx.quant.triton import dot8, dot8_rows, mmq, tuning
+from llmx.quant.triton import dot8, dot8_rows, mmh, mmq, tuning
 from llmx.quant.triton import matmul as tops
 from llmx.quant.triton.tuning import GemmConfig, LaunchShape
 
 POINTERS = {"xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"}
+HALF_POINTERS = {"xh_ptr": "*fp16", "xs_ptr": "*fp32"}  # mmh's x
 WEIGHT = {"w": "*u8", "o": "*bf16", "n": "i32"}
 CONSTANTS = ("QT", "UNIT", "QUADS", "BN", "BU", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES", "LATE")
 CONSTANTS += ("STAGGER", "SCATTER4")
 ROWS_CONSTANTS = ("QT", "UNIT", "BN", "BU", "BM", "BMP", "NW", "ASM", "EVEN", "ROW_WORDS", "PDL", "RES")
 ROWS_CONSTANTS += ("LATE",)
 MMQ_CONSTANTS = ("QT", "BM", "BN", "SU", "NW", "RES")
+MMH_CONSTANTS = ("QT", "BM", "BN", "NW", "RES", "ASM")
 
 
 def compiled(name: str, cfg: LaunchShape, rows: int = 0) -> dict[str, str | bytes]:
@@ -78,23 +82,28 @@ def compiled(name: str, cfg: LaunchShape, rows: int = 0) -> dict[str, str | byte
     )
 
 
-def compiled_mmq(name: str, cfg: GemmConfig, bm: int) -> dict[str, str | bytes]:
-    """The PTX and cubin of the integer tensor-core GEMM at tile `cfg` and BM = bm rows of x, one
-    weight a launch, aligned as `compiled`'s (a Q6_K row of 4096 weights is 3360 bytes)."""
-    signature = weights_signature() | {"part_ptr": "*fp32", "count_ptr": "*i32"}
+def compiled_tiles(kernel: str, name: str, cfg: GemmConfig, bm: int) -> dict[str, str | bytes]:
+    """The PTX and cubin of a tensor-core GEMM ("mmq" or "mmh") at tile `cfg` and BM = bm rows of x,
+    one weight a launch, aligned as `compiled`'s (a Q6_K row of 4096 weights is 3360 bytes)."""
+    signature = weights_signature(HALF_POINTERS if kernel == "mmh" else POINTERS)
+    signature |= {"part_ptr": "*fp32", "count_ptr": "*i32"}
     signature |= {"M": "i32", "K": "i32", "row_bytes": "i32", "m_tiles": "i32"}
     signature |= {"splits": "i32", "split_steps": "i32"}
-    values = (name, bm, cfg.bn, max(1, cfg.bk // qtype(name).block_elems), 1, False)
+    if kernel == "mmh":
+        values = (name, bm, cfg.bn, 1, False, True)
+        fn, constexprs = mmh.mmh_kernel, dict(zip(MMH_CONSTANTS, values, strict=True))
+    else:
+        values = (name, bm, cfg.bn, max(1, cfg.bk // qtype(name).block_elems), 1, False)
+        fn, constexprs = mmq.mmq_kernel, dict(zip(MMQ_CONSTANTS, values, strict=True))
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    constexprs = dict(zip(MMQ_CONSTANTS, values, strict=True))
     unaligned = ("M", "m_tiles", "splits", "split_steps")
-    return compile_for_hopper(mmq.mmq_kernel, signature, constexprs, unaligned, options)
+    return compile_for_hopper(fn, signature, constexprs, unaligned, options)
 
 
-def weights_signature() -> dict[str, str]:
-    """The integer-dot kernels' leading arguments: x quantized, DOT8_MAX_WEIGHTS weight slots, the
-    residual."""
-    signature = dict(POINTERS)
+def weights_signature(x_pointers: dict[str, str] = POINTERS) -> dict[str, str]:
+    """The integer-dot kernels' leading arguments: x (quantized, unless other `x_pointers`),
+    DOT8_MAX_WEIGHTS weight slots, the residual."""
+    signature = dict(x_pointers)
     for j in range(tops.DOT8_MAX_WEIGHTS):
         signature |= {f"{k}{j}": v for k, v in WEIGHT.items()}
     return signature | {"r_ptr": "*bf16"}
@@ -179,12 +188,15 @@ def main() -> None:
     ap.add_argument(
         "--mmq", default="", help="compile mmq at each of these BM rows of x a program, e.g. 16,64"
     )
+    ap.add_argument("--mmh", default="", help="compile mmh at each of these BM rows of x a program")
     ap.add_argument(
-        "--tile", default="", help="mmq's tile BM/BN/BK/warps/stages (default: the type's for sm_90)"
+        "--tile", default="", help="mmq's or mmh's tile BM/BN/BK/warps/stages (default: the type's for sm_90)"
     )
     args = ap.parse_args()
-    if args.mmq:
-        print_mmq(args.types.split(","), [int(bm) for bm in args.mmq.split(",")], args.tile)
+    if args.mmq or args.mmh:
+        kernel = "mmh" if args.mmh else "mmq"
+        bms = [int(bm) for bm in (args.mmh or args.mmq).split(",")]
+        print_tiles(kernel, args.types.split(","), bms, args.tile)
         return
     ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps, args.late, args.maxnreg)]
     print(f"Triton {triton.__version__}")
@@ -205,16 +217,17 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(map(str, cells)) + " |", flush=True)
 
 
-def print_mmq(types: list[str], bms: list[int], tile: str) -> None:
-    """One table row for each type and BM: `compiled_mmq`'s registers, spills, tensor-core
+def print_tiles(kernel: str, types: list[str], bms: list[int], tile: str) -> None:
+    """One table row for each type and BM: `compiled_tiles`' registers, spills, tensor-core
     instructions and loop instructions."""
     print(f"Triton {triton.__version__}")
     print("| type | BM/BN/BK/warps/stages | registers | spills | tensor-core ops | SASS a step |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, bm in itertools.product(types, bms):
-        cfg = GemmConfig.parse(tile) if tile else tuning.table()[tuning.TUNED].mmq(name)
+        tuned = tuning.table()[tuning.TUNED]
+        cfg = GemmConfig.parse(tile) if tile else (tuned.mmh(name) if kernel == "mmh" else tuned.mmq(name))
         cfg = GemmConfig(min(bm, cfg.bm), cfg.bn, cfg.bk, cfg.num_warps, cfg.num_stages)
-        asm = compiled_mmq(name, cfg, cfg.bm)
+        asm = compiled_tiles(kernel, name, cfg, cfg.bm)
         cells = (cfg, registers(asm["cubin"]), spills(asm["cubin"]), tensor_core_ops(asm["ptx"]))
         print(f"| {name} | " + " | ".join(map(str, (*cells, sass_loop(asm["cubin"])))) + " |", flush=True)
 

@@ -23,6 +23,7 @@ GPU_KERNELS = (
     "dot8",
     "dot8_rows",
     "mmq",
+    "mmh",
     "gemv",
     "gemm",
     "dequant",

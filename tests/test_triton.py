@@ -134,6 +134,8 @@ def check_linear(
     assert out.shape == (m, n) and out.dtype == dtype
     chosen = tops.kernel_for(w, m, kernel)
     tol = TOL[dtype] if chosen in ("gemv", *tops.INT8_KERNELS) else GEMM_TOL[dtype]
+    if chosen == "mmh":  # f16 operands whatever x's dtype
+        tol = max(tol, TOL[torch.float16])
     exact = x.double().numpy()
     if chosen in tops.INT8_KERNELS:
         assert rel_err(out, exact @ ref_w.T) < DOT8_FLOAT_TOL
@@ -233,8 +235,11 @@ def test_dot8_rows_several_steps(name: str, shape: tuple[int, ...]) -> None:
     check_linear(w, ref, 5, torch.float32, seed=111, kernel="dot8_rows", gemv=tuning.LaunchShape(*shape))
 
 
-@pytest.mark.parametrize(("kernel", "m", "widths"), [("dot8_rows", 3, (5, 3, 9)), ("mmq", 20, (5, 3, 130))])
-def test_integer_kernels_share_launches(kernel: str, m: int, widths: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize(
+    ("kernel", "m", "widths"),
+    [("dot8_rows", 3, (5, 3, 9)), ("mmq", 20, (5, 3, 130)), ("mmh", 20, (5, 3, 130))],
+)
+def test_kernels_share_launches(kernel: str, m: int, widths: tuple[int, int, int]) -> None:
     """q/k/v-like weights of one type in one launch, each output equal to its own (mmq's third past
     one tile of weight rows); a residual [M, N] added at the store."""
     ws = [laid_out(random_weight("Q4_K", n, 512, seed=120 + n)[0], "Q4_K", "prepared") for n in widths]
@@ -335,6 +340,45 @@ def test_mmq_compiles_for_hopper_without_spills(name: str) -> None:
     for row in rows:
         spills, tensor_ops = int(row[3]), int(row[4])
         assert spills == 0 and tensor_ops > 0, row
+
+
+def mmh_tile(monkeypatch: pytest.MonkeyPatch, tile: str) -> None:
+    """Runs "mmh" at `tile` (BM/BN/BK/warps/stages) for every type instead of the tuned one."""
+    tile_of = {name: tuning.GemmConfig.parse(tile) for name in DOT8_TYPES}
+    monkeypatch.setattr(tops, "for_device", lambda device: dataclasses.replace(TUNED, mmh_shapes=tile_of))
+
+
+@pytest.mark.parametrize("m", [16, 17, 40, 70])
+@pytest.mark.parametrize("name", DOT8_TYPES)
+def test_mmh(name: str, m: int) -> None:
+    # the tuned tile: M rounded up to 16, 32 or 64 rows of x a program (17 and 40 leave rows that
+    # repeat row M - 1, unstored), 70 in a second program of the tile; N = 140 a whole tile of 128
+    # weight rows and a partial one; Q8_0's 58 blocks leave a partial step of 8 (its blocks past the
+    # row count 0), the K-quants' rows 4 super-blocks
+    k = 58 * 32 if name == "Q8_0" else 1024
+    w, ref = random_weight(name, 140, k, seed=170 + m)
+    w = laid_out(w, name, "prepared")
+    assert tops.kernel_for(w, m, "mmh") == "mmh"
+    check_linear(w, ref, m, torch.float32, seed=m, kernel="mmh")
+
+
+@pytest.mark.parametrize("name", DOT8_TYPES)
+def test_mmh_small_tiles_split_over_k(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 16 x 16 tiles: 40 rows of x in three programs (the last of 8 rows), 9 weight rows a partial
+    # tile, so few tiles that K is cut into ranges: the sums equal the unsplit launch's to float32's
+    # rounding, a second launch gives the same bits and every counter is back at 0
+    mmh_tile(monkeypatch, "16/16/256/4/2")
+    k = 48 * 32 if name == "Q8_0" else 1536
+    w, ref = random_weight(name, 9, k, seed=180)
+    w = laid_out(w, name, "prepared")
+    check_linear(w, ref, 40, torch.float32, seed=181, kernel="mmh")
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(182)).to(DEVICE)
+    assert tops.mmq_splits(3, k // 256, launch.sm_count(x.device, tops.INTERPRETED_SMS))[0] > 1  # 3 tiles
+    split = tops.linear(x, w, kernel="mmh")
+    assert torch.equal(split, tops.linear(x, w, kernel="mmh"))
+    assert not launch.zeroed_counters(x.device).any()
+    monkeypatch.setattr(tops, "MMQ_PROGRAMS_PER_SM", 0)
+    assert rel_err(split, tops.linear(x, w, kernel="mmh").double().cpu().numpy()) < 1e-5
 
 
 def test_dot8_q6_k_extreme_blocks() -> None:

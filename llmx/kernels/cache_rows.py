@@ -119,7 +119,7 @@ def load_rows(
     """Values 0..D-1 of the cache rows at `row_ptrs` [BLOCK_N, 1] (a head's start in each row) where
     `rmask` [BLOCK_N, 1], as a [BLOCK_N, BLOCK_D] tile: for a block type dequantized (d * code (+ m),
     IQ4_NL's code its level) into DOT, the type it meets q in (q8_0 into float16 four codes at a time:
-    `_q8_times_f16`); else in the cache's dtype."""
+    `q8_times_f16`); else in the cache's dtype."""
     # One return at the end: Triton 3.6 compiles the statements after a constexpr branch's return
     # too, and refuses returns of different types (the cache's dtype, DOT).
     if QT == 0:
@@ -136,7 +136,7 @@ def load_rows(
             at = (2 * NB) + 32 * nb3 + j
             codes = tl.load((rows3 + at).to(tl.pointer_type(tl.int8)), mask=bmask3, other=0)
             if tl.float16 == DOT:  # a GPU's tensor cores: four codes at a time into two f16x2 words
-                values = _q8_times_f16(codes, scale[:, :, None].to(tl.float16))
+                values = q8_times_f16(codes, scale[:, :, None].to(tl.float16))
             else:
                 values = scale[:, :, None] * codes.to(tl.float32)
         else:  # [BLOCK_N, BLOCK_D / 32, 2, 16]: value 16h + l of each block, byte l's nibble h
@@ -218,7 +218,7 @@ def _q4_times_f16(raw, shift, scale):
 
 
 @triton.jit
-def _q8_times_f16(codes, scale):
+def q8_times_f16(codes, scale):
     """codes (int8) times scale (float16, broadcast to the codes' shape) in float16, four a step."""
     scale = tl.broadcast_to(scale, codes.shape)
     return tl.inline_asm_elementwise(

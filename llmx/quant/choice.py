@@ -16,6 +16,8 @@ GPU kernels (`llmx.quant.triton.matmul`):
   layout: x quantized to int8, then tiles of rows of x by weight rows on the int8 tensor cores
   (llama.cpp's mmq), K split where the tiles alone leave SMs idle; weights it cannot read take the
   table's kernel (the float GEMV, which "dot8" falls back to, takes at most GEMV_MAX_M rows);
+- "mmh": the same types and layout, any M where forced: tiles of weight rows dequantized to f16 in
+  registers (scales folded in) by rows of x scaled into f16, on the half-precision tensor cores;
 - "gemv": M <= FLOAT_GEMV_MAX_M (IQ4 types: GEMV_MAX_M), fp32 FMAs on the unpacked codes; its time
   grows with M;
 - "gemm": M < DEQUANT_MIN_M, tiles dequantized in registers for tl.dot, time flat in M up to its
@@ -42,7 +44,7 @@ from __future__ import annotations
 from llmx.errors import LlmxError
 from llmx.quant import QType
 
-GPU_KERNELS = ("dot8", "dot8_rows", "mmq", "gemv", "gemm", "dequant")
+GPU_KERNELS = ("dot8", "dot8_rows", "mmq", "mmh", "gemv", "gemm", "dequant")
 CPU_PREFERENCES = ("auto", "packed", "dequant", "emulated")  # LLMX_KERNEL's values
 
 # Layouts of a weight's rows on its device.
@@ -162,7 +164,7 @@ def _gpu(qt: QType, layout: str, m: int, preference: str) -> str:
         readable and (m <= DOT8_MAX_M or preference == "dot8_rows")
     ):
         return "gemv"  # rows (of W or x) it cannot read
-    if preference == "mmq" and not readable:
+    if preference in ("mmq", "mmh") and not readable:
         return _gpu_table(qt.name, readable, m)
     return preference
 

@@ -133,5 +133,13 @@ def mmq() -> ModuleType:
     return mmq
 
 
+@cache
+def mmh() -> ModuleType:
+    """`llmx.quant.triton.mmh`: the half-precision tensor-core GEMM for a batched decode step."""
+    from llmx.quant.triton import mmh
+
+    return mmh
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

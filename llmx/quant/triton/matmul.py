@@ -1,7 +1,7 @@
 """Matmul, embedding and dequantize on raw GGUF blocks on a GPU: the launches of the Triton kernels.
 
 Weights stay as the uint8 rows of the GGUF file (`layout.Blocks`); the kernels (`kernels.py`,
-`dot8.py`, `dot8_rows.py`, `mmq.py`) unpack blocks in registers. Which kernel runs is
+`dot8.py`, `dot8_rows.py`, `mmq.py`, `mmh.py`) unpack blocks in registers. Which kernel runs is
 `llmx.quant.choice`'s table: a `QWeight` keeps its answer per M bucket and hands it to `run`;
 `linear` asks the table itself (for weights that do not keep one, and to force a kernel). Launch
 shapes come from the device's tuning (`tuning.py`), the GEMM's tiles from the autotuner
@@ -31,6 +31,7 @@ from llmx.quant.triton.launch import (
     interpreting,
     kernels,
     lut,
+    mmh,
     mmq,
     programmatic_launch,
     sm_count,
@@ -42,6 +43,8 @@ from llmx.quant.triton.tuning import GemmConfig, LaunchShape, for_device
 DOT8_QUADS = {"Q8_0": 2, "Q4_K": 8, "Q6_K": 4}  # the integer-dot GEMV's partial sums a block
 DOT8_MAX_WEIGHTS = 3  # weights sharing one integer-dot launch (q/k/v)
 INT8_KERNELS = ("dot8", "dot8_rows", "mmq")  # the integer-dot kernels: x quantized to int8 first
+SHARED_KERNELS = (*INT8_KERNELS, "mmh")  # kernels whose launch takes up to DOT8_MAX_WEIGHTS weights
+MMH_STEP = 256  # the weights of a row "mmh" takes a loop step
 MMQ_MIN_BM = 16  # the fewest rows of x a program of "mmq" takes: tl.dot's least side
 # "mmq"'s split over K: a launch of fewer output tiles than the GPU has SMs cuts K into ranges until
 # there are about this many programs an SM, each range at least MMQ_MIN_SPLIT_STEPS loop steps
@@ -104,11 +107,14 @@ def run(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`linear` by the kernel `choice`, for x and its rows x2 [M, K] (`unit_rows`)."""
-    if choice in INT8_KERNELS:
+    if choice in SHARED_KERNELS:
         m, n = x2.shape[0], w.shape[0]
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         res = None if residual is None else residual.reshape(m, n).contiguous()
-        _int8(choice, qx or PENDING.quantized(x) or quantize_x(x2), [w], [out], gemv, res)
+        if choice == "mmh":
+            _mmh(half or half_rows(x2), [w], [out], res)
+        else:
+            _int8(choice, qx or PENDING.quantized(x) or quantize_x(x2), [w], [out], gemv, res)
         return out.reshape(*x.shape[:-1], n)
     y = _matmul(x2, w, choice, gemv, half).reshape(*x.shape[:-1], w.shape[0])
     return y if residual is None else y.add_(residual)
@@ -175,24 +181,30 @@ def run_many(
 ) -> list[torch.Tensor]:
     """`linear_many` by the kernels `chosen` (one a weight)."""
     m = x2.shape[0]
-    int8 = [kernel in INT8_KERNELS for kernel in chosen]
-    if not any(int8):
-        half = None
-        if "dequant" in chosen and x2.dtype not in (torch.float16, torch.bfloat16):
-            half = half_rows(x2)  # once for all of them
+    shared = [kernel in SHARED_KERNELS for kernel in chosen]
+    half = None
+    if "mmh" in chosen or ("dequant" in chosen and x2.dtype not in (torch.float16, torch.bfloat16)):
+        half = half_rows(x2)  # once for all of them
+    if not any(shared):
         return [run(x, x2, w, kernel, half=half) for w, kernel in zip(ws, chosen, strict=True)]
-    qx = qx or PENDING.quantized(x) or quantize_x(x2)
+    if any(kernel in INT8_KERNELS for kernel in chosen):
+        qx = qx or PENDING.quantized(x) or quantize_x(x2)
     outs: dict[int, torch.Tensor] = {}
-    groups: dict[tuple[str, str, int], list[int]] = {}  # integer-dot weights one launch can serve
+    groups: dict[tuple[str, str, int], list[int]] = {}  # weights one launch can serve
     for i, w in enumerate(ws):
-        if int8[i]:
+        if shared[i]:
             groups.setdefault((chosen[i], w.qtype.name, w.raw.stride(0)), []).append(i)
         else:
-            outs[i] = run(x, x2, w, chosen[i])
+            outs[i] = run(x, x2, w, chosen[i], half=half)
     for (kernel, _, _), members in groups.items():
         for part in (members[j : j + DOT8_MAX_WEIGHTS] for j in range(0, len(members), DOT8_MAX_WEIGHTS)):
             ys = [torch.empty((m, ws[i].shape[0]), dtype=x.dtype, device=x.device) for i in part]
-            _int8(kernel, qx, [ws[i] for i in part], ys, None)
+            if kernel == "mmh":
+                assert half is not None
+                _mmh(half, [ws[i] for i in part], ys, None)
+            else:
+                assert qx is not None
+                _int8(kernel, qx, [ws[i] for i in part], ys, None)
             for i, y in zip(part, ys, strict=True):
                 outs[i] = y.reshape(*x.shape[:-1], ws[i].shape[0])
     return [outs[i] for i in range(len(ws))]
@@ -234,19 +246,52 @@ def _weight_slots(raws: list[torch.Tensor], outs: list[torch.Tensor], ws: list[B
 
 def _mmq(qx: QuantizedX, ws: list[Blocks], outs: list[torch.Tensor], residual: torch.Tensor | None) -> None:
     """`_int8` on the integer tensor-core GEMM (`mmq.mmq_kernel`), at the tuned tile for the weights'
-    type; a program takes M rounded up to a power of two rows of x, from MMQ_MIN_BM to the tile's BM.
-    A launch of fewer output tiles than MMQ_PROGRAMS_PER_SM programs for each of the GPU's SMs splits
-    their K (`mmq_splits`)."""
-    m = qx.q.shape[0]
-    raws = [rows(w)[0] for w in ws]
+    type (`_tiles`)."""
     qt, k = ws[0].qtype, ws[0].shape[1]
-    device = raws[0].device
-    cfg = for_device(device).mmq(qt.name)
-    bm = min(cfg.bm, max(MMQ_MIN_BM, 1 << (m - 1).bit_length()))
+    cfg = for_device(ws[0].raw.device).mmq(qt.name)
     su = max(1, cfg.bk // qt.block_elems)
+    steps = cdiv(k // qt.block_elems, su)
+    _tiles(mmq().mmq_kernel, (qx.q, qx.dx, qx.sums), ws, outs, residual, cfg, steps, QT=qt.name, SU=su)
+
+
+def _mmh(
+    half: HalfX,
+    ws: list[Blocks],
+    outs: list[torch.Tensor],
+    residual: torch.Tensor | None,
+    cfg: GemmConfig | None = None,
+) -> None:
+    """outs[i] [M, N_i] = x @ ws[i].T (plus `residual` with one weight) on the half-precision
+    tensor-core GEMM (`mmh.mmh_kernel`), x given as `half_rows`' f16 rows and scales, at `cfg`'s tile,
+    else the tuned one for the weights' type (`_tiles`)."""
+    xh, scale = half
+    qt, k = ws[0].qtype, ws[0].shape[1]
+    cfg = cfg or for_device(ws[0].raw.device).mmh(qt.name)
+    steps = cdiv(k, MMH_STEP)
+    _tiles(mmh().mmh_kernel, (xh, scale), ws, outs, residual, cfg, steps, QT=qt.name, ASM=not interpreting())
+
+
+def _tiles(
+    kernel: object,
+    x_args: tuple[torch.Tensor, ...],
+    ws: list[Blocks],
+    outs: list[torch.Tensor],
+    residual: torch.Tensor | None,
+    cfg: GemmConfig,
+    steps: int,
+    **constexprs: object,
+) -> None:
+    """One launch of a tensor-core GEMM over output tiles of cfg.bn weight rows (of up to
+    DOT8_MAX_WEIGHTS weights, `_weight_slots`) by rows of x, x's buffers `x_args` first: a program
+    takes M rounded up to a power of two rows of x, from MMQ_MIN_BM to the tile's BM, and K's `steps`
+    loop steps, split where a launch of fewer output tiles than MMQ_PROGRAMS_PER_SM programs for each
+    of the GPU's SMs would leave them idle (`mmq_splits`, joined by `mmq.finish_tile`)."""
+    m = x_args[0].shape[0]
+    raws = [rows(w)[0] for w in ws]
+    k, device = ws[0].shape[1], raws[0].device
+    bm = min(cfg.bm, max(MMQ_MIN_BM, 1 << (m - 1).bit_length()))
     m_tiles = cdiv(m, bm)
     tiles = sum(cdiv(w.shape[0], cfg.bn) for w in ws)
-    steps = cdiv(k // qt.block_elems, su)
     splits, split_steps = mmq_splits(tiles * m_tiles, steps, sm_count(device, INTERPRETED_SMS))
     counts = zeroed_counters(device)
     if counts is None:  # a capture before any eager call: no split
@@ -255,11 +300,11 @@ def _mmq(qx: QuantizedX, ws: list[Blocks], outs: list[torch.Tensor], residual: t
     if splits > 1:
         parts = torch.empty((tiles * m_tiles * splits, cfg.bn, bm), dtype=torch.float32, device=device)
     res = outs[0] if residual is None else residual  # unread without a residual
-    mmq().mmq_kernel[(tiles * m_tiles * splits,)](
-        qx.q, qx.dx, qx.sums, *_weight_slots(raws, outs, ws), res, parts, counts, m, k, raws[0].stride(0),
+    kernel[(tiles * m_tiles * splits,)](  # type: ignore[index]
+        *x_args, *_weight_slots(raws, outs, ws), res, parts, counts, m, k, raws[0].stride(0),
         m_tiles, splits, split_steps,
-        QT=qt.name, BM=bm, BN=cfg.bn, SU=su, NW=len(ws), RES=residual is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BM=bm, BN=cfg.bn, NW=len(ws), RES=residual is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **constexprs,
     )  # fmt: skip
 
 

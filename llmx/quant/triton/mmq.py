@@ -62,7 +62,7 @@ def _code_bytes(w_ptr, off):
 
 
 @triton.jit
-def _row_words(w_ptr, off):
+def row_words(w_ptr, off):
     """[BN, 4] int32: the 16 bytes from byte offsets `off` [BN] (16-byte aligned) of the weight's
     rows, one vector load a row."""
     return tl.load((w_ptr + off[:, None]).to(tl.pointer_type(tl.int32)) + tl.arange(0, 4)[None, :])
@@ -90,7 +90,7 @@ def _q4_k(acc, w_ptr, row, xq_ptr, x_row, x_m, dx_ptr, xs_ptr, u, n_units, K):
     the tile took more load instructions than the rest of the step."""
     blk = tl.minimum(u, n_units - 1)
     base = row + blk * 144
-    hdr = _row_words(w_ptr, base)  # d, dmin, then the scales by pair (`layout.prepare_q4_k_scales`)
+    hdr = row_words(w_ptr, base)  # d, dmin, then the scales by pair (`layout.prepare_q4_k_scales`)
     live = u < n_units
     d = tl.where(live, half_f32(lane(hdr, 0), False), 0.0)
     dmin = tl.where(live, half_f32(lane(hdr, 0), True), 0.0)
@@ -121,7 +121,7 @@ def _q6_k(acc, w_ptr, row, xq_ptr, x_row, x_m, dx_ptr, u, n_units, K):
     blk = tl.minimum(u, n_units - 1)
     base = row + blk * 208
     d = tl.where(u < n_units, f16(w_ptr, row + n_units * 208 + 2 * blk), 0.0)[:, None]
-    scales = _row_words(w_ptr, base + 192)
+    scales = row_words(w_ptr, base + 192)
     first = tl.arange(0, 32)[None, :] < 16  # a group's first 16 codes
     for h in tl.static_range(2):
         qh = _code_bytes(w_ptr, base + 128 + 32 * h)
@@ -160,10 +160,7 @@ def mmq_kernel(
 
     Split over K: with `splits` > 1 each output tile's K is cut into `splits` ranges of `split_steps`
     steps, one program each (program p: range (p // m_tiles) % splits), so that a launch of few tiles
-    still fills the GPU. Each writes its float32 sums to `part_ptr` (splits x BN x BM a tile) and
-    counts itself in the tile's `count_ptr` word; the last to arrive adds the ranges' sums in the
-    order of K (the same result whichever program ends last), stores the output and sets the count
-    back to 0 for the next launch."""
+    still fills the GPU; `finish_tile` joins them."""
     pid = tl.program_id(0)
     split = (pid // m_tiles) % splits
     tile = pid // (m_tiles * splits)
@@ -187,8 +184,22 @@ def mmq_kernel(
                 acc = _q6_k(acc, w_ptr, row, xq_ptr, x_row, x_m, dx_ptr, u0 + s, n_units, K)
     ok = (rn < N)[:, None] & (rm < M)[None, :]
     off = rm.to(tl.int64)[None, :] * N + rn[:, None]
+    out_tile = tile * m_tiles + pid % m_tiles
+    finish_tile(acc, split, splits, out_tile, part_ptr, count_ptr, out_ptr, r_ptr, off, ok, RES)
+
+
+@triton.jit
+def finish_tile(
+    acc, split, splits, out_tile, part_ptr, count_ptr, out_ptr, r_ptr, off, ok, RES: tl.constexpr
+):
+    """Stores output tile `out_tile`'s sums acc [BN, BM] (at `off` where `ok`), or with `splits` > 1
+    K-range `split`'s share of them: each range writes its float32 sums to `part_ptr` (splits x BN x
+    BM a tile) and counts itself in the tile's `count_ptr` word; the last to arrive adds the ranges'
+    sums in the order of K (the same result whichever program ends last), stores the output and sets
+    the count back to 0 for the next launch."""
     if splits > 1:
-        out_tile = tile * m_tiles + pid % m_tiles
+        BN: tl.constexpr = acc.shape[0]
+        BM: tl.constexpr = acc.shape[1]
         local = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
         parts = part_ptr + out_tile.to(tl.int64) * splits * BN * BM + local
         tl.store(parts + split * BN * BM, acc)

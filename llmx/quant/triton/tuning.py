@@ -17,6 +17,8 @@ An entry holds, per kernel:
   most rows of x a program takes (fewer where M is smaller), BN weight rows, BK weights a loop step;
   the largest BM that compiles for sm_90 without spills on Triton 3.6 and 3.9 (`bench/ptx_gemv.py
   --mmq`; Q4_K and Q8_0 at 64 spill on 3.6), a launch's BM being M rounded up from 16 to it;
+- `mmh`: the half-precision tensor-core GEMM's tile per type (`mmh.py`), in `mmq`'s form (BK is
+  fixed: a step is 256 weights), its BM likewise the most rows of x a program takes;
 - `gemm`: the GEMM autotuner's candidates (`autotune.py`);
 - `moe_gemm`: the grouped expert GEMM's tile (`moe.py`), whose BM is also the block its pairs are
   sorted into (`bench/moe_kernels.py --sweep` times candidates and prints the line to put here).
@@ -115,6 +117,7 @@ class Tuning:
     dot8_rows_shapes: dict[str, LaunchShape]
     long_row: int
     mmq_shapes: dict[str, GemmConfig]
+    mmh_shapes: dict[str, GemmConfig]
     gemm: tuple[GemmConfig, ...]
     moe_gemm: GemmConfig
     moe_dot8_shapes: dict[str, LaunchShape]
@@ -151,6 +154,10 @@ class Tuning:
         """The integer tensor-core GEMM's tile for rows of type `name`."""
         return self.mmq_shapes[name]
 
+    def mmh(self, name: str) -> GemmConfig:
+        """The half-precision tensor-core GEMM's tile for rows of type `name`."""
+        return self.mmh_shapes[name]
+
 
 def _shapes(entry: dict[str, str]) -> dict[str, LaunchShape]:
     return {name: LaunchShape.parse(text) for name, text in entry.items()}
@@ -176,6 +183,7 @@ def table() -> dict[str, Tuning]:
             dot8_rows_shapes=_shapes(e["dot8_rows"]),
             long_row=int(e["long_row"]),
             mmq_shapes={name: GemmConfig.parse(text) for name, text in e["mmq"].items()},
+            mmh_shapes={name: GemmConfig.parse(text) for name, text in e["mmh"].items()},
             gemm=tuple(GemmConfig.parse(c) for c in e["gemm"]),
             moe_gemm=GemmConfig.parse(e["moe_gemm"]),
             moe_dot8_shapes=_shapes(e["moe_dot8"]),
