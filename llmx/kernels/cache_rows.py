@@ -20,6 +20,7 @@ import triton.language as tl
 
 from llmx.quant import QType
 from llmx.quant.reference import IQ4_LEVELS
+from llmx.quant.triton.bits import q8_times_f16
 
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # Compiled kernels read module globals only as tl.constexpr (Triton's interpreter reads any).
@@ -171,27 +172,9 @@ def load_rows(
     return values
 
 
-# Four int8 codes (one 32-bit word) times their f16 scales (two f16x2 words) -> two f16x2 words: each
-# byte made unsigned (xor 0x80) and placed under f16's exponent of 1024 (0x64XX is 1024 + XX, exactly),
-# 1152 (0x6480) subtracted (the code, exactly), then multiplied by the scale, rounded once: the bits
-# that rounding the float32 product to f16 gives. ~1.5 instructions a value where the compiler's int8 ->
-# f32 -> f16 path takes ~2.5 (bytes picked out one by one, two conversions).
-Q8_F16_ASM: tl.constexpr = tl.constexpr("""{
-.reg .b32 u, lo, hi, k;
-xor.b32 u, $2, 0x80808080;
-prmt.b32 lo, u, 0x64646464, 0x4140;
-prmt.b32 hi, u, 0x64646464, 0x4342;
-mov.b32 k, 0x64806480;
-sub.f16x2 lo, lo, k;
-sub.f16x2 hi, hi, k;
-mul.rn.f16x2 $0, lo, $3;
-mul.rn.f16x2 $1, hi, $4;
-}""")
-
-
 # Four Q4_0 bytes' low (shift 0) or high (shift 4) nibbles times their f16 scales -> two f16x2 words, as
-# Q8_F16_ASM: each nibble spread into a 16-bit lane under f16's exponent of 1024, 1032 subtracted (code
-# - 8, exactly), then the scale multiplied, rounded once.
+# `bits.Q8_F16_ASM`: each nibble spread into a 16-bit lane under f16's exponent of 1024, 1032 subtracted
+# (code - 8, exactly), then the scale multiplied, rounded once.
 Q4_F16_ASM: tl.constexpr = tl.constexpr("""{
 .reg .b32 s, w, lo, hi, k;
 and.b32 s, $3, 0xff;
@@ -214,15 +197,6 @@ def _q4_times_f16(raw, shift, scale):
     times `scale` (float16), in float16, four a step; the arguments broadcast to one shape."""
     return tl.inline_asm_elementwise(
         Q4_F16_ASM, "=r,=r,r,r,r,r", [raw, shift, scale], dtype=tl.float16, is_pure=True, pack=4
-    )
-
-
-@triton.jit
-def q8_times_f16(codes, scale):
-    """codes (int8) times scale (float16, broadcast to the codes' shape) in float16, four a step."""
-    scale = tl.broadcast_to(scale, codes.shape)
-    return tl.inline_asm_elementwise(
-        Q8_F16_ASM, "=r,=r,r,r,r", [codes, scale], dtype=tl.float16, is_pure=True, pack=4
     )
 
 

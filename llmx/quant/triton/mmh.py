@@ -27,8 +27,7 @@ sums in float32. The interpreter, which cannot run PTX, takes float32 for the sa
 import triton
 import triton.language as tl
 
-from llmx.kernels.cache_rows import q8_times_f16
-from llmx.quant.triton.bits import code_f32, f16, half_f32, lane
+from llmx.quant.triton.bits import code_f32, f16, half_f32, lane, q8_times_f16
 from llmx.quant.triton.dot8 import pick_weight
 from llmx.quant.triton.kquants import paired_scale_min
 from llmx.quant.triton.mmq import finish_tile, row_words
