@@ -274,19 +274,19 @@ def mmq_tile(monkeypatch: pytest.MonkeyPatch, tile: str) -> None:
     monkeypatch.setattr(tops, "for_device", lambda device: dataclasses.replace(TUNED, mmq_shapes=tile_of))
 
 
-@pytest.mark.parametrize("m", [16, 17, 40])
+@pytest.mark.parametrize("m", [16, 17, 40, 70])
 @pytest.mark.parametrize("name", DOT8_TYPES)
-def test_mmq(name: str, m: int) -> None:
-    # the tuned tile: M rounded up to 16 or 32 rows of x a program, 40 in a second program of the
-    # tile (17 and 40 leave rows that repeat row M - 1, unstored; 64, two whole programs, adds nothing
-    # the interpreter would see); N = 140 a whole tile of 128 weight rows and a partial one; Q8_0's
-    # 56 blocks leave a partial step of 8 (its blocks past the row count 0), the K-quants' rows 4
-    # super-blocks
-    k = 56 * 32 if name == "Q8_0" else 1024
+@pytest.mark.parametrize("kernel", ["mmq", "mmh"])
+def test_tensor_core_gemms(kernel: str, name: str, m: int) -> None:
+    # the tuned tiles: M rounded up to 16, 32 (or mmh's 64) rows of x a program (17 and 40 leave rows
+    # that repeat row M - 1, unstored), 70 in a further program of the tile; N = 140 a whole tile of
+    # 128 weight rows and a partial one; Q8_0's 58 blocks leave a partial step of 8 (its blocks past
+    # the row count 0), the K-quants' rows 4 super-blocks
+    k = 58 * 32 if name == "Q8_0" else 1024
     w, ref = random_weight(name, 140, k, seed=130 + m)
     w = laid_out(w, name, "prepared")
-    assert tops.kernel_for(w, m, "mmq") == "mmq"
-    check_linear(w, ref, m, torch.float32, seed=m, kernel="mmq")
+    assert tops.kernel_for(w, m, kernel) == kernel
+    check_linear(w, ref, m, torch.float32, seed=m, kernel=kernel)
 
 
 @pytest.mark.parametrize("name", DOT8_TYPES)
@@ -325,12 +325,14 @@ def test_mmq_splits() -> None:
 
 
 @pytest.mark.parametrize("name", DOT8_TYPES)
-def test_mmq_compiles_for_hopper_without_spills(name: str) -> None:
+@pytest.mark.parametrize("kernel", ["mmq", "mmh"])
+def test_tensor_core_gemms_compile_for_hopper_without_spills(kernel: str, name: str) -> None:
     # bench/ptx_gemv.py compiles the kernel for sm_90 at the type's tuned tile and each BM a launch
-    # takes (its own process, as below): int8 tensor-core instructions, no registers spilled
-    bms = [bm for bm in (16, 32, 64) if bm <= TUNED.mmq(name).bm]
+    # takes (its own process, as below): tensor-core instructions, no registers spilled
+    tile = TUNED.mmh(name) if kernel == "mmh" else TUNED.mmq(name)
+    bms = [bm for bm in (16, 32, 64) if bm <= tile.bm]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tool = [sys.executable, "bench/ptx_gemv.py", "--types", name, "--mmq", ",".join(map(str, bms))]
+    tool = [sys.executable, "bench/ptx_gemv.py", "--types", name, f"--{kernel}", ",".join(map(str, bms))]
     out = subprocess.run(tool, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     rows = [
@@ -346,20 +348,6 @@ def mmh_tile(monkeypatch: pytest.MonkeyPatch, tile: str) -> None:
     """Runs "mmh" at `tile` (BM/BN/BK/warps/stages) for every type instead of the tuned one."""
     tile_of = {name: tuning.GemmConfig.parse(tile) for name in DOT8_TYPES}
     monkeypatch.setattr(tops, "for_device", lambda device: dataclasses.replace(TUNED, mmh_shapes=tile_of))
-
-
-@pytest.mark.parametrize("m", [16, 17, 40, 70])
-@pytest.mark.parametrize("name", DOT8_TYPES)
-def test_mmh(name: str, m: int) -> None:
-    # the tuned tile: M rounded up to 16, 32 or 64 rows of x a program (17 and 40 leave rows that
-    # repeat row M - 1, unstored), 70 in a second program of the tile; N = 140 a whole tile of 128
-    # weight rows and a partial one; Q8_0's 58 blocks leave a partial step of 8 (its blocks past the
-    # row count 0), the K-quants' rows 4 super-blocks
-    k = 58 * 32 if name == "Q8_0" else 1024
-    w, ref = random_weight(name, 140, k, seed=170 + m)
-    w = laid_out(w, name, "prepared")
-    assert tops.kernel_for(w, m, "mmh") == "mmh"
-    check_linear(w, ref, m, torch.float32, seed=m, kernel="mmh")
 
 
 @pytest.mark.parametrize("name", DOT8_TYPES)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from llmx.quant import QType
 from llmx.quant.reference import IQ4_LEVELS
-from llmx.quant.triton.bits import q8_times_f16
+from llmx.quant.triton.bits import nibbles_times_f16, q8_times_f16
 
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # Compiled kernels read module globals only as tl.constexpr (Triton's interpreter reads any).
@@ -158,9 +158,9 @@ def load_rows(
             elif QT == Q4_0 and tl.float16 == DOT:  # four codes at a time into two f16x2 words
                 shape: tl.constexpr = (raw.shape[0], raw.shape[1], 2, 16)
                 shift = tl.broadcast_to((4 * h).to(tl.uint8), shape)
-                values = _q4_times_f16(
-                    tl.broadcast_to(raw, shape), shift, tl.broadcast_to(scale.to(tl.float16), shape)
-                )
+                d = scale.to(tl.float16)  # (code - 8) * d as code * d - 8 d: -8 d is exact, one rounding
+                d, minus_8d = tl.broadcast_to(d, shape), tl.broadcast_to(-8.0 * d, shape)
+                values = nibbles_times_f16(tl.broadcast_to(raw, shape), shift, d, minus_8d)
             elif QT == Q4_0:
                 values = scale * (codes - 8).to(tl.float32)
             elif QT == Q5_0:
@@ -170,34 +170,6 @@ def load_rows(
                 values = scale * codes.to(tl.float32) + m[:, :, None, None]
         values = tl.reshape(values, (row_ptrs.shape[0], BLOCK_D)).to(DOT)
     return values
-
-
-# Four Q4_0 bytes' low (shift 0) or high (shift 4) nibbles times their f16 scales -> two f16x2 words, as
-# `bits.Q8_F16_ASM`: each nibble spread into a 16-bit lane under f16's exponent of 1024, 1032 subtracted
-# (code - 8, exactly), then the scale multiplied, rounded once.
-Q4_F16_ASM: tl.constexpr = tl.constexpr("""{
-.reg .b32 s, w, lo, hi, k;
-and.b32 s, $3, 0xff;
-shr.b32 w, $2, s;
-prmt.b32 lo, w, 0, 0x7170;
-prmt.b32 hi, w, 0, 0x7372;
-lop3.b32 lo, lo, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 hi, hi, 0x000f000f, 0x64006400, 0xea;
-mov.b32 k, 0x64086408;
-sub.f16x2 lo, lo, k;
-sub.f16x2 hi, hi, k;
-mul.rn.f16x2 $0, lo, $4;
-mul.rn.f16x2 $1, hi, $5;
-}""")
-
-
-@triton.jit
-def _q4_times_f16(raw, shift, scale):
-    """Q4_0's codes, nibble `shift` (0 or 4, equal in each run of four) of the bytes `raw`, minus 8,
-    times `scale` (float16), in float16, four a step; the arguments broadcast to one shape."""
-    return tl.inline_asm_elementwise(
-        Q4_F16_ASM, "=r,=r,r,r,r,r", [raw, shift, scale], dtype=tl.float16, is_pure=True, pack=4
-    )
 
 
 @triton.jit

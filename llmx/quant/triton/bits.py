@@ -163,3 +163,32 @@ def q8_times_f16(codes, scale):
     return tl.inline_asm_elementwise(
         Q8_F16_ASM, "=r,=r,r,r,r", [codes, scale], dtype=tl.float16, is_pure=True, pack=4
     )
+
+
+# Four bytes' nibbles (shift 0: low, 4: high) times their f16 scales plus their f16 offsets -> two f16x2
+# words: each nibble spread into a 16-bit lane under f16's exponent of 1024 (0x640X is 1024 + X,
+# exactly), 1024 subtracted (the code, exactly), then code * scale + offset rounded once.
+NIBBLE_F16_ASM: tl.constexpr = tl.constexpr("""{
+.reg .b32 s, w, lo, hi, k;
+and.b32 s, $3, 0xff;
+shr.b32 w, $2, s;
+prmt.b32 lo, w, 0, 0x7170;
+prmt.b32 hi, w, 0, 0x7372;
+lop3.b32 lo, lo, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 hi, hi, 0x000f000f, 0x64006400, 0xea;
+mov.b32 k, 0x64006400;
+sub.f16x2 lo, lo, k;
+sub.f16x2 hi, hi, k;
+fma.rn.f16x2 $0, lo, $4, $6;
+fma.rn.f16x2 $1, hi, $5, $7;
+}""")
+
+
+@triton.jit
+def nibbles_times_f16(raw, shift, scale, offset):
+    """The nibbles at `shift` (uint8, 0 or 4, equal in each run of four) of the bytes `raw` times
+    `scale` plus `offset` (float16), in float16, four a step; the arguments of one shape."""
+    args = [raw, shift, scale, offset]
+    return tl.inline_asm_elementwise(
+        NIBBLE_F16_ASM, "=r,=r,r,r,r,r,r,r", args, dtype=tl.float16, is_pure=True, pack=4
+    )

@@ -27,28 +27,9 @@ sums in float32. The interpreter, which cannot run PTX, takes float32 for the sa
 import triton
 import triton.language as tl
 
-from llmx.quant.triton.bits import code_f32, f16, half_f32, lane, q8_times_f16
-from llmx.quant.triton.dot8 import pick_weight
+from llmx.quant.triton.bits import code_f32, f16, half_f32, lane, nibbles_times_f16, q8_times_f16
 from llmx.quant.triton.kquants import paired_scale_min
-from llmx.quant.triton.mmq import finish_tile, row_words
-
-# Four bytes' nibbles (shift 0: low, 4: high) times their f16 scales plus their f16 offsets -> two
-# f16x2 words: each nibble spread into a 16-bit lane under f16's exponent of 1024 (0x640X is 1024 + X,
-# exactly), 1024 subtracted (the code, exactly), then code * scale + offset rounded once.
-NIBBLE_F16_ASM: tl.constexpr = tl.constexpr("""{
-.reg .b32 s, w, lo, hi, k;
-and.b32 s, $3, 0xff;
-shr.b32 w, $2, s;
-prmt.b32 lo, w, 0, 0x7170;
-prmt.b32 hi, w, 0, 0x7372;
-lop3.b32 lo, lo, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 hi, hi, 0x000f000f, 0x64006400, 0xea;
-mov.b32 k, 0x64006400;
-sub.f16x2 lo, lo, k;
-sub.f16x2 hi, hi, k;
-fma.rn.f16x2 $0, lo, $4, $6;
-fma.rn.f16x2 $1, hi, $5, $7;
-}""")
+from llmx.quant.triton.mmq import finish_tile, program_tile, row_words
 
 # Four Q6_K codes from their ql bytes (4 bits from shift $4) and qh bytes (2 bits from shift $5),
 # minus 32, times their f16 scales -> two f16x2 words: the 6-bit codes joined a word at a time, placed
@@ -79,10 +60,7 @@ def _nibbles_f16(codes, shift: tl.constexpr, a, b, ASM: tl.constexpr):
     to the codes' shape (each rounded to f16 first)."""
     a, b = tl.broadcast_to(a.to(tl.float16), codes.shape), tl.broadcast_to(b.to(tl.float16), codes.shape)
     if ASM:
-        at = tl.full(codes.shape, shift, tl.uint8)
-        w = tl.inline_asm_elementwise(
-            NIBBLE_F16_ASM, "=r,=r,r,r,r,r,r,r", [codes, at, a, b], dtype=tl.float16, is_pure=True, pack=4
-        )
+        w = nibbles_times_f16(codes, tl.full(codes.shape, shift, tl.uint8), a, b)
     else:
         q = code_f32((codes.to(tl.int32) >> shift) & 15, 0)
         w = (q * a.to(tl.float32) + b.to(tl.float32)).to(tl.float16)
@@ -195,14 +173,9 @@ def mmh_kernel(
     into [-1, 1] and their float32 scales xs [M] (`half_rows`), 256 weights a row a step. Outputs are
     [M, N_i] row-major; rows of W are `row_bytes` apart. NW, RES, the programs' order and the split
     over K (`splits` ranges of `split_steps` steps) as in `mmq.mmq_kernel`."""
-    pid = tl.program_id(0)
-    split = (pid // m_tiles) % splits
-    tile = pid // (m_tiles * splits)
-    w_ptr, out_ptr, N, first = pick_weight(tile, w0, o0, n0, w1, o1, n1, w2, o2, n2, BN, NW)
-    rn = (tile - first) * BN + tl.arange(0, BN)
-    row = tl.minimum(rn, N - 1).to(tl.int64) * row_bytes
-    rm = (pid % m_tiles) * BM + tl.arange(0, BM)
-    x_m = tl.minimum(rm, M - 1)
+    split, out_tile, w_ptr, out_ptr, N, rn, row, rm, x_m = program_tile(
+        m_tiles, splits, w0, o0, n0, w1, o1, n1, w2, o2, n2, M, row_bytes, BN, BM, NW
+    )
     x_row = x_m.to(tl.int64) * K
     n_units = K // 32 if QT == "Q8_0" else K // 256
     steps = tl.cdiv(K, 256)
@@ -216,7 +189,4 @@ def mmh_kernel(
             tl.static_assert(QT == "Q8_0", "no half-precision tensor-core GEMM for this GGML type")
             acc = _q8_0(acc, w_ptr, row, xh_ptr, x_row, s, n_units, K, ASM)
     acc *= tl.load(xs_ptr + x_m)[None, :]
-    ok = (rn < N)[:, None] & (rm < M)[None, :]
-    off = rm.to(tl.int64)[None, :] * N + rn[:, None]
-    out_tile = tile * m_tiles + pid % m_tiles
-    finish_tile(acc, split, splits, out_tile, part_ptr, count_ptr, out_ptr, r_ptr, off, ok, RES)
+    finish_tile(acc, rn, rm, N, M, split, splits, out_tile, part_ptr, count_ptr, out_ptr, r_ptr, RES)

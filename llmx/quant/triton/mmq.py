@@ -161,14 +161,9 @@ def mmq_kernel(
     Split over K: with `splits` > 1 each output tile's K is cut into `splits` ranges of `split_steps`
     steps, one program each (program p: range (p // m_tiles) % splits), so that a launch of few tiles
     still fills the GPU; `finish_tile` joins them."""
-    pid = tl.program_id(0)
-    split = (pid // m_tiles) % splits
-    tile = pid // (m_tiles * splits)
-    w_ptr, out_ptr, N, first = pick_weight(tile, w0, o0, n0, w1, o1, n1, w2, o2, n2, BN, NW)
-    rn = (tile - first) * BN + tl.arange(0, BN)
-    row = tl.minimum(rn, N - 1).to(tl.int64) * row_bytes
-    rm = (pid % m_tiles) * BM + tl.arange(0, BM)
-    x_m = tl.minimum(rm, M - 1)
+    split, out_tile, w_ptr, out_ptr, N, rn, row, rm, x_m = program_tile(
+        m_tiles, splits, w0, o0, n0, w1, o1, n1, w2, o2, n2, M, row_bytes, BN, BM, NW
+    )
     x_row = x_m * K
     n_units = K // 32 if QT == "Q8_0" else K // 256
     acc = tl.zeros([BN, BM], tl.float32)
@@ -182,21 +177,39 @@ def mmq_kernel(
             else:
                 tl.static_assert(QT == "Q6_K", "no integer tensor-core GEMM for this GGML type")
                 acc = _q6_k(acc, w_ptr, row, xq_ptr, x_row, x_m, dx_ptr, u0 + s, n_units, K)
-    ok = (rn < N)[:, None] & (rm < M)[None, :]
-    off = rm.to(tl.int64)[None, :] * N + rn[:, None]
-    out_tile = tile * m_tiles + pid % m_tiles
-    finish_tile(acc, split, splits, out_tile, part_ptr, count_ptr, out_ptr, r_ptr, off, ok, RES)
+    finish_tile(acc, rn, rm, N, M, split, splits, out_tile, part_ptr, count_ptr, out_ptr, r_ptr, RES)
+
+
+@triton.jit
+def program_tile(
+    m_tiles, splits, w0, o0, n0, w1, o1, n1, w2, o2, n2, M, row_bytes,
+    BN: tl.constexpr, BM: tl.constexpr, NW: tl.constexpr,
+):  # fmt: skip
+    """What this program of a tensor-core GEMM launch computes, in `mmq_kernel`'s order of programs:
+    its range of K (split), its output tile (for `finish_tile`), its weight's rows, output and row
+    count (`pick_weight`), the indices rn [BN] of its weight rows and their byte offsets (rows past N
+    repeat row N - 1), the indices rm [BM] of its rows of x and those clamped to M - 1."""
+    pid = tl.program_id(0)
+    split = (pid // m_tiles) % splits
+    tile = pid // (m_tiles * splits)
+    w_ptr, out_ptr, N, first = pick_weight(tile, w0, o0, n0, w1, o1, n1, w2, o2, n2, BN, NW)
+    rn = (tile - first) * BN + tl.arange(0, BN)
+    row = tl.minimum(rn, N - 1).to(tl.int64) * row_bytes
+    rm = (pid % m_tiles) * BM + tl.arange(0, BM)
+    return split, tile * m_tiles + pid % m_tiles, w_ptr, out_ptr, N, rn, row, rm, tl.minimum(rm, M - 1)
 
 
 @triton.jit
 def finish_tile(
-    acc, split, splits, out_tile, part_ptr, count_ptr, out_ptr, r_ptr, off, ok, RES: tl.constexpr
+    acc, rn, rm, N, M, split, splits, out_tile, part_ptr, count_ptr, out_ptr, r_ptr, RES: tl.constexpr
 ):
-    """Stores output tile `out_tile`'s sums acc [BN, BM] (at `off` where `ok`), or with `splits` > 1
-    K-range `split`'s share of them: each range writes its float32 sums to `part_ptr` (splits x BN x
-    BM a tile) and counts itself in the tile's `count_ptr` word; the last to arrive adds the ranges'
-    sums in the order of K (the same result whichever program ends last), stores the output and sets
-    the count back to 0 for the next launch."""
+    """Stores output tile `out_tile`'s sums acc [BN, BM] of weight rows rn by rows of x rm (those
+    below N and M), or with `splits` > 1 K-range `split`'s share of them: each range writes its
+    float32 sums to `part_ptr` (splits x BN x BM a tile) and counts itself in the tile's `count_ptr`
+    word; the last to arrive adds the ranges' sums in the order of K (the same result whichever
+    program ends last), stores the output and sets the count back to 0 for the next launch."""
+    ok = (rn < N)[:, None] & (rm < M)[None, :]
+    off = rm.to(tl.int64)[None, :] * N + rn[:, None]
     if splits > 1:
         BN: tl.constexpr = acc.shape[0]
         BM: tl.constexpr = acc.shape[1]
