@@ -61,20 +61,23 @@ def test_a_forced_gpu_kernel_takes_every_batch_size_it_reads(monkeypatch) -> Non
 
 
 def test_the_integer_dot_kernels_take_the_rows_they_read() -> None:
-    """Q4_K, Q6_K and Q8_0 rows in WORDS layout: "dot8" at M <= DOT8_MAX_M, "dot8_rows" from
-    ROWS8_MIN_M to ROWS8_MAX_M, "mmq" in its type's MMQ_M range, the float kernels' table around them
-    and for other types and layouts; each limit closes a bucket, so a weight's kept kernels follow the
-    table whatever the limits are."""
+    """Q4_K, Q6_K and Q8_0 rows in WORDS layout: "dot8" at M <= DOT8_MAX_M, "mmh" in its type's MMH_M
+    range, "dot8_rows" from ROWS8_MIN_M to ROWS8_MAX_M, "mmq" in its type's MMQ_M range, the float
+    kernels' table around them and for other types and layouts; each limit closes a bucket, so a
+    weight's kept kernels follow the table whatever the limits are."""
     lo, hi = choice.ROWS8_MIN_M, choice.ROWS8_MAX_M
     assert {choice.DOT8_MAX_M, lo - 1, hi} - {0} <= set(choice.BUCKET_TOPS)
     for name in choice.DOT8_TYPES:
         qt = qtype(name)
         mmq_low, mmq_high = choice.MMQ_M.get(name, (0, -1))
+        mmh_low, mmh_high = choice.MMH_M.get(name, (0, -1))
         for m in ALL_M:
             words = choice.choose(qt, "cuda", choice.WORDS, m)
             split = choice.choose(qt, "cuda", choice.SPLIT, m)
             if m <= choice.DOT8_MAX_M:  # M = 0 too: the first bucket
                 assert words == "dot8", m
+            elif mmh_low <= m <= mmh_high:
+                assert words == "mmh", m
             elif lo <= m <= hi:
                 assert words == "dot8_rows", m
             elif mmq_low <= m <= mmq_high:
@@ -90,31 +93,38 @@ def test_the_integer_dot_kernels_take_the_rows_they_read() -> None:
     assert choice.choose(q4k, "cuda", choice.WORDS, hi, "emulated") == "emulated"
 
 
-def test_mmq_takes_its_measured_rows(monkeypatch) -> None:
-    """The integer tensor-core GEMM takes the rows of x MMQ_M gives its type (Q4_K at 16-32: below them
-    "dot8_rows", above "dequant"), other types never by themselves; LLMX_GPU_KERNEL=mmq forces it at
-    every M on the rows it reads, and weights it cannot read keep the table's kernel (the float GEMV,
-    which a forced "dot8" falls back to, takes at most GEMV_MAX_M rows)."""
+@pytest.mark.parametrize(
+    ("kernel", "name", "below", "above"),
+    [("mmq", "Q8_0", "dot8_rows", "dequant"), ("mmh", "Q4_K", "dot8_rows", "dequant")],
+)
+def test_the_tensor_core_gemms_take_their_measured_rows(
+    kernel: str, name: str, below: str, above: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each tensor-core GEMM takes the rows of x its table (MMQ_M, MMH_M) gives a type (below them
+    `below`, above `above`), other types never by themselves; LLMX_GPU_KERNEL forces it at every M on
+    the rows it reads, and weights it cannot read keep the table's kernel (the float GEMV, which a
+    forced "dot8" falls back to, takes at most GEMV_MAX_M rows)."""
     from llmx import settings
 
-    q4k = qtype("Q4_K")
-    low, high = choice.MMQ_M["Q4_K"]
-    assert [choice.choose(q4k, "cuda", choice.WORDS, m) for m in (low - 1, low, high, high + 1)] == [
-        "dot8_rows",
-        "mmq",
-        "mmq",
-        "dequant",
-    ]
-    for name in choice.DOT8_TYPES:
+    table = choice.MMQ_M if kernel == "mmq" else choice.MMH_M
+    qt = qtype(name)
+    low, high = table[name]
+    taken = [choice.choose(qt, "cuda", choice.WORDS, m) for m in (low - 1, low, high, high + 1)]
+    assert taken == [below, kernel, kernel, above]
+    for other in choice.DOT8_TYPES:
         for layout in (choice.GGUF, choice.SPLIT, choice.WORDS):
-            taken = "mmq" in choice.kernels(qtype(name), "cuda", layout)
-            assert taken == (name in choice.MMQ_M and layout == choice.WORDS), (name, layout)
-        assert choice.kernels(qtype(name), "cuda", choice.WORDS, "mmq") == ("mmq",) * (choice.LAST_BUCKET + 1)
-    for name, layout in (("Q4_K", choice.SPLIT), ("Q4_K", choice.GGUF), ("Q5_K", choice.WORDS)):
-        qt = qtype(name)
-        assert choice.kernels(qt, "cuda", layout, "mmq") == choice.kernels(qt, "cuda", layout), (name, layout)
-    monkeypatch.setenv("LLMX_GPU_KERNEL", "mmq")
-    assert settings.gpu_kernel() == "mmq"
+            chosen = kernel in choice.kernels(qtype(other), "cuda", layout)
+            assert chosen == (other in table and layout == choice.WORDS), (other, layout)
+        forced = choice.kernels(qtype(other), "cuda", choice.WORDS, kernel)
+        assert forced == (kernel,) * (choice.LAST_BUCKET + 1)
+    for other, layout in (("Q4_K", choice.SPLIT), ("Q4_K", choice.GGUF), ("Q5_K", choice.WORDS)):
+        qt = qtype(other)
+        assert choice.kernels(qt, "cuda", layout, kernel) == choice.kernels(qt, "cuda", layout), (
+            other,
+            layout,
+        )
+    monkeypatch.setenv("LLMX_GPU_KERNEL", kernel)
+    assert settings.gpu_kernel() == kernel
 
 
 def test_a_weight_keeps_its_choice_and_follows_its_bytes(monkeypatch) -> None:
@@ -144,8 +154,8 @@ def test_every_gpu_kind_has_valid_shapes() -> None:
         assert t.gemm and t.dequantize.bn > 0
         for name in choice.DOT8_TYPES:
             assert t.dot8_rows(name).bk % qtype(name).block_elems == 0
-            tile = t.mmq(name)  # whole blocks a step; BM a power of two that tl.dot takes
-            assert tile.bk % qtype(name).block_elems == 0 and tile.bm in (16, 32, 64) and tile.bn >= 16
+            for tile in (t.mmq(name), t.mmh(name)):  # whole blocks a step; BM a power of two tl.dot takes
+                assert tile.bk % qtype(name).block_elems == 0 and tile.bm in (16, 32, 64) and tile.bn >= 16
         assert t.dot8_rows("Q5_K") == t.dot8_rows_shapes["any"]
         for summed in (False, True):  # the grouped expert GEMV's, for the rows of a decode step's experts
             for name in choice.DOT8_TYPES:

@@ -12,12 +12,13 @@ GPU kernels (`llmx.quant.triton.matmul`):
 - "dot8_rows": ROWS8_MIN_M <= M <= ROWS8_MAX_M, the same types and layout: "dot8" for several rows
   of x, each weight block read once for up to `matmul.ROWS8_BM` of them (llama.cpp's mmvq; a
   batched decode step), any M where forced;
-- "mmq": the rows of x MMQ_M gives a type (Q4_K, Q8_0: 16-32), any M where forced, the same types and
+- "mmq": the rows of x MMQ_M gives a type (Q8_0: 16-32), any M where forced, the same types and
   layout: x quantized to int8, then tiles of rows of x by weight rows on the int8 tensor cores
   (llama.cpp's mmq), K split where the tiles alone leave SMs idle; weights it cannot read take the
   table's kernel (the float GEMV, which "dot8" falls back to, takes at most GEMV_MAX_M rows);
-- "mmh": the same types and layout, any M where forced: tiles of weight rows dequantized to f16 in
-  registers (scales folded in) by rows of x scaled into f16, on the half-precision tensor cores;
+- "mmh": the rows of x MMH_M gives a type (Q4_K: 8-64; before "dot8_rows" and "mmq"), any M where
+  forced, the same types and layout: tiles of weight rows dequantized to f16 in registers (scales
+  folded in) by rows of x scaled into f16, on the half-precision tensor cores;
 - "gemv": M <= FLOAT_GEMV_MAX_M (IQ4 types: GEMV_MAX_M), fp32 FMAs on the unpacked codes; its time
   grows with M;
 - "gemm": M < DEQUANT_MIN_M, tiles dequantized in registers for tl.dot, time flat in M up to its
@@ -75,7 +76,17 @@ DEQUANT_MIN_M = 16  # from here "dequant" beats "gemm" (bench/kernels.py)
 # whose faster HBM brings "dequant" level with mmq for Q4_K at 16-32 rows (74.7-86.1 us against
 # 77.2-81.9), Q8_0 at 16 / 32 rows: 78.0 / 82.0 us against "dequant"'s 91.2 / 90.3 and "dot8_rows"'
 # 100.8 / 192.7 (14336x4096); from 48 rows mmq loses for both types (106-160 against 87-117).
-MMQ_M = {"Q4_K": (16, 32), "Q8_0": (16, 32)}
+# Q4_K's rows go to "mmh" at 8-64 rows (below): that range of mmq's is superseded.
+MMQ_M = {"Q8_0": (16, 32)}
+# "mmh"'s range of M, by type. H100, bench/kernels.py on Llama-3-8B's FFN matrices (14336x4096,
+# 4096x14336), us, Q4_K at 8 / 16 / 32 / 64 rows: 46.1-40.2 / 51.8-47.2 / 54.5-52.4 / 62.1-58.1
+# against "dot8_rows"' 57.8-65.5 at 8, mmq's 83.9-81.4 / 83.3-81.2 / 135.3-159.8 and "dequant"'s
+# 83.1-188.8 / 86.5-86.0 / 112.3-115.9 from 16; a batched decode step of synthetic Llama-3-8B Q4_K_M
+# with every weight forced onto it (bench/batch_step.py): 8 / 16 / 32 / 64 sequences 7.2 / 7.2 / 8.7 /
+# 10.8 ms against the table's 9.3 / 10.1 / 12.4 / 17.4 (raw bench/results/h100-20261207-s41-mmh.txt).
+# Q6_K's and Q8_0's rows stay where they were: Q6_K's tiles are not yet checked on a GPU since they
+# were fixed (s41), and for Q8_0 mmh is level with mmq at 16-32 rows.
+MMH_M = {"Q4_K": (8, 64)}
 MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a GPU
 MOE_KERNELS = ("dot8", "gemv", "gemm")  # the grouped expert kernels (`moe`'s answers)
 # tokens whose router logits join the top-k's launch on a GPU (`kernels.router.route_tokens`), each
@@ -96,7 +107,7 @@ _LIMITS = (
     NATIVE_MAX_ROWS,
     ROWS8_MIN_M - 1,
     ROWS8_MAX_M,
-    *(limit for low, high in MMQ_M.values() for limit in (low - 1, high)),
+    *(limit for low, high in (*MMQ_M.values(), *MMH_M.values()) for limit in (low - 1, high)),
 )
 BUCKET_TOPS = tuple(sorted(set(_LIMITS) - {0}))
 # the bucket of each M up to the last top (M = 0: the first); larger M are in LAST_BUCKET
@@ -177,6 +188,9 @@ def _int8_readable(names: tuple[str, ...], layout: str) -> bool:
 def _gpu_table(name: str, readable: bool, m: int) -> str:
     if readable and m <= DOT8_MAX_M:
         return "dot8"
+    low, high = MMH_M.get(name, (0, -1))
+    if readable and low <= m <= high:
+        return "mmh"
     if readable and ROWS8_MIN_M <= m <= ROWS8_MAX_M:
         return "dot8_rows"
     low, high = MMQ_M.get(name, (0, -1))

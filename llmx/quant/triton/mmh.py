@@ -3,7 +3,8 @@ each weight block dequantized to f16 in registers, its scales folded in as it is
 with x scaled into f16 rows (`activation.half_rows`), float32 sums.
 
 "mmq" takes the int8 tensor cores a 32-weight group at a time and scales every [BN, BM] group result
-in float32: that work grows with the rows of x, and at 32 rows it outweighs the weights' bytes. Here a
+in float32: that work grows with the rows of x (a Llama-3-8B FFN matrix in Q4_K at 64 rows: 135-160 us
+on an H100, where this kernel takes 58-62, bench/RESULTS.md). Here a
 weight costs about two instructions to dequantize whatever the rows (on a GPU four codes at a time by
 inline PTX: bytes placed under f16's exponent of 1024, the offset subtracted, the group's scale and
 minimum applied as f16x2), and a step's 256 weights a row meet x in two dots of K = 128 with nothing
@@ -68,21 +69,35 @@ def _nibbles_f16(codes, shift: tl.constexpr, a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q6_f16(ql, qh, ql_shift: tl.constexpr, qh_shift, a, ASM: tl.constexpr):
-    """f16 (code - 32) * a for the Q6_K codes whose low 4 bits are ql's at `ql_shift` and high 2 bits
-    qh's at `qh_shift` (uint8, broadcast to ql's shape); a float32 (rounded to f16 first)."""
+def _q6_f16(ql, qh, QL_SHIFT: tl.constexpr, QH_SHIFT: tl.constexpr, a, ASM: tl.constexpr):
+    """f16 (code - 32) * a for the Q6_K codes whose low 4 bits are ql's at QL_SHIFT and high 2 bits
+    qh's at QH_SHIFT (uint8, one shape); a float32 (rounded to f16 first), broadcast to it. The PTX
+    takes one shift for its four codes: constant over the tile, whatever codes the compiler packs."""
     a = tl.broadcast_to(a.to(tl.float16), ql.shape)
-    qh = tl.broadcast_to(qh, ql.shape)
-    at = tl.broadcast_to(qh_shift.to(tl.uint8), ql.shape)
     if ASM:
+        low, high = tl.full(ql.shape, QL_SHIFT, tl.uint8), tl.full(ql.shape, QH_SHIFT, tl.uint8)
         w = tl.inline_asm_elementwise(
-            Q6_F16_ASM, "=r,=r,r,r,r,r,r,r", [ql, qh, tl.full(ql.shape, ql_shift, tl.uint8), at, a],
-            dtype=tl.float16, is_pure=True, pack=4,
-        )  # fmt: skip
+            Q6_F16_ASM, "=r,=r,r,r,r,r,r,r", [ql, qh, low, high, a], dtype=tl.float16, is_pure=True, pack=4
+        )
     else:
-        q = ((ql.to(tl.int32) >> ql_shift) & 15) | (((qh.to(tl.int32) >> at.to(tl.int32)) & 3) << 4)
+        q = ((ql.to(tl.int32) >> QL_SHIFT) & 15) | (((qh.to(tl.int32) >> QH_SHIFT) & 3) << 4)
         w = (code_f32(q, 32) * a.to(tl.float32)).to(tl.float16)
     return w
+
+
+@triton.jit
+def _times(acc, scale, ASM: tl.constexpr):
+    """acc * scale rounded once on its own: the GPU's compiler would otherwise fuse it with the
+    residual's add at the store into one multiply-add, whose rounding differs from the sum of the
+    output and the residual that the kernels' residual contract gives."""
+    if ASM:
+        scale = tl.broadcast_to(scale, acc.shape)
+        acc = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [acc, scale], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        acc = acc * scale
+    return acc
 
 
 @triton.jit
@@ -119,25 +134,22 @@ def _q4_k(acc, w_ptr, row, xh_ptr, x_row, u, ASM: tl.constexpr):
 @triton.jit
 def _q6_k(acc, w_ptr, row, xh_ptr, x_row, u, n_units, ASM: tl.constexpr):
     """acc plus the products of Q6_K super-block u (`_q4_k`'s arguments; n_units: the row's
-    super-blocks). Weight 128h + 32j + 16g + t (j = c + 2 high) takes the nibble `high` of ql byte
-    64h + 32c + 16g + t, bits 2j, 2j + 1 of qh byte 32h + 16g + t, and scale 8h + 2j + g: one dot a
-    value of `high`, over the tile [h, c, g, t]."""
+    super-blocks). Weight 128h + 32j + 16g + t takes the nibble j // 2 of ql byte 64h + 32 (j % 2) +
+    16g + t, bits 2j, 2j + 1 of qh byte 32h + 16g + t, and scale 8h + 2j + g: one dot of K = 64 for
+    each j, over the tile [h, g, t], whose shifts are the same for all its codes."""
     BN: tl.constexpr = row.shape[0]
-    base = (row + u * 208)[:, None, None, None, None]
-    d = f16(w_ptr, row + n_units * 208 + 2 * u)[:, None, None, None, None]
-    h = tl.arange(0, 2)[None, :, None, None, None]
-    c = tl.arange(0, 2)[None, None, :, None, None]
-    g = tl.arange(0, 2)[None, None, None, :, None]
-    t = tl.arange(0, 16)[None, None, None, None, :]
-    ql = tl.load(w_ptr + base + 64 * h + 32 * c + 16 * g + t)  # [BN, 2, 2, 2, 16]
-    qh = tl.load(w_ptr + base + 128 + 32 * h + 16 * g + t)  # [BN, 2, 1, 2, 16]
-    i = tl.arange(0, 128)
-    for high in tl.static_range(2):
-        j = c + 2 * high
-        scales = w_ptr + base + 192 + 8 * h + 2 * j + g  # [BN, 2, 2, 2, 1]
-        sc = tl.load(scales.to(tl.pointer_type(tl.int8)))
-        w = tl.reshape(_q6_f16(ql, qh, 4 * high, 2 * j, d * sc.to(tl.float32), ASM), (BN, 128))
-        acc = tl.dot(w, _x_tile(xh_ptr, x_row, u * 256 + i + 64 * (i // 64) + 64 * high), acc)
+    base = (row + u * 208)[:, None, None, None]
+    d = f16(w_ptr, row + n_units * 208 + 2 * u)[:, None, None, None]
+    h = tl.arange(0, 2)[None, :, None, None]
+    g = tl.arange(0, 2)[None, None, :, None]
+    t = tl.arange(0, 16)[None, None, None, :]
+    qh = tl.load(w_ptr + base + 128 + 32 * h + 16 * g + t)  # [BN, 2, 2, 16]
+    i = tl.arange(0, 64)
+    for j in tl.static_range(4):
+        ql = tl.load(w_ptr + base + 64 * h + 32 * (j % 2) + 16 * g + t)  # read twice: the second from L1
+        sc = tl.load((w_ptr + base + 192 + 8 * h + 2 * j + g).to(tl.pointer_type(tl.int8)))  # [BN, 2, 2, 1]
+        w = tl.reshape(_q6_f16(ql, qh, 4 * (j // 2), 2 * j, d * sc.to(tl.float32), ASM), (BN, 64))
+        acc = tl.dot(w, _x_tile(xh_ptr, x_row, u * 256 + i + 96 * (i // 32) + 32 * j), acc)
     return acc
 
 
@@ -188,5 +200,5 @@ def mmh_kernel(
         else:
             tl.static_assert(QT == "Q8_0", "no half-precision tensor-core GEMM for this GGML type")
             acc = _q8_0(acc, w_ptr, row, xh_ptr, x_row, s, n_units, K, ASM)
-    acc *= tl.load(xs_ptr + x_m)[None, :]
+    acc = _times(acc, tl.load(xs_ptr + x_m)[None, :], ASM)
     finish_tile(acc, rn, rm, N, M, split, splits, out_tile, part_ptr, count_ptr, out_ptr, r_ptr, RES)
