@@ -225,7 +225,9 @@ def print_tiles(kernel: str, types: list[str], bms: list[int], tile: str) -> Non
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, bm in itertools.product(types, bms):
         tuned = tuning.table()[tuning.TUNED]
-        cfg = GemmConfig.parse(tile) if tile else (tuned.mmh(name) if kernel == "mmh" else tuned.mmq(name))
+        cfg = (
+            GemmConfig.parse(tile) if tile else (tuned.mmh(name, bm) if kernel == "mmh" else tuned.mmq(name))
+        )
         cfg = GemmConfig(min(bm, cfg.bm), cfg.bn, cfg.bk, cfg.num_warps, cfg.num_stages)
         asm = compiled_tiles(kernel, name, cfg, cfg.bm)
         cells = (cfg, registers(asm["cubin"]), spills(asm["cubin"]), tensor_core_ops(asm["ptx"]))

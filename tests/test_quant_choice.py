@@ -154,7 +154,7 @@ def test_every_gpu_kind_has_valid_shapes() -> None:
         assert t.gemm and t.dequantize.bn > 0
         for name in choice.DOT8_TYPES:
             assert t.dot8_rows(name).bk % qtype(name).block_elems == 0
-            for tile in (t.mmq(name), t.mmh(name)):  # whole blocks a step; BM a power of two tl.dot takes
+            for tile in (t.mmq(name), *t.mmh_shapes[name]):  # whole blocks a step; BM a power of two
                 assert tile.bk % qtype(name).block_elems == 0 and tile.bm in (16, 32, 64) and tile.bn >= 16
         assert t.dot8_rows("Q5_K") == t.dot8_rows_shapes["any"]
         for summed in (False, True):  # the grouped expert GEMV's, for the rows of a decode step's experts

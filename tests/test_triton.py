@@ -329,7 +329,7 @@ def test_mmq_splits() -> None:
 def test_tensor_core_gemms_compile_for_hopper_without_spills(kernel: str, name: str) -> None:
     # bench/ptx_gemv.py compiles the kernel for sm_90 at the type's tuned tile and each BM a launch
     # takes (its own process, as below): tensor-core instructions, no registers spilled
-    tile = TUNED.mmh(name) if kernel == "mmh" else TUNED.mmq(name)
+    tile = TUNED.mmh_shapes[name][-1] if kernel == "mmh" else TUNED.mmq(name)  # the largest BM
     bms = [bm for bm in (16, 32, 64) if bm <= tile.bm]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = [sys.executable, "bench/ptx_gemv.py", "--types", name, f"--{kernel}", ",".join(map(str, bms))]
@@ -346,7 +346,7 @@ def test_tensor_core_gemms_compile_for_hopper_without_spills(kernel: str, name: 
 
 def mmh_tile(monkeypatch: pytest.MonkeyPatch, tile: str) -> None:
     """Runs "mmh" at `tile` (BM/BN/BK/warps/stages) for every type instead of the tuned one."""
-    tile_of = {name: tuning.GemmConfig.parse(tile) for name in DOT8_TYPES}
+    tile_of = {name: (tuning.GemmConfig.parse(tile),) for name in DOT8_TYPES}
     monkeypatch.setattr(tops, "for_device", lambda device: dataclasses.replace(TUNED, mmh_shapes=tile_of))
 
 

@@ -266,7 +266,7 @@ def _mmh(
     else the tuned one for the weights' type (`_tiles`)."""
     xh, scale = half
     qt, k = ws[0].qtype, ws[0].shape[1]
-    cfg = cfg or for_device(ws[0].raw.device).mmh(qt.name)
+    cfg = cfg or for_device(ws[0].raw.device).mmh(qt.name, tile_rows(xh.shape[0]))
     steps = cdiv(k, MMH_STEP)
     _tiles(mmh().mmh_kernel, (xh, scale), ws, outs, residual, cfg, steps, QT=qt.name, ASM=not interpreting())
 
@@ -289,7 +289,7 @@ def _tiles(
     m = x_args[0].shape[0]
     raws = [rows(w)[0] for w in ws]
     k, device = ws[0].shape[1], raws[0].device
-    bm = min(cfg.bm, max(MMQ_MIN_BM, 1 << (m - 1).bit_length()))
+    bm = min(cfg.bm, tile_rows(m))
     m_tiles = cdiv(m, bm)
     tiles = sum(cdiv(w.shape[0], cfg.bn) for w in ws)
     splits, split_steps = mmq_splits(tiles * m_tiles, steps, sm_count(device, INTERPRETED_SMS))
@@ -306,6 +306,12 @@ def _tiles(
         BM=bm, BN=cfg.bn, NW=len(ws), RES=residual is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **constexprs,
     )  # fmt: skip
+
+
+def tile_rows(m: int) -> int:
+    """The rows of x a tensor-core GEMM's program takes for M = m, before its tile's limit: m rounded up
+    to a power of two, at least MMQ_MIN_BM (tl.dot's least side)."""
+    return max(MMQ_MIN_BM, 1 << (m - 1).bit_length())
 
 
 def mmq_splits(programs: int, steps: int, sms: int) -> tuple[int, int]:

@@ -17,8 +17,11 @@ An entry holds, per kernel:
   most rows of x a program takes (fewer where M is smaller), BN weight rows, BK weights a loop step;
   the largest BM that compiles for sm_90 without spills on Triton 3.6 and 3.9 (`bench/ptx_gemv.py
   --mmq`; Q4_K and Q8_0 at 64 spill on 3.6), a launch's BM being M rounded up from 16 to it;
-- `mmh`: the half-precision tensor-core GEMM's tile per type (`mmh.py`), in `mmq`'s form (BK is
-  fixed: a step is 256 weights), its BM likewise the most rows of x a program takes;
+- `mmh`: the half-precision tensor-core GEMM's tiles per type (`mmh.py`), in `mmq`'s form (BK is
+  fixed: a step is 256 weights), by BM: a launch takes the first tile whose BM holds its rows of x
+  (M rounded up from 16 to a power of two), else the last (an H100's `bench/kernels.py --tile-sweep`:
+  Q4_K at 16 rows 39.6-45.2 us on 64 weight rows and 4 warps against 46.0-50.7 on 128 and 8, at 64
+  rows 57.9-60.7 on 128 and 8 against 63.0-69.9);
 - `gemm`: the GEMM autotuner's candidates (`autotune.py`);
 - `moe_gemm`: the grouped expert GEMM's tile (`moe.py`), whose BM is also the block its pairs are
   sorted into (`bench/moe_kernels.py --sweep` times candidates and prints the line to put here).
@@ -117,7 +120,7 @@ class Tuning:
     dot8_rows_shapes: dict[str, LaunchShape]
     long_row: int
     mmq_shapes: dict[str, GemmConfig]
-    mmh_shapes: dict[str, GemmConfig]
+    mmh_shapes: dict[str, tuple[GemmConfig, ...]]
     gemm: tuple[GemmConfig, ...]
     moe_gemm: GemmConfig
     moe_dot8_shapes: dict[str, LaunchShape]
@@ -154,9 +157,11 @@ class Tuning:
         """The integer tensor-core GEMM's tile for rows of type `name`."""
         return self.mmq_shapes[name]
 
-    def mmh(self, name: str) -> GemmConfig:
-        """The half-precision tensor-core GEMM's tile for rows of type `name`."""
-        return self.mmh_shapes[name]
+    def mmh(self, name: str, bm: int = 64) -> GemmConfig:
+        """The half-precision tensor-core GEMM's tile for rows of type `name` and launches of `bm`
+        rows of x a program (at most)."""
+        tiles = self.mmh_shapes[name]
+        return next((t for t in tiles if t.bm >= bm), tiles[-1])
 
 
 def _shapes(entry: dict[str, str]) -> dict[str, LaunchShape]:
@@ -183,7 +188,7 @@ def table() -> dict[str, Tuning]:
             dot8_rows_shapes=_shapes(e["dot8_rows"]),
             long_row=int(e["long_row"]),
             mmq_shapes={name: GemmConfig.parse(text) for name, text in e["mmq"].items()},
-            mmh_shapes={name: GemmConfig.parse(text) for name, text in e["mmh"].items()},
+            mmh_shapes={name: tuple(map(GemmConfig.parse, tiles)) for name, tiles in e["mmh"].items()},
             gemm=tuple(GemmConfig.parse(c) for c in e["gemm"]),
             moe_gemm=GemmConfig.parse(e["moe_gemm"]),
             moe_dot8_shapes=_shapes(e["moe_dot8"]),
