@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import numpy as np
 import torch
@@ -106,7 +106,7 @@ class BatchKV:
             rows_in_pool = layout.prompt_rows(eager, q.device)
             out = prompts.store_attend(q, k, v, rows_in_pool, window, scale, softcap)
         else:
-            starts = [0, *torch.tensor([len(layout.chunks[j].ids) for j in eager]).cumsum(0).tolist()]
+            starts = [0, *accumulate(len(layout.chunks[j].ids) for j in eager)]
             out = torch.cat([
                 self._attend_alone(j, q[a:b], k[a:b], v[a:b], window, scale, softcap)
                 for j, (a, b) in zip(eager, pairwise(starts), strict=True)

@@ -111,10 +111,7 @@ def run(
         m, n = x2.shape[0], w.shape[0]
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         res = None if residual is None else residual.reshape(m, n).contiguous()
-        if choice == "mmh":
-            _mmh(half or half_rows(x2), [w], [out], res)
-        else:
-            _int8(choice, qx or PENDING.quantized(x) or quantize_x(x2), [w], [out], gemv, res)
+        _shared_launch(choice, x, x2, [w], [out], qx, half, gemv, res)
         return out.reshape(*x.shape[:-1], n)
     y = _matmul(x2, w, choice, gemv, half).reshape(*x.shape[:-1], w.shape[0])
     return y if residual is None else y.add_(residual)
@@ -199,15 +196,37 @@ def run_many(
     for (kernel, _, _), members in groups.items():
         for part in (members[j : j + DOT8_MAX_WEIGHTS] for j in range(0, len(members), DOT8_MAX_WEIGHTS)):
             ys = [torch.empty((m, ws[i].shape[0]), dtype=x.dtype, device=x.device) for i in part]
-            if kernel == "mmh":
-                assert half is not None
-                _mmh(half, [ws[i] for i in part], ys, None)
-            else:
-                assert qx is not None
-                _int8(kernel, qx, [ws[i] for i in part], ys, None)
+            _shared_launch(kernel, x, x2, [ws[i] for i in part], ys, qx, half)
             for i, y in zip(part, ys, strict=True):
                 outs[i] = y.reshape(*x.shape[:-1], ws[i].shape[0])
     return [outs[i] for i in range(len(ws))]
+
+
+def _shared_launch(
+    kernel: str,
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    ws: list[Blocks],
+    outs: list[torch.Tensor],
+    qx: QuantizedX | None,
+    half: HalfX | None,
+    gemv: LaunchShape | None = None,
+    residual: torch.Tensor | None = None,
+) -> None:
+    """outs[i] [M, N_i] = x @ ws[i].T by `kernel` (one of SHARED_KERNELS), one launch for all (up to
+    DOT8_MAX_WEIGHTS of one type and row width); with one weight, plus `residual` [M, N_0]. x2 goes in
+    the form the kernel reads: `half` (`half_rows`) for "mmh", else int8 (`qx`, or the latest
+    producer's quantized x, or x quantized now). `gemv`: the integer-dot GEMVs' launch shape, else the
+    tuned one (the tensor-core GEMMs take their tuned tiles)."""
+    assert residual is None or (len(ws) == 1 and residual.shape == outs[0].shape)
+    if kernel == "mmh":
+        _mmh(half or half_rows(x2), ws, outs, residual)
+        return
+    qx = qx or PENDING.quantized(x) or quantize_x(x2)
+    if kernel == "mmq":
+        _mmq(qx, ws, outs, residual)
+    else:
+        _gemv8(qx, ws, outs, gemv, residual)
 
 
 def unit_rows(x: torch.Tensor) -> torch.Tensor:
@@ -215,25 +234,6 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
     where it can be)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _int8(
-    kernel: str,
-    qx: QuantizedX,
-    ws: list[Blocks],
-    outs: list[torch.Tensor],
-    gemv: LaunchShape | None,
-    residual: torch.Tensor | None = None,
-) -> None:
-    """outs[i] [M, N_i] = x @ ws[i].T by the integer-dot kernel `kernel` (one of INT8_KERNELS), one
-    launch for all (up to DOT8_MAX_WEIGHTS of one type and row width); with one weight, plus
-    `residual` [M, N_0]. `gemv`: the GEMVs' launch shape, else the tuned one ("mmq" takes its tuned
-    tile)."""
-    assert residual is None or (len(ws) == 1 and residual.shape == outs[0].shape)
-    if kernel == "mmq":
-        _mmq(qx, ws, outs, residual)
-    else:
-        _gemv8(qx, ws, outs, gemv, residual)
 
 
 def _weight_slots(raws: list[torch.Tensor], outs: list[torch.Tensor], ws: list[Blocks]) -> list[object]:
@@ -245,7 +245,7 @@ def _weight_slots(raws: list[torch.Tensor], outs: list[torch.Tensor], ws: list[B
 
 
 def _mmq(qx: QuantizedX, ws: list[Blocks], outs: list[torch.Tensor], residual: torch.Tensor | None) -> None:
-    """`_int8` on the integer tensor-core GEMM (`mmq.mmq_kernel`), at the tuned tile for the weights'
+    """`_shared_launch` on the integer tensor-core GEMM (`mmq.mmq_kernel`), at the tuned tile for the weights'
     type (`_tiles`)."""
     qt, k = ws[0].qtype, ws[0].shape[1]
     cfg = for_device(ws[0].raw.device).mmq(qt.name)
@@ -331,7 +331,7 @@ def _gemv8(
     gemv: LaunchShape | None,
     residual: torch.Tensor | None = None,
 ) -> None:
-    """`_int8` on the integer-dot GEMV (M = 1) or its several-row form, at `gemv`'s launch shape,
+    """`_shared_launch` on the integer-dot GEMV (M = 1) or its several-row form, at `gemv`'s launch shape,
     else the tuned one."""
     m = qx.q.shape[0]
     raws = [rows(w)[0] for w in ws]

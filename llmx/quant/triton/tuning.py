@@ -157,7 +157,7 @@ class Tuning:
         """The integer tensor-core GEMM's tile for rows of type `name`."""
         return self.mmq_shapes[name]
 
-    def mmh(self, name: str, bm: int = 64) -> GemmConfig:
+    def mmh(self, name: str, bm: int) -> GemmConfig:
         """The half-precision tensor-core GEMM's tile for rows of type `name` and launches of `bm`
         rows of x a program (at most)."""
         tiles = self.mmh_shapes[name]
