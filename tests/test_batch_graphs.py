@@ -249,13 +249,16 @@ def _served(model, graphs: bool) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_batched_decode_graphs_match_eager_steps(arch, tmp_path):
+@pytest.mark.parametrize(
+    ("arch", "placement"), [("llama", {}), ("gemma3", {}), ("qwen3moe", {"override_tensor": ["exps=CPU"]})]
+)
+def test_batched_decode_graphs_match_eager_steps(arch, placement, tmp_path):
     """Graphs on and off give every step's logits within GPU_BATCH_TOLERANCE of the largest (the padded
     batch's matmuls may take other kernels than the unpadded one's, which round x otherwise: see
     references), the same greedy token where the top two lie further apart than the logits may move; every
-    decode step with graphs on is a replay, each (bucket, width) captured once."""
-    model = llmx.load(write_tiny(arch, "Q8_0", tmp_path), ctx_size=8192, n_gpu_layers="all")
+    decode step with graphs on is a replay, each (bucket, width) captured once; experts in RAM are
+    served by each replay's trips to the host."""
+    model = llmx.load(write_tiny(arch, "Q8_0", tmp_path), ctx_size=8192, n_gpu_layers="all", **placement)
     executor = model.engine.executor
     assert all(executor.batch_graphs(k) for k in range(len(executor.segments)))
     eager = _served(model, graphs=False)
@@ -264,6 +267,7 @@ def test_batched_decode_graphs_match_eager_steps(arch, tmp_path):
     graphs = executor.graphs
     assert graphs.batch_replays == len(SCRIPT) * len(executor.segments)
     assert graphs.batch_captures == len(graphs.batch) < graphs.batch_replays
+    assert all(bool(g.trips) == bool(placement) for g in graphs.batch.values())
     for want, got in zip(eager, graphed, strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=GPU_BATCH_TOLERANCE * want.abs().max().item(), rtol=0)

@@ -15,9 +15,10 @@ Hugging Face transformers.
 - Placement: `--cpu-moe` and `-ot exps=CPU` plans put exactly the expert stacks on the CPU, the loaded
   weights are where the plan says, and the tokens do not change; `llmx plan` on a MoE file for a
   GPU box keeps the experts in RAM.
-- Experts in RAM under GPU layers: the layers a captured decode step leaves the GPU at, the crossing
-  `moe_ffn` hands such an x to, and a prompt's staged experts (a compact stack of the used ones, ids
-  renumbered, the threshold's arithmetic); on a GPU, decode replays graphs in pieces around them and
+- Experts in RAM under GPU layers: the layers a captured decode step meets the host at, the crossing
+  `moe_ffn` hands such an x to, a trip there and back (the host served from another thread; a host or
+  GPU that stops waiting), and a prompt's staged experts (a compact stack of the used ones, ids
+  renumbered, the threshold's arithmetic); on a GPU, decode replays one graph with a trip a layer and
   a prompt copies exactly the experts its routing chose.
 """
 
@@ -26,6 +27,10 @@ from __future__ import annotations
 import gc
 import json
 import operator
+import os
+import subprocess
+import sys
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,6 +58,7 @@ from llmx.bench.blocks import random_data
 from llmx.cli import main
 from llmx.errors import LlmxError
 from llmx.gguf import open_gguf
+from llmx.kernels import host_handoff as handoff
 from llmx.measured import remembered
 from llmx.model_config import ModelConfig
 from llmx.models.common import TensorGroup
@@ -65,7 +71,7 @@ from llmx.plan.shapes import ModelShape
 from llmx.quant import cpu_native, qtype
 from llmx.quant.triton import layout
 from llmx.quant.weight import QWeight, as_matrix, dequantize, prepare_cpu
-from llmx.runtime import expert_staging
+from llmx.runtime import expert_staging, host_trips
 from llmx.runtime.counters import host_reads
 from llmx.runtime.expert_staging import compact_ids, compact_stack, runs, tokens_worth_staging
 from llmx.runtime.offload import NEVER, THRESHOLD_FILE
@@ -246,6 +252,122 @@ def test_moe_ffn_hands_an_x_on_another_device_to_the_crossing_within_its_context
     assert len(seen) == 1 and all(map(operator.is_, seen[0], (x, gate, up, down, weights, ids, False)))
     with pytest.raises(NotImplementedError, match="meta"):  # outside it, x moves to the stacks
         moe_ffn(x, gate, up, down, weights, ids)
+
+
+def trip_operands(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode token's x [1, 256] and routing over 4 experts (k = 2) on `device`."""
+    g = torch.Generator().manual_seed(3)
+    weights, ids = route(torch.randn(1, 4, generator=g), 2, True)
+    return torch.randn(1, 256, generator=g).to(device), weights.to(device), ids.to(device)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the kernels under the interpreter
+
+
+@pytest.fixture
+def bounded_waits(monkeypatch):
+    """A GPU side left waiting by a failed test gives up within seconds (the host serves in milliseconds)."""
+    monkeypatch.setattr(handoff, "MAX_SPINS", 200_000)
+
+
+def crossed(trip: host_trips.Trip, operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """One trip there and back, the host's side served from another thread, as a replay's would be."""
+    host = threading.Thread(target=trip.serve)
+    host.start()
+    y = trip.cross(*operands).cpu()
+    host.join()
+    return y
+
+
+def test_a_trip_hands_its_operands_to_the_host_and_takes_the_experts_sum_back(bounded_waits):
+    """A trip's kernels write x, the weights and the ids where the host reads them, and wait for its
+    experts' sum; counted flags let the same trip run again (a graph's replays)."""
+    layer = stacks("Q8_0", 4, 0)
+    x, weights, ids = trip_operands(DEVICE)
+    want = moe_ffn(x.cpu(), *layer, weights.cpu(), ids.cpu())
+    trip = host_trips.HostTrips(torch.device(DEVICE)).add(x, weights, layer, True)
+    for _ in range(3):
+        assert torch.equal(crossed(trip, (x, weights, ids)), want)
+        assert torch.equal(trip.ids, ids.cpu().to(torch.int64)) and torch.equal(trip.weights, weights.cpu())
+    x2 = x.flip(1)
+    assert torch.equal(crossed(trip, (x2, weights, ids)), moe_ffn(x2.cpu(), *layer, weights.cpu(), ids.cpu()))
+
+
+HANDOFF_FOR_HOPPER = """
+import re, sys
+sys.path.insert(0, "bench")
+from ptx_gemv import compile_for_hopper
+from llmx.kernels import host_handoff as h
+over = {"x": "*fp32", "weights": "*fp32", "ids": "*i32", "row": "*i64", "counter": "*i32"}
+over |= {"n_x": "i32", "n_k": "i32"}
+back = {"y": "*fp32", "row": "*i64", "counter": "*i32", "n_y": "i32"}
+fixed = {"BLOCK": h.BLOCK, "FENCE": True}
+kernels = [(h._hand_over_kernel, over, {"K_BLOCK": 8}), (h._take_back_kernel, back, {"MAX_SPINS": 9})]
+for fn, sig, more in kernels:
+    ptx = compile_for_hopper(fn, sig, fixed | more, (), {"num_warps": 4})["ptx"]
+    print(ptx.count("fence.sc.sys"), len(re.findall(r"ld\\.volatile", ptx)))
+"""
+
+
+def test_the_handoff_kernels_compile_for_hopper_with_their_fences():
+    """The interpreter skips the inline PTX: compiled for sm_90 (no GPU needed), each kernel keeps its
+    system-scope fence, and take_back polls and reads host memory with volatile loads."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", HANDOFF_FOR_HOPPER], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    (over_fences, over_volatile), (back_fences, back_volatile) = (
+        map(int, ln.split()) for ln in out.stdout.split("\n")[:2]
+    )
+    assert over_fences == back_fences == 1 and over_volatile == 0 and back_volatile >= 3
+
+
+def test_a_steps_trips_are_served_by_one_native_call(bounded_waits):
+    """Trips whose experts are native calls (two layers of different types) are served by one native
+    call a step, the GPU's side here from another thread, the same sums as each served alone."""
+    layers = [stacks("Q8_0", 4, 0), stacks("Q4_K", 4, 10)]
+    x, weights, ids = trip_operands(DEVICE)
+    trips = host_trips.HostTrips(torch.device(DEVICE))
+    for layer in layers:
+        trips.add(x, weights, layer, True)
+    trips.seal()
+    assert trips.native is not None
+    for step in range(2):
+        xs = [x * (step + 1), -x]
+        got: list[torch.Tensor] = []
+
+        def gpu_side(xs=xs, got=got):
+            got.extend(t.cross(xi, weights, ids).cpu() for t, xi in zip(trips.trips, xs, strict=True))
+
+        gpu = threading.Thread(target=gpu_side)
+        gpu.start()
+        trips.run(lambda: None)
+        gpu.join()
+        for y, xi, layer in zip(got, xs, layers, strict=True):
+            assert torch.equal(y, moe_ffn(xi.cpu(), *layer, weights.cpu(), ids.cpu()))
+
+
+def test_trips_a_host_cannot_serve_end_with_one_line_and_leave_the_next_step_whole(
+    bounded_waits, monkeypatch
+):
+    """A host that gives up lets the GPU's waits end, and one the GPU stopped waiting for says so; the
+    flags are then set so that the next step's trips meet as before."""
+    layer = stacks("Q8_0", 4, 0)
+    x, weights, ids = trip_operands(DEVICE)
+    trips = host_trips.HostTrips(torch.device(DEVICE))
+    trip = trips.add(x, weights, layer, False)
+    wait, spins = host_trips.HOST_WAIT, handoff.MAX_SPINS
+    monkeypatch.setattr(host_trips, "HOST_WAIT", 0.05)
+    with pytest.raises(LlmxError, match="did not reach a layer whose experts are in RAM"):
+        trips.run(lambda: None)  # nothing launched: the operands never come
+    monkeypatch.setattr(handoff, "MAX_SPINS", 20)
+    trip.cross(x, weights, ids)  # no host serving: the GPU stops waiting
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    with pytest.raises(LlmxError, match="the GPU stopped waiting"):
+        trips.run(lambda: None)
+    monkeypatch.setattr(host_trips, "HOST_WAIT", wait)
+    monkeypatch.setattr(handoff, "MAX_SPINS", spins)
+    assert torch.equal(crossed(trip, (x, weights, ids)), moe_ffn(x.cpu(), *layer, weights.cpu(), ids.cpu()))
 
 
 def test_runs_of_consecutive_experts_are_one_copy_each():
@@ -553,9 +675,10 @@ EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 @pytest.mark.parametrize("tiny", [(a, t) for a in TINY_MOE_SHAPES for t in ("Q8_0", "Q4_K_M")], indirect=True,
                          ids="-".join)  # fmt: skip
 @pytest.mark.parametrize("placement", CPU_EXPERTS.values(), ids=CPU_EXPERTS)
-def test_decode_with_experts_in_ram_replays_graphs_in_pieces(tiny, placement):
-    """Each layer whose experts stay in RAM is one trip to the CPU between captured pieces of the decode
-    step (the warm-up at load captured them), and the tokens are transformers'."""
+def test_decode_with_experts_in_ram_replays_one_graph_with_a_trip_a_layer(tiny, placement):
+    """Each layer whose experts stay in RAM is one trip to the CPU inside the decode step's graph (the
+    warm-up at load captured it; the graphs of all context buckets share the trips), and the tokens are
+    transformers'."""
     model = llmx.load(tiny.path, ctx_size=128, ubatch_size=32, **OPTIONS, **placement)
     in_ram = [
         n for n, d in model.plan.tensor_device.items() if n.endswith("ffn_gate_exps.weight") and d == "cpu"
@@ -565,6 +688,7 @@ def test_decode_with_experts_in_ram_replays_graphs_in_pieces(tiny, placement):
     keeps_the_cpus_logits(tiny, model)
     graphs = list(executor.graphs.decode.values())
     assert graphs and all(len(g.trips) == len(in_ram) for g in graphs)
+    assert len({id(g.trips) for g in graphs}) == 1  # one set of pinned buffers for every context bucket
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) /* F16C: every AVX2 CPU has it */
 #define LLMX_AVX2 1
 #endif
@@ -2561,6 +2562,35 @@ int llmx_replay(int64_t n, const int32_t *entries, slot_t *const *args, const in
     for (int64_t c = 0; c < n; c++) {
         if (threads_at[c] >= 0) args[c][threads_at[c]].i = threads;
         if (SLOT_ENTRIES[entries[c]].run(args[c]) != 0) return (int)(c + 1);
+    }
+    return 0;
+}
+
+/* A captured GPU step's trips to its CPU experts (llmx/runtime/host_trips.py), served while the step's
+ * graph runs: call c waits until the GPU has raised *ready[c] away from *done[c] (its operands written to
+ * host memory), runs like a replayed call, and echoes the value it read into *done[c], on which the GPU
+ * waits. The flags live in pinned memory that the GPU writes and reads over PCIe. Returns 0, c + 1 for a
+ * call c that failed, or -(c + 1) where the GPU had not reached trip c within timeout_ns. */
+int llmx_serve_trips(int64_t n, const int32_t *entries, slot_t *const *args, const int32_t *threads_at, int threads,
+                     int32_t *const *ready, int32_t *const *done, int64_t timeout_ns) {
+    for (int64_t c = 0; c < n; c++) {
+        int32_t seen;
+        int64_t since = -1;
+        for (uint32_t spins = 0; (seen = __atomic_load_n(ready[c], __ATOMIC_ACQUIRE)) == *done[c]; spins++) {
+            if ((spins & 4095) == 0) { /* the clock now and then: a poll is a few nanoseconds */
+                struct timespec now;
+                clock_gettime(CLOCK_MONOTONIC, &now);
+                const int64_t ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
+                if (since < 0) since = ns;
+                else if (ns - since > timeout_ns) return (int)-(c + 1);
+            }
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        }
+        if (threads_at[c] >= 0) args[c][threads_at[c]].i = threads;
+        if (SLOT_ENTRIES[entries[c]].run(args[c]) != 0) return (int)(c + 1);
+        __atomic_store_n(done[c], seen, __ATOMIC_RELEASE); /* after the call's stores to its output */
     }
     return 0;
 }

@@ -118,6 +118,8 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_slots_entry.restype = i32
     lib.llmx_replay.argtypes = [i64, ptr, ptr, ptr, i32, i64, ptr, i64]
     lib.llmx_replay.restype = i32
+    lib.llmx_serve_trips.argtypes = [i64, ptr, ptr, ptr, i32, ptr, ptr, i64]
+    lib.llmx_serve_trips.restype = i32
     return lib
 
 
@@ -299,6 +301,20 @@ class Program:
         if failed:
             raise RuntimeError(f"{self._names[failed - 1]} failed in a replayed step at position {position}")
 
+    def serve_trips(self, ready: Sequence[int], done: Sequence[int], timeout: float) -> int:
+        """The calls again, call c once the int32 flag at address ready[c] differs from the one at done[c]
+        (a GPU's trip to the host, `runtime.host_trips`), which then takes ready[c]'s value: 0, or -(c + 1)
+        where flag c did not move within `timeout` seconds."""
+        n = len(self._slots)
+        assert len(ready) == len(done) == n and not self.recorded.fields
+        failed = self._lib.llmx_serve_trips(
+            n, self._entries, self._args, self._threads_at, _threads(self._lib),
+            (ctypes.c_void_p * n)(*ready), (ctypes.c_void_p * n)(*done), int(timeout * 1e9),
+        )  # fmt: skip
+        if failed > 0:
+            raise RuntimeError(f"{self._names[failed - 1]} failed serving a trip from the GPU")
+        return failed
+
 
 recording: Recording | None = None  # where `_issue` keeps the calls it makes, when set
 
@@ -440,6 +456,7 @@ def moe_swiglu(
     ids: torch.Tensor,
     weights: torch.Tensor,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts' FFNs of a MoE layer in one native call a MOE_TOKENS tokens: x2 [T, E]
     float32, the gate, up and down stacks as their GGUF rows `raw` [X * rows, row_bytes] and type, of
@@ -447,7 +464,8 @@ def moe_swiglu(
     and routing weights [T, k] -> [T, E] float32: sum over j of weights[t, j] * down_e(silu(gate_e
     x_t) * up_e x_t), e = ids[t, j]. A call reads each chosen expert's blocks once, for all the
     tokens that chose it; x and the activations are read as 16-bit codes, as `gemv` reads x. Plus
-    `residual` [T, E] float32 where given (the block's residual stream, added in the same call)."""
+    `residual` [T, E] float32 where given (the block's residual stream, added in the same call); written
+    into `out` (contiguous [T, E] float32) where given."""
     lib = _library()
     n_expert, n_ff, n_embd = shape
     assert lib is not None and x2.dtype == torch.float32 and x2.shape[1] == n_embd and len(stacks) == 3
@@ -456,7 +474,8 @@ def moe_swiglu(
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     m, k_used = ids.shape
-    y = torch.empty((m, n_embd), dtype=torch.float32)
+    y = torch.empty((m, n_embd), dtype=torch.float32) if out is None else out
+    assert y.shape == (m, n_embd) and y.dtype == torch.float32 and y.is_contiguous()
     res = _residual(residual, y)
     args = [a for raw, qt in stacks for a in (TYPES[qt.name], raw.data_ptr(), raw.shape[1])]
     threads = _threads(lib)

@@ -409,9 +409,11 @@ def moe_swiglu(
     weights: torch.Tensor,
     ids: torch.Tensor,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The routed experts' FFNs (`ops.moe_ffn`) of x [T, K] in native calls (`cpu_native.moe_swiglu`),
-    plus `residual` where given, when the three stacks take the native kernels; None otherwise."""
+    plus `residual` where given, when the three stacks take the native kernels (written into `out`
+    where given); None otherwise."""
     if KERNEL not in ("auto", "packed") or x.dim() != 2 or not x.is_cpu or x.dtype != torch.float32:
         return None
     stacks = (gate_exps, up_exps, down_exps)
@@ -420,7 +422,7 @@ def moe_swiglu(
     n_expert, f, e = gate_exps.shape
     if up_exps.shape != gate_exps.shape or down_exps.shape != (n_expert, e, f):
         return None
-    return N.moe_swiglu(x, [(w.raw, w.qtype) for w in stacks], (n_expert, f, e), ids, weights, residual)
+    return N.moe_swiglu(x, [(w.raw, w.qtype) for w in stacks], (n_expert, f, e), ids, weights, residual, out)
 
 
 def moe_route(

@@ -15,7 +15,8 @@ its B sequences are padded to a batch bucket and its block tables to a width buc
 (`runtime.graphs.batch_bucket`, `width_bucket`), so a graph serves every step of that shape. A padding
 row decodes token 0 at position 0 of the pool's scratch block (`BlockPool.scratch`): it writes nowhere
 a sequence reads, and its logits are dropped. Steps with prompt chunks, and placements a graph cannot
-hold (CPU layers, row splits, experts in RAM), run eagerly; so does everything else (no op offload or
+hold (CPU layers, row splits), run eagerly (experts in RAM are served inside the graph,
+`runtime.host_trips`); so does everything else (no op offload or
 expert staging yet). The single-sequence path (`Engine`, `Executor.forward`) is not changed by it.
 """
 

@@ -2,8 +2,8 @@
 
 A segment is a run of consecutive blocks on one device (`runtime.segments`). Every op runs where
 its weight lives; only the activation (a few KB per token) crosses devices. GPU segments replay
-CUDA graphs where they can (`runtime.graphs`; in pieces around layers whose experts live in RAM,
-`runtime.pieces`), and a model wholly on the CPU replays its decode steps' native calls
+CUDA graphs where they can (`runtime.graphs`; meeting the host at layers whose experts live in RAM,
+`runtime.host_trips`), and a model wholly on the CPU replays its decode steps' native calls
 (`runtime.cpu_replay`); a CPU segment's prompt batch may run on a GPU with its weights streamed there
 (`runtime.offload`), the streamed copies handed to the blocks as values, and a GPU segment's prompt
 batch may copy the experts it uses from RAM (`runtime.expert_staging`).
@@ -94,13 +94,13 @@ class Executor:
         self.segments = segments(self.layer_devices, self.head_device)
         self._peers = [peer_gpus(seg, self.model, self.split) for seg in self.segments]
         self._host_experts = [host_expert_layers(seg, self.model) for seg in self.segments]
-        # a step in pieces holds one GPU's work: with peers, such a segment runs eagerly
+        # a step with trips to the host holds one GPU's work: with peers, such a segment runs eagerly
         self._graphable = [
             capturable(seg, self.model, self.cache) and not (self._host_experts[k] and self._peers[k])
             for k, seg in enumerate(self.segments)
         ]
-        in_pieces = frozenset(k for k, layers in enumerate(self._host_experts) if layers)
-        self.graphs = GraphCache(self._run_segment, self.cache.n_ctx, in_pieces)
+        with_trips = frozenset(k for k, layers in enumerate(self._host_experts) if layers)
+        self.graphs = GraphCache(self._run_segment, self.cache.n_ctx, with_trips)
         self._cpu_reads = [host_reads(seg, self.model, self.cache) for seg in self.segments]
         devices = {*self.layer_devices, self.embed_device, self.head_device}
         if self.split is None and {d.type for d in devices} == {"cpu"}:
@@ -123,14 +123,14 @@ class Executor:
     def batch_graphs(self, k: int) -> bool:
         """Whether segment k's batched decode steps (`runtime.batch.decode_padded`) replay CUDA graphs:
         graphs on (`use_graphs`, the engine's switch), a GPU segment whose weights and KV all live on
-        its GPU (no row-split matrices, no experts in RAM), no capture of it failed."""
+        its GPU (no row-split matrices; experts in RAM are served by its trips to the host), no
+        capture of it failed."""
         seg = self.segments[k]
         return (
             self.use_graphs
             and seg.device.type == "cuda"
             and self._graphable[k]
             and not self._peers[k]
-            and not self._host_experts[k]
             and k not in self.graphs.batch_off
         )
 

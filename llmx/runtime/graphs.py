@@ -14,8 +14,9 @@ plan does not count, and a capture that runs out of it turns prompt graphs off.
 A decode step whose row-split matrices or split layers (`-sm row`) span GPUs is one graph too,
 holding every GPU's kernels and the exchanges between them (see `GraphCache.capture`); where this
 torch or driver cannot capture or replay it exactly, a warning says so and those steps run eagerly.
-A decode step of a segment whose layers keep their expert stacks in RAM is captured in pieces
-between those layers' trips to the CPU (`runtime.pieces`); its prompts run eagerly.
+A decode step of a segment whose layers keep their expert stacks in RAM is one graph too, which
+meets the host at those layers while the host serves their experts (`runtime.host_trips`); its
+prompts run eagerly.
 Prompts across GPUs run eagerly (capturing them beside the decode graphs crashed a later decode
 replay on torch 2.11; not understood yet).
 
@@ -24,7 +25,8 @@ per segment, batch bucket and table-width bucket (`batch_bucket`, `width_bucket`
 positions and block tables are copied into the graph's static buffers, padding rows fill the bucket.
 Those graphs of one device share one memory pool, as prompt graphs do; a capture that fails (out of
 memory, an op that cannot be captured) turns them off for that segment with a warning. Segments with
-peers or experts in RAM run batched steps eagerly.
+peers run batched steps eagerly; those with experts in RAM meet the host in their graphs as decode
+steps do.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 from llmx.errors import first_line
 from llmx.models.common import Step
 from llmx.ops import current_device
-from llmx.runtime.pieces import Trip, capture_in_pieces
+from llmx.runtime.host_trips import HostTrips, capture_with_trips
 from llmx.runtime.segments import Segment
 
 GRAPH_BUCKET = 256  # tokens: a decode graph attends over the cache rounded up to this
@@ -81,22 +83,22 @@ def width_bucket(n_read: int, block_rows: int, seq_ctx: int) -> int:
 
 @dataclass
 class Graph:
-    """One captured step of one segment: fill `x_in`/`positions`, replay, read `x_out`. A step in
-    pieces replays its first piece (`graph`), then each trip to CPU experts (`trips`) and the piece
-    after it."""
+    """One captured step of one segment: fill `x_in`/`positions`, replay, read `x_out`. A step that
+    meets CPU experts serves its `trips` while it replays."""
 
     graph: torch.cuda.CUDAGraph
     x_in: torch.Tensor
     positions: torch.Tensor
     x_out: torch.Tensor
     pools: tuple = ()  # the peer GPUs' memory pools (row split): alive as long as the graph
-    trips: tuple[Trip, ...] = ()
+    trips: HostTrips | None = None
     tables: torch.Tensor | None = None  # a batched decode step's block tables [B, W]
 
     def replay(self) -> None:
-        self.graph.replay()
-        for trip in self.trips:
-            trip.replay()
+        if self.trips is None:
+            self.graph.replay()
+        else:
+            self.trips.run(self.graph.replay)
 
 
 @dataclass
@@ -105,7 +107,7 @@ class GraphCache:
 
     run: RunSegment
     n_ctx: int
-    in_pieces: frozenset[int] = frozenset()  # segments whose layers keep experts in RAM (`runtime.pieces`)
+    with_trips: frozenset[int] = frozenset()  # segments with experts in RAM (`runtime.host_trips`)
     decode: dict[tuple[int, int], Graph] = field(default_factory=dict)  # by (segment, bucket)
     prompt: dict[PromptKey, Graph] = field(default_factory=dict)  # least recently used first
     prompt_off: bool = False  # a prompt capture ran out of memory: prompts run eagerly from then on
@@ -119,12 +121,23 @@ class GraphCache:
     _batch_pools: dict[torch.device, tuple[int, int]] = field(default_factory=dict)
     _batch_outs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # by (segment, bucket)
     _streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict)
+    _trips: dict[tuple[int, int], HostTrips] = field(default_factory=dict)  # by (segment, rows)
+
+    def trips(self, k: int, seg: Segment, rows: int) -> HostTrips | None:
+        """Segment k's trips to its experts in RAM for steps of `rows` tokens, shared by all its graphs
+        of that many rows (they never run at once: one set of pinned buffers, not one a context or
+        width bucket); None for a segment without such layers."""
+        if k not in self.with_trips:
+            return None
+        if (k, rows) not in self._trips:
+            self._trips[(k, rows)] = HostTrips(seg.device)
+        return self._trips[(k, rows)]
 
     def replay_decode(
         self, k: int, seg: Segment, x: torch.Tensor, n_past: int, peers: Sequence[torch.device]
     ) -> torch.Tensor | None:
-        """One decode step of segment k from a graph of its bucket (captured on first use; in pieces
-        for the segments `in_pieces`); None when a segment that spans GPUs (`peers`) cannot be
+        """One decode step of segment k from a graph of its bucket (captured on first use; with trips to
+        the CPU for the segments `with_trips`); None when a segment that spans GPUs (`peers`) cannot be
         captured here (from then on at once): the step runs eagerly."""
         if k in self.uncaptured:
             return None
@@ -135,7 +148,7 @@ class GraphCache:
             try:
                 with current_device(seg.device):
                     g = self.capture(
-                        seg, x, positions, bucket, False, True, peers=peers, pieces=k in self.in_pieces
+                        seg, x, positions, bucket, False, True, peers=peers, trips=self.trips(k, seg, 1)
                     )
             except Exception as e:  # across GPUs any failure (CUDA, this torch's API) means eager steps
                 if not peers:
@@ -267,8 +280,9 @@ class GraphCache:
             return out.copy_(y)
 
         with current_device(d):
-            graph, x_out, _, _ = self.record(d, body, warm_up=True, pool=pool)
-        return Graph(graph, x_in, p_in, x_out, tables=t_in)
+            trips = self.trips(k, seg, bucket)
+            graph, x_out, _ = self.record(d, body, warm_up=True, pool=pool, trips=trips)
+        return Graph(graph, x_in, p_in, x_out, trips=trips, tables=t_in)
 
     def _stop_batch_graphs(self, k: int, e: Exception) -> None:
         """Segment k's batched steps run eagerly from now on: a capture failed (out of memory: the
@@ -307,15 +321,15 @@ class GraphCache:
         warm_up: bool,
         pool: tuple[int, int] | None = None,
         peers: Sequence[torch.device] = (),
-        pieces: bool = False,
+        trips: HostTrips | None = None,
     ) -> Graph:
         """Capture a step of `seg` (see `record`): its hidden state copied into `x_in`, which the
         replays read."""
         x_in = x.clone()
         # a fresh Step each call, so the capture records its per-step gathers rather than reusing them
         step = lambda: Step(positions, masked=True, n_read=n_read)  # noqa: E731
-        graph, x_out, trips, pools = self.record(
-            seg.device, lambda: self.run(seg, x_in, step(), all_logits), warm_up, pool, peers, pieces
+        graph, x_out, pools = self.record(
+            seg.device, lambda: self.run(seg, x_in, step(), all_logits), warm_up, pool, peers, trips
         )
         return Graph(graph, x_in, positions, x_out, pools, trips)
 
@@ -326,29 +340,29 @@ class GraphCache:
         warm_up: bool,
         pool: tuple[int, int] | None = None,
         peers: Sequence[torch.device] = (),
-        pieces: bool = False,
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[Trip, ...], tuple]:
+        trips: HostTrips | None = None,
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple]:
         """Capture `body` (a step's work on `device`, reading static inputs, each call making its
-        per-step tensors afresh) -> (graph, its output, trips, peer pools). With `warm_up` it runs once
+        per-step tensors afresh) -> (graph, its output, peer pools). With `warm_up` it runs once
         outside the graph first (Triton autotuning, lazy allocations, RoPE tables) on the side stream,
         as capture requires; it computes exactly what the replay will. With `peers` (the other GPUs of
         row-split matrices and split layers) their work runs on side streams forked from and joined to
         the capture stream, so one graph records every GPU's kernels and copies; their allocations go
         to memory pools the graph keeps. Such a graph is replayed once and must give the warm-up's
-        output bit for bit, else RuntimeError. `pieces` (never with peers): in pieces around the CPU
-        experts of its layers."""
+        output bit for bit, else RuntimeError. `trips` (never with peers): the graph meets the host at
+        its layers with experts in RAM, through these trips (its warm-up makes those not yet made;
+        `runtime.host_trips`)."""
         stream = self._side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         sides = {d: self._side_stream(d) for d in peers}
+        if trips is not None:
+            with collection_paused():
+                return *capture_with_trips(body, stream, pool, trips), ()
         warm = None
         if warm_up:
             with torch.cuda.stream(stream), forked(stream, sides, {}):
                 warm = body()
             torch.cuda.current_stream(device).wait_stream(stream)
-        if pieces:
-            with collection_paused():
-                graph, x_out, trips = capture_in_pieces(body, stream, pool)
-            return graph, x_out, trips, ()
         pools = {d: torch.cuda.MemPool() for d in peers}
         graph = torch.cuda.CUDAGraph()
         capture = torch.cuda.graph(graph, pool=pool, stream=stream)
@@ -358,7 +372,7 @@ class GraphCache:
             graph.replay()
             if not torch.equal(x_out, warm):
                 raise RuntimeError("the captured step differs from the eager one")
-        return graph, x_out, (), tuple(pools.values())
+        return graph, x_out, tuple(pools.values())
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ The head joins the last segment when it lives on the same device. A segment is c
 CUDA graph when its weights and KV cache all live on its device (or, row-split matrices, on GPUs)
 and its expert stacks, if any, take the grouped kernels (which keep the routing on the GPU) or, on
 a GPU segment, live in RAM: its layers with host experts are where a captured step crosses to the
-CPU (`runtime.pieces`); its peers are the other GPUs its row-split matrices and split layers reach
+CPU (`runtime.host_trips`); its peers are the other GPUs its row-split matrices and split layers reach
 into.
 """
 
@@ -68,7 +68,7 @@ def _stacks(model: Model, i: int) -> list[QWeight]:
 def capturable(seg: Segment, model: Model, cache: KVCache) -> bool:
     """Whether a segment's weights and KV all live on its device, or (row-split matrices) on GPUs,
     except the expert stacks of its `host_expert_layers`: then CUDA graphs can hold its decode step
-    (in pieces around those layers' experts, `runtime.pieces`)."""
+    (meeting the host at those layers' experts, `runtime.host_trips`)."""
     crossings = host_expert_layers(seg, model)
     for i in seg.layers:
         if cache.k[i].device != seg.device:
