@@ -347,9 +347,50 @@ static inline __m256 add_scaled(__m256i sums, __m256 scale, __m256 acc) {
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-static inline __m256i sum_x(__m256i u, const qx_t *x, int64_t at) { /* u times x's 32 codes from `at` */
-    return sum_u8s16_256(u, load32(x->hi8 + at), load32(x->lo8 + at));
+/* 32 byte codes u (0..255, or -128..127 where is_signed) as two vectors of 16-bit codes: the bytes at
+ * even positions, and those at odd ones (qx_set lays x's codes out the same way). */
+static inline void widen_even_odd(__m256i u, int is_signed, __m256i *even, __m256i *odd) {
+    *even = is_signed ? _mm256_srai_epi16(_mm256_slli_epi16(u, 8), 8) : _mm256_and_si256(u, _mm256_set1_epi16(0xff));
+    *odd = is_signed ? _mm256_srai_epi16(u, 8) : _mm256_srli_epi16(u, 8);
 }
+
+/* Lane j: the sum of the products at positions 4j..4j+3 of a group (the weights widened by
+ * widen_even_odd, x's codes from c): exact, |w| <= 127 (or w * a Q6_K scale, |w| <= 8064) times
+ * |c| <= X_CODES stays far inside int32. VNNI's dpwssd adds the second half's products to the
+ * first's in the multiply-add itself (the same exact sums, one instruction of three fewer a group
+ * and x row: at 8 rows these products are most of a batched decode step's work). */
+static inline __m256i dot_group16(const __m256i w[2], const int16_t *c) {
+    const __m256i first = _mm256_madd_epi16(w[0], load32(c));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(first, w[1], load32(c + 16));
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(first, w[1], load32(c + 16));
+#else
+    return _mm256_add_epi32(first, _mm256_madd_epi16(w[1], load32(c + 16)));
+#endif
+}
+
+/* Without VNNI, a group's lane sums take two 16-bit multiply-adds on the widened codes (the several-row
+ * kernels' form) where the byte products against x's 256 split take two maddubs, two madds and a shift,
+ * and Q8_0's sign flips three more: the same exact integer lane sums, so the float work after them
+ * gives the same bits (one Zen 3 core, rows of Q4_1 in cache: 5-9% faster). With VNNI dpbusd takes
+ * the byte products in one instruction each. */
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+#define SUM_X_WIDE 0
+#else
+#define SUM_X_WIDE 1
+#endif
+
+static inline __m256i sum_x(__m256i u, const qx_t *x, int64_t at) { /* u times x's 32 codes from `at` */
+#if SUM_X_WIDE
+    __m256i w[2];
+    widen_even_odd(u, 0, &w[0], &w[1]);
+    return dot_group16(w, x->c + at);
+#else
+    return sum_u8s16_256(u, load32(x->hi8 + at), load32(x->lo8 + at));
+#endif
+}
+
 
 #ifdef LLMX_AVX512
 /* sum_x over 64 codes from `at` (two groups) in 512-bit registers: half the instructions of two
@@ -659,8 +700,14 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
 
 static inline __m256i q8_0_sum(const uint8_t *b, const qx_t *x, int64_t at) { /* one block's lane sums */
     const __m256i w = load32(b + 2);
+#if SUM_X_WIDE
+    __m256i halves[2];
+    widen_even_odd(w, 1, &halves[0], &halves[1]);
+    return dot_group16(halves, x->c + at);
+#else
     /* |w| times x with w's sign: unsigned times signed, as the instruction wants */
     return sum_u8s16(_mm256_abs_epi8(w), _mm256_sign_epi8(load32(x->hi + at), w), _mm256_sign_epi8(load32(x->lo + at), w));
+#endif
 }
 
 #ifdef LLMX_AVX512
@@ -819,29 +866,6 @@ typedef void (*rows_fn)(const uint8_t *row, int64_t blocks, const qx_rows_t *qx,
                         float *y, int64_t y_stride);
 
 #ifdef LLMX_AVX2
-/* 32 byte codes u (0..255, or -128..127 where is_signed) as two vectors of 16-bit codes: the bytes at
- * even positions, and those at odd ones (qx_set lays x's codes out the same way). */
-static inline void widen_even_odd(__m256i u, int is_signed, __m256i *even, __m256i *odd) {
-    *even = is_signed ? _mm256_srai_epi16(_mm256_slli_epi16(u, 8), 8) : _mm256_and_si256(u, _mm256_set1_epi16(0xff));
-    *odd = is_signed ? _mm256_srai_epi16(u, 8) : _mm256_srli_epi16(u, 8);
-}
-
-/* Lane j: the sum of the products at positions 4j..4j+3 of a group (the weights widened by
- * widen_even_odd, x's codes from c): exact, |w| <= 127 (or w * a Q6_K scale, |w| <= 8064) times
- * |c| <= X_CODES stays far inside int32. VNNI's dpwssd adds the second half's products to the
- * first's in the multiply-add itself (the same exact sums, one instruction of three fewer a group
- * and x row: at 8 rows these products are most of a batched decode step's work). */
-static inline __m256i dot_group16(const __m256i w[2], const int16_t *c) {
-    const __m256i first = _mm256_madd_epi16(w[0], load32(c));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(first, w[1], load32(c + 16));
-#elif defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(first, w[1], load32(c + 16));
-#else
-    return _mm256_add_epi32(first, _mm256_madd_epi16(w[1], load32(c + 16)));
-#endif
-}
-
 static inline int64_t tile_of(int64_t nx, int64_t t0) { return nx - t0 < ROW_TILE ? nx - t0 : ROW_TILE; }
 
 /* The 32-weight types (kind: L_Q4_0 ...), as dot_legacy_nibbles and dot_q8_0 compute each row: eight
