@@ -13,6 +13,7 @@
 #   bash bench/gpu_session.sh beside    # issues #36-#38's tables, llmx then llama.cpp per row, ~9 min
 #   TREES="/tmp/A /tmp/B" bash bench/gpu_session.sh gemv-ab  # M = 1 GEMVs of other trees and this one, ~1.5 min a tree
 #   TREES="/tmp/A" bash bench/gpu_session.sh decode-ab  # decode steps (kernel and graph time) of other trees and this one
+#   TREES="/tmp/A" bash bench/gpu_session.sh moe-ab  # experts in RAM: GPU checks, then --cpu-moe / -ncmoe 24 decode A/B
 #
 # Each part writes its output under $OUT (default /tmp/llmx-out) as it goes, and every command has
 # its own time limit, so a part that runs long still reports what it measured. CPU kernels take the
@@ -94,6 +95,22 @@ decode-ab)
             | grep -E "eager decode:|gemv8|graphs=True" | sed "s|^|$1 |"
     }
     alternate decode | tee "$OUT/decode-ab.txt"
+    ;;
+moe-ab)
+    # experts in RAM under GPU layers: their GPU checks (trips to the host inside one graph, batched
+    # graphs with them), then `--cpu-moe` and `-ncmoe 24` decode of other trees ($TREES, as gemv-ab)
+    # and this one (`alternate`), 16 threads
+    timeout 230 $PY -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_moe.py tests/test_batch_graphs.py \
+        -k "trip or experts_in_ram or capture_outlasts or match_eager" 2>&1 | tail -12 | tee "$OUT/moe-tests.txt"
+    moe=$(synth qwen3-30b-a3b Q4_K_M)
+    trees="${TREES:?set TREES to the other trees}"
+    tg() {
+        for placement in --cpu-moe "-ncmoe 24"; do
+            timeout 100 $PY -m llmx.cli bench -m "$moe" -ngl 99 $placement -p 0 -n 64 -r 2 -t "${THREADS:-16}" \
+                2>&1 | grep -E "tg|rror" | sed "s|^|$1 $placement |"
+        done
+    }
+    alternate tg | tee "$OUT/moe-ab.txt"
     ;;
 e2e)
     q4=$(synth llama3-8b Q4_K_M) q8=$(synth llama3-8b Q8_0)
