@@ -15,8 +15,8 @@ value it read. A step the host gave up on (`abandon` raised) or left waiting pas
 
 Host memory is reached over PCIe with loads and stores that bypass the GPU's caches (volatile loads,
 write-through stores) ordered by system-scope fences: atomics on host memory are not atomic against
-the CPU there. A trip's addresses are one row of ADDRESS_FIELDS int64
-values in device memory (its host buffers and flags), which the kernels read as pointers.
+the CPU there. A trip's addresses are one row of ADDRESS_FIELDS int64 values in device memory (its host
+buffers and flags), which the kernels read as pointers.
 """
 
 from __future__ import annotations

@@ -301,19 +301,24 @@ class Program:
         if failed:
             raise RuntimeError(f"{self._names[failed - 1]} failed in a replayed step at position {position}")
 
-    def serve_trips(self, ready: Sequence[int], done: Sequence[int], timeout: float) -> int:
+    def serve_trips(self, ready: ctypes.Array, done: ctypes.Array, timeout: float) -> int:
         """The calls again, call c once the int32 flag at address ready[c] differs from the one at done[c]
-        (a GPU's trip to the host, `runtime.host_trips`), which then takes ready[c]'s value: 0, or -(c + 1)
-        where flag c did not move within `timeout` seconds."""
+        (a GPU's trip to the host, `runtime.host_trips`; both `addresses`, made once), which then takes
+        ready[c]'s value: 0, or -(c + 1) where flag c did not move within `timeout` seconds."""
         n = len(self._slots)
         assert len(ready) == len(done) == n and not self.recorded.fields
         failed = self._lib.llmx_serve_trips(
             n, self._entries, self._args, self._threads_at, _threads(self._lib),
-            (ctypes.c_void_p * n)(*ready), (ctypes.c_void_p * n)(*done), int(timeout * 1e9),
+            ready, done, int(timeout * 1e9),
         )  # fmt: skip
         if failed > 0:
             raise RuntimeError(f"{self._names[failed - 1]} failed serving a trip from the GPU")
         return failed
+
+
+def addresses(values: Sequence[int]) -> ctypes.Array:
+    """Addresses as the C array of pointers an entry point takes (`Program.serve_trips`' flags)."""
+    return (ctypes.c_void_p * len(values))(*values)
 
 
 recording: Recording | None = None  # where `_issue` keeps the calls it makes, when set

@@ -21,6 +21,7 @@ bucket of its decode steps, every table width of a batch bucket) share one set o
 
 from __future__ import annotations
 
+import ctypes
 import operator
 import time
 from collections.abc import Callable
@@ -128,6 +129,7 @@ class HostTrips:
         self._alarms = _host((2 * FLAG_STRIDE,), torch.int32)  # abandon (the host's), late (the GPU's)
         self._next = 0  # the trip the step being run or captured meets next
         self.native: cpu_native.Program | None = None
+        self._flags: tuple[ctypes.Array, ...] = ()  # the trips' ready and done flags' addresses, for `native`
 
     def __len__(self) -> int:
         return len(self.trips)
@@ -175,6 +177,8 @@ class HostTrips:
                 whole.calls += t.recorded.calls
                 whole.kept += t.recorded.kept
             self.native = cpu_native.Program(whole)
+            ready = cpu_native.addresses([t.ready for t in self.trips])
+            self._flags = (ready, cpu_native.addresses([t.done for t in self.trips]))
 
     def run(self, launch: Callable[[], None]) -> None:
         """launch() (the graph's replay), then serve every trip in order while it runs."""
@@ -184,7 +188,7 @@ class HostTrips:
         if self.native is None:
             for trip in self.trips:
                 trip.serve()
-        elif self.native.serve_trips([t.ready for t in self.trips], [t.done for t in self.trips], HOST_WAIT):
+        elif self.native.serve_trips(*self._flags, HOST_WAIT):
             raise _not_reached()
 
     def _served(self, launch: Callable[[], torch.Tensor | None], serve: Callable[[], None]):
