@@ -16,7 +16,7 @@ GPU kernels (`llmx.quant.triton.matmul`):
   layout: x quantized to int8, then tiles of rows of x by weight rows on the int8 tensor cores
   (llama.cpp's mmq), K split where the tiles alone leave SMs idle; weights it cannot read take the
   table's kernel (the float GEMV, which "dot8" falls back to, takes at most GEMV_MAX_M rows);
-- "mmh": the rows of x MMH_M gives a type (Q4_K: 8-64; before "dot8_rows" and "mmq"), any M where
+- "mmh": the rows of x MMH_M gives a type (Q4_K, Q6_K: 8-64; before "dot8_rows" and "mmq"), any M where
   forced, the same types and layout: tiles of weight rows dequantized to f16 in registers (scales
   folded in) by rows of x scaled into f16, on the half-precision tensor cores;
 - "gemv": M <= FLOAT_GEMV_MAX_M (IQ4 types: GEMV_MAX_M), fp32 FMAs on the unpacked codes; its time
@@ -84,9 +84,10 @@ MMQ_M = {"Q8_0": (16, 32)}
 # 83.1-188.8 / 86.5-86.0 / 112.3-115.9 from 16; a batched decode step of synthetic Llama-3-8B Q4_K_M
 # with every weight forced onto it (bench/batch_step.py): 8 / 16 / 32 / 64 sequences 7.2 / 7.2 / 8.7 /
 # 10.8 ms against the table's 9.3 / 10.1 / 12.4 / 17.4 (raw bench/results/h100-20261207-s41-mmh.txt).
-# Q6_K's and Q8_0's rows stay where they were: Q6_K's tiles are not yet checked on a GPU since they
-# were fixed (s41), and for Q8_0 mmh is level with mmq at 16-32 rows.
-MMH_M = {"Q4_K": (8, 64)}
+# Q6_K's rows too (its tiles checked on an H100 in s43): that step with Q4_K's rows on mmh and Q6_K's
+# on the table's kernels 7.9 / 8.6 / 10.5 / 12.9 ms, every weight on mmh 7.2 / 6.9 / 8.9 / 12.1 (raw
+# bench/results/h100-20261207-s43-batched.txt). Q8_0's stay where they were: mmh level with mmq at 16-32.
+MMH_M = {"Q4_K": (8, 64), "Q6_K": (8, 64)}
 MOE_GEMV_MAX_TOKENS = 8  # decode batches; to be measured against the GEMM on a GPU
 MOE_KERNELS = ("dot8", "gemv", "gemm")  # the grouped expert kernels (`moe`'s answers)
 # tokens whose router logits join the top-k's launch on a GPU (`kernels.router.route_tokens`), each
