@@ -11,8 +11,8 @@
  * dot-product instructions, as llama.cpp's do with 8-bit x, and applies the group's scales once to
  * the exact integer sum: about a third of the instructions of float32 products, which left one core
  * at ~6 GB/s, short of its share of RAM's bandwidth. Up to 64 rows of x reuse each weight row while
- * it sits in L1, their products formed from codes unpacked once (see rows_fn; with AVX-512, 16 rows
- * of W at once, see wide_fn). Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
+ * it sits in L1, their products formed from codes unpacked once (see rows_fn; 16 rows of W at once for
+ * the 32-weight types, and with AVX-512 the K-quants too, see wide_fn). Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
  * are written out (VNNI's dpbusd where the CPU has it, else maddubs + madd: the same exact sums; with
  * AVX-512 VNNI two groups or blocks a 512-bit register);
  * elsewhere a portable loop decodes a block and multiplies it with x's rounded values in float32.
@@ -823,17 +823,19 @@ static inline qx_t qx_row(const qx_rows_t *q, int64_t i) {
 /* Group g of the rows (row g / groups, its values from 32 (g % groups)) quantized from 32 floats. The
  * whole codes c = 255 hi + lo go to c as 16 of the group's even positions, then its 16 odd ones: the
  * order in which widen_even_odd lays out a weight block's bytes, so that 16-bit multiply-adds of
- * the two halves sum each run of four positions into one lane, as the byte dot products do. Word p of
- * the group's 16 in `pair` holds the codes of positions p (low half) and p + 16: the positions that
- * a 32-weight block's byte p holds for the nibble types (wide_fn). */
+ * the two halves sum each run of four positions into one lane, as the byte dot products do. With
+ * AVX-512, word p of the group's 16 in `pair` holds the codes of positions p (low half) and p + 16: the
+ * positions that a 32-weight block's byte p holds for the nibble types (wide_fn). */
 static inline void qx_set(const qx_rows_t *q, int64_t g, const float *values) {
     int8_t *hi = q->hi + 32 * g, *lo = q->lo + 32 * g;
     quantize_group(values, hi, lo, q->hi8 + 32 * g, q->lo8 + 32 * g, q->dx + g, q->s16 + 2 * g, q->s32 + g,
                    q->f + X_FLOATS * 32 * g);
     for (int l = 0; l < 32; l++) q->c[32 * g + l / 2 + 16 * (l & 1)] = (int16_t)(255 * hi[l] + lo[l]);
+#ifdef LLMX_AVX512
     for (int p = 0; p < 16; p++)
         q->pair[16 * g + p] = (int32_t)((uint32_t)(uint16_t)(255 * hi[p] + lo[p]) |
                                         (uint32_t)(uint16_t)(255 * hi[p + 16] + lo[p + 16]) << 16);
+#endif
 }
 
 /* Every row of x quantized: inside a parallel region the groups shared out among the team, outside
@@ -1097,7 +1099,23 @@ static rows_fn rows_of(int type) {
  * One x row keeps the one-row kernel (175 us against 191 for Q4_1, but 123 against 110 for Q8_0). The
  * K-quants take the same form a group of 32 weights at a time (wide_k_tile, wide_q6_k_tile), their float
  * sums in an order of their own: 8 x rows Q4_K 1053 -> 549 us, Q5_K 866 -> 560-659, Q6_K 697 -> 565; Q5_0
- * and Q5_1 the 32-weight form with their fifth bits (671-674 -> 477-498). */
+ * and Q5_1 the 32-weight form with their fifth bits (671-674 -> 477-498).
+ * With AVX2 alone (no dpwssd: a 16-bit multiply-add, then an add) the 32-weight types take the same form,
+ * a tile's 16 rows in two registers of 8 so that each broadcast x code serves two multiply-adds; x's codes
+ * are read in qx_t.c's order, which shifts of the W rows' bytes give without a byte shuffle (lane_words).
+ * On the 2-core Zen 3 (one thread, 2 MiB from L3: bench/cpu_rows.py) Q4_1 at 8 x rows 2000 -> 1385 us,
+ * 4 rows 1144 -> 700, 2 rows 740 -> 444; Q4_0 alike; Q8_0, Q5_0 and Q5_1, whose codes transpose as whole
+ * bytes, 0.94-1.3x. The K-quants keep rows_fn there. */
+/* x rows a wide kernel's pass over its W tile serves: AVX2's sixteen registers hold the sums of four
+ * (two registers each) beside a pair of W codes and a broadcast x code; eight spilled them (one Zen 3
+ * thread, Q4_1 in cache, 8 x rows: 1350-1400 us, two passes of four 900-915) */
+#ifndef WIDE_ROWS
+#ifdef LLMX_AVX512
+#define WIDE_ROWS ROW_TILE
+#else
+#define WIDE_ROWS 4
+#endif
+#endif
 typedef void (*wide_fn)(const uint8_t *w, int64_t row_bytes, int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
                         int64_t nx, float *y, int64_t y_stride);
 #define W_TILE 16
@@ -1113,7 +1131,20 @@ typedef void (*wide_fn)(const uint8_t *w, int64_t row_bytes, int64_t blocks, con
 #define WIDE_Q6_K_FROM 4
 #endif
 
+/* The wide kernels' registers: a tile's W_TILE rows, one a 32-bit lane (with AVX2 in two registers), and
+ * the float work on them (lanes_t) written once for both widths. */
 #ifdef LLMX_AVX512
+typedef __m512 lanes_t;
+typedef __m512i lane_codes_t;
+static inline lanes_t lanes_zero(void) { return _mm512_setzero_ps(); }
+static inline lanes_t lanes_of(float v) { return _mm512_set1_ps(v); }
+static inline lanes_t lanes_add(lanes_t a, lanes_t b) { return _mm512_add_ps(a, b); }
+static inline lanes_t lanes_mul(lanes_t a, lanes_t b) { return _mm512_mul_ps(a, b); }
+static inline lanes_t lanes_fmadd(lanes_t a, lanes_t b, lanes_t c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void lanes_store(float *p, lanes_t v) { _mm512_storeu_ps(p, v); }
+/* x's codes as the multiply-adds broadcast them: word p of a group holds positions p and p + 16 */
+static inline const int32_t *lane_words(const qx_rows_t *qx) { return qx->pair; }
+
 /* The 16 x 16 matrix of 32-bit words v (row i in v[i]) transposed in place. */
 static inline void transpose16(__m512i v[16]) {
     __m512i a[16], b[16];
@@ -1170,28 +1201,11 @@ static inline __m512i byte_pairs(const uint8_t *p, int is_signed) {
     return _mm512_permutexvar_epi16(interleave, is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v));
 }
 
-/* Where a tile's `rows` x rows read their codes, scales and sums: xs[0..nt), the rest repeating the
- * last (their results are dropped). */
-static inline void tile_x(const qx_rows_t *qx, const int64_t *xs, int64_t nt, int rows, const int32_t *pairs[ROW_TILE],
-                          const float *dx[ROW_TILE], const float *s32[ROW_TILE]) {
-    for (int t = 0; t < rows; t++) {
-        const int64_t row = xs[t < nt ? t : nt - 1];
-        pairs[t] = qx->pair + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups, s32[t] = qx->s32 + row * qx->groups;
-    }
-}
-
-/* Block blk's share of the next tile's bytes asked for (`next`: that tile, NULL: none; `bytes`: a block
- * of one row), so that a tile's stream from RAM runs ahead of its products. */
-static inline void prefetch_share(const uint8_t *next, int bytes, int64_t blk) {
-    if (next != NULL)
-        for (int o = 0; o < W_TILE * bytes; o += 64) _mm_prefetch((const char *)(next + W_TILE * bytes * blk + o), _MM_HINT_T0);
-}
-
 /* Block b of 16 rows row_bytes apart (`kind`: any of the 32-weight types) as pairs of codes: wp[p] lane r
  * holds row r's codes of positions p (low 16 bits) and p + 16 (the nibble types: byte p's two nibbles,
  * with Q5_0's and Q5_1's fifth bits p and p + 16; Q8_0: bytes p and p + 16, signed); returns the rows' d
  * (and Q4_1's and Q5_1's m) as floats. */
-static inline void legacy_pairs16(const uint8_t *b, int64_t row_bytes, int kind, __m512i wp[16], __m512 *d, __m512 *m) {
+static inline void legacy_pairs(const uint8_t *b, int64_t row_bytes, int kind, __m512i wp[16], __m512 *d, __m512 *m) {
     if (kind == L_Q8_0) {
         for (int r = 0; r < W_TILE; r++) wp[r] = byte_pairs(b + r * row_bytes + 2, 1);
         transpose16(wp);
@@ -1225,7 +1239,7 @@ static inline void legacy_pairs16(const uint8_t *b, int64_t row_bytes, int kind,
 
 /* Row r's exact integer sums of block blk with each of `rows` x rows' codes (pairs[t]: its words) in lane
  * r of sums[t], as floats. The x rows' multiply-adds interleave: each row's chain of 16 waits on itself. */
-static inline __attribute__((always_inline)) void block_sums16(const __m512i wp[16], const int32_t *const pairs[ROW_TILE],
+static inline __attribute__((always_inline)) void block_sums(const __m512i wp[16], const int32_t *const pairs[ROW_TILE],
                                                                int64_t blk, __m512 sums[ROW_TILE], int rows) {
     __m512i s[ROW_TILE];
     for (int t = 0; t < rows; t++) s[t] = _mm512_setzero_si512();
@@ -1249,26 +1263,180 @@ static inline __attribute__((always_inline)) void block_sums16_halves(const __m5
     for (int t = 0; t < rows; t++) sums[t] = _mm512_add_ps(_mm512_cvtepi32_ps(s[t]), _mm512_cvtepi32_ps(s2[t]));
 }
 
+#elif defined(LLMX_AVX2)
+/* AVX2 takes a tile's 16 rows as two registers of 8 (rows 0-7, then 8-15): each x code broadcast then
+ * serves two multiply-adds, and the float work is that of two 8-lane registers side by side. */
+typedef struct {
+    __m256 h[2];
+} lanes_t;
+typedef struct {
+    __m256i h[2];
+} lane_codes_t;
+static inline lanes_t lanes_zero(void) { return (lanes_t){{_mm256_setzero_ps(), _mm256_setzero_ps()}}; }
+static inline lanes_t lanes_of(float v) { return (lanes_t){{_mm256_set1_ps(v), _mm256_set1_ps(v)}}; }
+static inline lanes_t lanes_add(lanes_t a, lanes_t b) {
+    return (lanes_t){{_mm256_add_ps(a.h[0], b.h[0]), _mm256_add_ps(a.h[1], b.h[1])}};
+}
+static inline lanes_t lanes_mul(lanes_t a, lanes_t b) {
+    return (lanes_t){{_mm256_mul_ps(a.h[0], b.h[0]), _mm256_mul_ps(a.h[1], b.h[1])}};
+}
+static inline lanes_t lanes_fmadd(lanes_t a, lanes_t b, lanes_t c) {
+    return (lanes_t){{_mm256_fmadd_ps(a.h[0], b.h[0], c.h[0]), _mm256_fmadd_ps(a.h[1], b.h[1], c.h[1])}};
+}
+static inline void lanes_store(float *p, lanes_t v) { _mm256_storeu_ps(p, v.h[0]), _mm256_storeu_ps(p + 8, v.h[1]); }
+/* x's codes as qx_t.c lays them out, read in words: word j of a group holds positions 4j and 4j + 2, word
+ * 8 + j positions 4j + 1 and 4j + 3 (j < 8), the pairs that 16-bit shifts of a W row's bytes give */
+static inline const int32_t *lane_words(const qx_rows_t *qx) { return (const int32_t *)qx->c; }
+
+/* The 8 x 8 matrix of 32-bit words v (row i in v[i]) transposed in place. */
+static inline void transpose8(__m256i v[8]) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i += 2) { /* a[i]: words 0, 1 of rows i, i + 1 (then 4, 5); a[i + 1]: 2, 3 (6, 7) */
+        a[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        a[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* b[i + j]: word j of rows i .. i + 3, then word 4 + j */
+        b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_permute2x128_si256(b[j], b[4 + j], 0x20);
+        v[4 + j] = _mm256_permute2x128_si256(b[j], b[4 + j], 0x31);
+    }
+}
+
+/* Lanes of the 16 bytes at b + at of 8 rows row_bytes apart, rows r and r + 4 side by side: v[k] holds
+ * rows k (low 128 bits) and k + 4. */
+static inline void rows_side_by_side(const uint8_t *b, int64_t row_bytes, int at, __m256i v[4]) {
+    for (int k = 0; k < 4; k++)
+        v[k] = _mm256_loadu2_m128i((const __m128i *)(b + (k + 4) * row_bytes + at), (const __m128i *)(b + k * row_bytes + at));
+}
+
+/* Half h of legacy_pairs: the block at b of 8 rows (wp[j].h[h] lane r: row r's codes at the positions of
+ * x's word j, lane_words) and their d and m. Q4_0's and Q4_1's nibbles transpose as 4 words a row, each
+ * byte's two codes then taken apart in 16-bit lanes; Q8_0's codes and the 5-bit codes (nibble_codes) as
+ * 8 words a row of whole bytes. */
+static inline void legacy_pairs8(const uint8_t *b, int64_t row_bytes, int kind, int h, lane_codes_t wp[16], lanes_t *d,
+                                 lanes_t *m) {
+    __m256i v[8], a[4];
+    rows_side_by_side(b, row_bytes, 0, v); /* the rows' first words: d (low half), then Q4_1's and Q5_1's m */
+    const __m256i first = _mm256_unpacklo_epi64(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpacklo_epi32(v[2], v[3]));
+    const __m256i dm = _mm256_permute4x64_epi64( /* packed, the 64-bit quarters in order: d's, then m's */
+        _mm256_packus_epi32(_mm256_and_si256(first, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(first, 16)), 0xD8);
+    d->h[h] = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    if (legacy_has_m(kind)) m->h[h] = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+    if (kind == L_Q4_0 || kind == L_Q4_1) {
+        const __m256i nibble = _mm256_set1_epi32(0x000F000F);
+        rows_side_by_side(b, row_bytes, legacy_codes_at(kind), v);
+        for (int k = 0; k < 2; k++) {
+            a[2 * k] = _mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
+            a[2 * k + 1] = _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
+        }
+        for (int j = 0; j < 4; j++) { /* lane r of t: row r's bytes 4j .. 4j + 3, byte p's nibbles positions p, p + 16 */
+            const __m256i t = j & 1 ? _mm256_unpackhi_epi64(a[j / 2], a[j / 2 + 2]) : _mm256_unpacklo_epi64(a[j / 2], a[j / 2 + 2]);
+            wp[j].h[h] = _mm256_and_si256(t, nibble);                            /* positions 4j, 4j + 2 */
+            wp[4 + j].h[h] = _mm256_and_si256(_mm256_srli_epi16(t, 4), nibble); /* 16 + 4j, 16 + 4j + 2 */
+            wp[8 + j].h[h] = _mm256_and_si256(_mm256_srli_epi16(t, 8), nibble); /* 4j + 1, 4j + 3 */
+            wp[12 + j].h[h] = _mm256_srli_epi16(t, 12);                          /* 16 + 4j + 1, 16 + 4j + 3 */
+        }
+        return;
+    }
+    const int is_q8 = kind == L_Q8_0;
+    for (int r = 0; r < 8; r++) v[r] = is_q8 ? load32(b + r * row_bytes + 2) : nibble_codes(b + r * row_bytes, kind);
+    transpose8(v);
+    for (int j = 0; j < 8; j++) { /* lane r of v[j]: row r's codes 4j .. 4j + 3, a byte each */
+        wp[j].h[h] = is_q8 ? _mm256_srai_epi16(_mm256_slli_epi16(v[j], 8), 8) : _mm256_and_si256(v[j], _mm256_set1_epi16(0xff));
+        wp[8 + j].h[h] = is_q8 ? _mm256_srai_epi16(v[j], 8) : _mm256_srli_epi16(v[j], 8);
+    }
+}
+
+/* Block b of 16 rows row_bytes apart (`kind`: any of the 32-weight types) as pairs of codes, 8 rows a
+ * register (legacy_pairs8), and the rows' d (and Q4_1's and Q5_1's m) as floats. */
+static inline void legacy_pairs(const uint8_t *b, int64_t row_bytes, int kind, lane_codes_t wp[16], lanes_t *d, lanes_t *m) {
+    legacy_pairs8(b, row_bytes, kind, 0, wp, d, m);
+    legacy_pairs8(b + 8 * row_bytes, row_bytes, kind, 1, wp, d, m);
+}
+
+/* Four x rows' sums of a block (block_sums), in eight named registers. */
+static inline __attribute__((always_inline)) void block_sums4(const lane_codes_t wp[16], const int32_t *const words[4],
+                                                              int64_t at, lanes_t sums[4], int n) {
+    __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {
+        const __m256i w0 = wp[j].h[0], w1 = wp[j].h[1];
+        __m256i x = _mm256_set1_epi32(words[0][at + j]);
+        s00 = _mm256_add_epi32(s00, _mm256_madd_epi16(w0, x)), s01 = _mm256_add_epi32(s01, _mm256_madd_epi16(w1, x));
+        if (n > 1) {
+            x = _mm256_set1_epi32(words[1][at + j]);
+            s10 = _mm256_add_epi32(s10, _mm256_madd_epi16(w0, x)), s11 = _mm256_add_epi32(s11, _mm256_madd_epi16(w1, x));
+        }
+        if (n > 2) {
+            x = _mm256_set1_epi32(words[2][at + j]);
+            s20 = _mm256_add_epi32(s20, _mm256_madd_epi16(w0, x)), s21 = _mm256_add_epi32(s21, _mm256_madd_epi16(w1, x));
+            x = _mm256_set1_epi32(words[3][at + j]);
+            s30 = _mm256_add_epi32(s30, _mm256_madd_epi16(w0, x)), s31 = _mm256_add_epi32(s31, _mm256_madd_epi16(w1, x));
+        }
+        /* the sums as they stand, in registers: else GCC reassociates the integer adds, forms every
+         * product first and keeps them on the stack */
+        __asm__("" : "+x"(s00), "+x"(s01), "+x"(s10), "+x"(s11), "+x"(s20), "+x"(s21), "+x"(s30), "+x"(s31));
+    }
+    sums[0] = (lanes_t){{_mm256_cvtepi32_ps(s00), _mm256_cvtepi32_ps(s01)}};
+    if (n > 1) sums[1] = (lanes_t){{_mm256_cvtepi32_ps(s10), _mm256_cvtepi32_ps(s11)}};
+    if (n > 2) {
+        sums[2] = (lanes_t){{_mm256_cvtepi32_ps(s20), _mm256_cvtepi32_ps(s21)}};
+        sums[3] = (lanes_t){{_mm256_cvtepi32_ps(s30), _mm256_cvtepi32_ps(s31)}};
+    }
+}
+
+/* Row r's exact integer sums of block blk with each of `rows` x rows' codes (words[t]: lane_words of its
+ * row) in lane r of sums[t], as floats: sixteen 16-bit multiply-adds an x row and register of rows, each
+ * x code broadcast once for both registers; the x rows four at a time. */
+static inline __attribute__((always_inline)) void block_sums(const lane_codes_t wp[16], const int32_t *const words[ROW_TILE],
+                                                             int64_t blk, lanes_t sums[ROW_TILE], int rows) {
+    for (int t0 = 0; t0 < rows; t0 += 4) block_sums4(wp, words + t0, 16 * blk, sums + t0, rows < 4 ? rows : 4);
+}
+#endif
+
+#ifdef LLMX_AVX2
+/* Where a tile's `rows` x rows read their codes (lane_words), scales and sums: xs[0..nt), the rest
+ * repeating the last (their results are dropped). */
+static inline void tile_x(const qx_rows_t *qx, const int64_t *xs, int64_t nt, int rows, const int32_t *words[ROW_TILE],
+                          const float *dx[ROW_TILE], const float *s32[ROW_TILE]) {
+    for (int t = 0; t < rows; t++) {
+        const int64_t row = xs[t < nt ? t : nt - 1];
+        words[t] = lane_words(qx) + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups, s32[t] = qx->s32 + row * qx->groups;
+    }
+}
+
+/* Block blk's share (`share`: the bytes of a block of all the rows ahead) of the next rows' bytes asked
+ * for (`next`: those rows, NULL: none), so that a tile's stream from RAM runs ahead of its products. */
+static inline void prefetch_share(const uint8_t *next, int share, int64_t blk) {
+    if (next != NULL)
+        for (int o = 0; o < share; o += 64) _mm_prefetch((const char *)(next + share * blk + o), _MM_HINT_T0);
+}
+
 /* hsum's tree over the lanes of blocks b mod 8, one (row, x row) a lane. */
-static inline __m512 tree8(const __m512 a[8]) {
-    return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
-                         _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+static inline lanes_t tree8(const lanes_t a[8]) {
+    return lanes_add(lanes_add(lanes_add(a[0], a[4]), lanes_add(a[2], a[6])),
+                     lanes_add(lanes_add(a[1], a[5]), lanes_add(a[3], a[7])));
 }
 
-/* Block blk of a tile: the rows' products with each of `rows` x rows (sums[t], row r in lane r) and the
- * rows' d and m (Q4_0's m: its offset times d), with its share of the next tile asked for (prefetch_share). */
+/* Block blk of W_TILE rows: their products with each of `rows` x rows (sums[t], row r in lane r) and
+ * the rows' d and m (Q4_0's m: its offset times d), with its share of the next rows asked for. */
 static inline __attribute__((always_inline)) void wide_block(const uint8_t *w, int64_t row_bytes, int64_t blk, int kind,
-                                                             const uint8_t *next, const int32_t *const pairs[ROW_TILE],
-                                                             __m512 sums[ROW_TILE], __m512 *d, __m512 *m, int rows) {
+                                                             const uint8_t *next, const int32_t *const words[ROW_TILE],
+                                                             lanes_t sums[ROW_TILE], lanes_t *d, lanes_t *m, int rows) {
     const int bytes = legacy_bytes(kind);
-    prefetch_share(next, bytes, blk);
-    __m512i wp[16];
-    legacy_pairs16(w + bytes * blk, row_bytes, kind, wp, d, m);
-    if (!legacy_has_m(kind)) *m = _mm512_mul_ps(*d, _mm512_set1_ps(legacy_offset(kind)));
-    block_sums16(wp, pairs, blk, sums, rows);
+    prefetch_share(next, W_TILE * bytes, blk);
+    lane_codes_t wp[16];
+    legacy_pairs(w + bytes * blk, row_bytes, kind, wp, d, m);
+    if (!legacy_has_m(kind)) *m = lanes_mul(*d, lanes_of(legacy_offset(kind)));
+    block_sums(wp, words, blk, sums, rows);
 }
 
-/* A tile's 16 W rows times `rows` x rows (1, 2, 4 or 8; xs[0..nt), the rest repeating the last, their
+/* W_TILE W rows times `rows` x rows (1, 2, 4 or 8; xs[0..nt), the rest repeating the last, their
  * results dropped) for the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as dot_legacy_nibbles and
  * dot_q8_0 compute each product: eight blocks at a time into lanes b mod 8, hsum's tree, then the last
  * blocks. */
@@ -1277,32 +1445,33 @@ static inline __attribute__((always_inline)) void wide_tile(const uint8_t *w, in
                                                             const uint8_t *next, float *y, int64_t y_stride, int kind,
                                                             int rows) {
     const int is_q8 = kind == L_Q8_0;
-    const int32_t *pairs[ROW_TILE];
+    const int32_t *words[ROW_TILE];
     const float *dx[ROW_TILE], *s32[ROW_TILE];
-    __m512 acc[ROW_TILE][8], offsets[ROW_TILE][8], total[ROW_TILE], sums[ROW_TILE], d, m;
-    tile_x(qx, xs, nt, rows, pairs, dx, s32);
+    lanes_t acc[ROW_TILE][8], offsets[ROW_TILE][8], total[ROW_TILE], sums[ROW_TILE], d, m;
+    tile_x(qx, xs, nt, rows, words, dx, s32);
     for (int t = 0; t < rows; t++)
-        for (int i = 0; i < 8; i++) acc[t][i] = offsets[t][i] = _mm512_setzero_ps();
+        for (int i = 0; i < 8; i++) acc[t][i] = offsets[t][i] = lanes_zero();
     int64_t blk = 0;
     for (; blk + 8 <= blocks; blk += 8)
         for (int i = 0; i < 8; i++) {
-            wide_block(w, row_bytes, blk + i, kind, next, pairs, sums, &d, &m, rows);
+            wide_block(w, row_bytes, blk + i, kind, next, words, sums, &d, &m, rows);
             for (int t = 0; t < rows; t++) {
-                acc[t][i] = _mm512_fmadd_ps(sums[t], _mm512_mul_ps(d, _mm512_set1_ps(dx[t][blk + i])), acc[t][i]);
-                if (!is_q8) offsets[t][i] = _mm512_fmadd_ps(m, _mm512_set1_ps(s32[t][blk + i]), offsets[t][i]);
+                acc[t][i] = lanes_fmadd(sums[t], lanes_mul(d, lanes_of(dx[t][blk + i])), acc[t][i]);
+                if (!is_q8) offsets[t][i] = lanes_fmadd(m, lanes_of(s32[t][blk + i]), offsets[t][i]);
             }
         }
-    for (int t = 0; t < rows; t++) total[t] = is_q8 ? tree8(acc[t]) : _mm512_add_ps(tree8(acc[t]), tree8(offsets[t]));
+    for (int t = 0; t < rows; t++) total[t] = is_q8 ? tree8(acc[t]) : lanes_add(tree8(acc[t]), tree8(offsets[t]));
     for (; blk < blocks; blk++) {
-        wide_block(w, row_bytes, blk, kind, next, pairs, sums, &d, &m, rows);
+        wide_block(w, row_bytes, blk, kind, next, words, sums, &d, &m, rows);
         for (int t = 0; t < rows; t++) {
-            total[t] = _mm512_fmadd_ps(sums[t], _mm512_mul_ps(d, _mm512_set1_ps(dx[t][blk])), total[t]);
-            if (!is_q8) total[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(s32[t][blk]), total[t]);
+            total[t] = lanes_fmadd(sums[t], lanes_mul(d, lanes_of(dx[t][blk])), total[t]);
+            if (!is_q8) total[t] = lanes_fmadd(m, lanes_of(s32[t][blk]), total[t]);
         }
     }
-    for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, total[t]);
+    for (int64_t t = 0; t < nt; t++) lanes_store(y + t * y_stride, total[t]);
 }
 
+#ifdef LLMX_AVX512
 /* Q4_K and Q5_K (five) in tiles of 16 W rows: each sub-block of 32 weights as a group of the legacy
  * types (its 16 pairs of positions p and p + 16 transposed, dpwssd with each x row's pairs), times the
  * rows' d * scale of the sub-block, less their dmin * min times x's sums. Its float sums run in their
@@ -1321,7 +1490,7 @@ static inline __attribute__((always_inline)) void wide_k_tile(const uint8_t *w, 
     for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = w + bytes * blk;
-        prefetch_share(next, bytes, blk);
+        prefetch_share(next, W_TILE * bytes, blk);
         __m256i dsc_rows[W_TILE], dmn_rows[W_TILE];
         __m512i dsc[8], dmn[8]; /* sub-block s: its d * scale, dmin * min of the 16 rows */
         for (int r = 0; r < W_TILE; r++) {
@@ -1344,7 +1513,7 @@ static inline __attribute__((always_inline)) void wide_k_tile(const uint8_t *w, 
                 }
             }
             transpose16(wp);
-            block_sums16(wp, pairs, g, sums, rows);
+            block_sums(wp, pairs, g, sums, rows);
             for (int t = 0; t < rows; t++) {
                 const __m512 scale = _mm512_mul_ps(_mm512_castsi512_ps(dsc[sb]), _mm512_set1_ps(dx[t][g]));
                 acc[t] = _mm512_fnmadd_ps(_mm512_castsi512_ps(dmn[sb]), _mm512_set1_ps(s32[t][g]),
@@ -1370,7 +1539,7 @@ static inline __attribute__((always_inline)) void wide_q6_k_tile(const uint8_t *
     for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = w + 210 * blk;
-        prefetch_share(next, 210, blk);
+        prefetch_share(next, W_TILE * 210, blk);
         uint16_t halves[W_TILE];
         for (int r = 0; r < W_TILE; r++) memcpy(halves + r, b + r * row_bytes + 208, 2);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)halves));
@@ -1395,6 +1564,8 @@ static inline __attribute__((always_inline)) void wide_q6_k_tile(const uint8_t *
     for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + t * y_stride, acc[t]);
 }
 
+#endif
+
 /* The legacy kind of one of the 32-weight types. */
 static inline int legacy_kind(int type) {
     switch (type) {
@@ -1406,17 +1577,22 @@ static inline int legacy_kind(int type) {
     }
 }
 
-/* A tile of `type`'s wide kernel, its `rows` (a constant where the call is inlined) x rows at a time. */
+/* W_TILE W rows of `type`'s wide kernel, its `rows` (a constant where the call is inlined) x rows at a time. */
 static inline __attribute__((always_inline)) void wide_type_tile(int type, const uint8_t *w, int64_t row_bytes,
                                                                  int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
                                                                  int64_t nt, const uint8_t *next, float *y,
                                                                  int64_t y_stride, int rows) {
-    if (type == T_Q6_K)
+#ifdef LLMX_AVX512
+    if (type == T_Q6_K) {
         wide_q6_k_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride, rows);
-    else if (type == T_Q4_K || type == T_Q5_K)
+        return;
+    }
+    if (type == T_Q4_K || type == T_Q5_K) {
         wide_k_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride, type == T_Q5_K, rows);
-    else
-        wide_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride, legacy_kind(type), rows);
+        return;
+    }
+#endif
+    wide_tile(w, row_bytes, blocks, qx, xs, nt, next, y, y_stride, legacy_kind(type), rows);
 }
 
 /* `type`'s wide kernel: the x rows ROW_TILE at a time, a last few in a tile of 4, 2 or 1 (its time
@@ -1424,11 +1600,11 @@ static inline __attribute__((always_inline)) void wide_type_tile(int type, const
 static inline __attribute__((always_inline)) void wide_rows(int type, const uint8_t *w, int64_t row_bytes,
                                                             int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
                                                             int64_t nx, float *y, int64_t y_stride) {
-    for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
-        const int64_t nt = tile_of(nx, t0);
+    for (int64_t t0 = 0; t0 < nx; t0 += WIDE_ROWS) {
+        const int64_t nt = nx - t0 < WIDE_ROWS ? nx - t0 : WIDE_ROWS;
         const uint8_t *next = t0 == 0 ? w + W_TILE * row_bytes : NULL;
         const int rows = nt > 4 ? ROW_TILE : nt > 2 ? 4 : nt > 1 ? 2 : 1;
-        if (rows == ROW_TILE)
+        if (WIDE_ROWS == ROW_TILE && rows == ROW_TILE)
             wide_type_tile(type, w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, ROW_TILE);
         else if (rows == 4)
             wide_type_tile(type, w, row_bytes, blocks, qx, xs + t0, nt, next, y + t0 * y_stride, y_stride, 4);
@@ -1449,24 +1625,28 @@ WIDE_OF_TYPE(wide_q4_1, T_Q4_1)
 WIDE_OF_TYPE(wide_q8_0, T_Q8_0)
 WIDE_OF_TYPE(wide_q5_0, T_Q5_0)
 WIDE_OF_TYPE(wide_q5_1, T_Q5_1)
+#ifdef LLMX_AVX512
 WIDE_OF_TYPE(wide_q4_k, T_Q4_K)
 WIDE_OF_TYPE(wide_q5_k, T_Q5_K)
 WIDE_OF_TYPE(wide_q6_k, T_Q6_K)
+#endif
 #endif
 
 /* A type's wide kernel (NULL: none), and from how many x rows it serves. */
 static wide_fn wide_of(int type, int64_t *from) {
     *from = type == T_Q6_K ? WIDE_Q6_K_FROM : type == T_Q4_K || type == T_Q5_K ? WIDE_K_FROM : WIDE_FROM;
-#ifdef LLMX_AVX512
+#ifdef LLMX_AVX2
     switch (type) {
     case T_Q4_0: return wide_q4_0;
     case T_Q4_1: return wide_q4_1;
     case T_Q8_0: return wide_q8_0;
     case T_Q5_0: return wide_q5_0;
     case T_Q5_1: return wide_q5_1;
+#ifdef LLMX_AVX512
     case T_Q4_K: return wide_q4_k;
     case T_Q5_K: return wide_q5_k;
     case T_Q6_K: return wide_q6_k;
+#endif
     default: return NULL;
     }
 #else
