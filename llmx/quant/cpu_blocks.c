@@ -1105,7 +1105,8 @@ static rows_fn rows_of(int type) {
  * are read in qx_t.c's order, which shifts of the W rows' bytes give without a byte shuffle (lane_words).
  * On the 2-core Zen 3 (one thread, 2 MiB from L3: bench/cpu_rows.py) Q4_1 at 8 x rows 2000 -> 1385 us,
  * 4 rows 1144 -> 700, 2 rows 740 -> 444; Q4_0 alike; Q8_0, Q5_0 and Q5_1, whose codes transpose as whole
- * bytes, 0.94-1.3x. The K-quants keep rows_fn there. */
+ * bytes, 1.1-1.3x (their helpers inlined by force: GCC called them, the arrays through memory). The
+ * K-quants keep rows_fn there. */
 /* x rows a wide kernel's pass over its W tile serves: AVX2's sixteen registers hold the sums of four
  * (two registers each) beside a pair of W codes and a broadcast x code; eight spilled them (one Zen 3
  * thread, Q4_1 in cache, 8 x rows: 1350-1400 us, two passes of four 900-915) */
@@ -1289,7 +1290,7 @@ static inline void lanes_store(float *p, lanes_t v) { _mm256_storeu_ps(p, v.h[0]
 static inline const int32_t *lane_words(const qx_rows_t *qx) { return (const int32_t *)qx->c; }
 
 /* The 8 x 8 matrix of 32-bit words v (row i in v[i]) transposed in place. */
-static inline void transpose8(__m256i v[8]) {
+static inline __attribute__((always_inline)) void transpose8(__m256i v[8]) {
     __m256i a[8], b[8];
     for (int i = 0; i < 8; i += 2) { /* a[i]: words 0, 1 of rows i, i + 1 (then 4, 5); a[i + 1]: 2, 3 (6, 7) */
         a[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
@@ -1309,7 +1310,7 @@ static inline void transpose8(__m256i v[8]) {
 
 /* Lanes of the 16 bytes at b + at of 8 rows row_bytes apart, rows r and r + 4 side by side: v[k] holds
  * rows k (low 128 bits) and k + 4. */
-static inline void rows_side_by_side(const uint8_t *b, int64_t row_bytes, int at, __m256i v[4]) {
+static inline __attribute__((always_inline)) void rows_side_by_side(const uint8_t *b, int64_t row_bytes, int at, __m256i v[4]) {
     for (int k = 0; k < 4; k++)
         v[k] = _mm256_loadu2_m128i((const __m128i *)(b + (k + 4) * row_bytes + at), (const __m128i *)(b + k * row_bytes + at));
 }
@@ -1318,7 +1319,7 @@ static inline void rows_side_by_side(const uint8_t *b, int64_t row_bytes, int at
  * x's word j, lane_words) and their d and m. Q4_0's and Q4_1's nibbles transpose as 4 words a row, each
  * byte's two codes then taken apart in 16-bit lanes; Q8_0's codes and the 5-bit codes (nibble_codes) as
  * 8 words a row of whole bytes. */
-static inline void legacy_pairs8(const uint8_t *b, int64_t row_bytes, int kind, int h, lane_codes_t wp[16], lanes_t *d,
+static inline __attribute__((always_inline)) void legacy_pairs8(const uint8_t *b, int64_t row_bytes, int kind, int h, lane_codes_t wp[16], lanes_t *d,
                                  lanes_t *m) {
     __m256i v[8], a[4];
     rows_side_by_side(b, row_bytes, 0, v); /* the rows' first words: d (low half), then Q4_1's and Q5_1's m */
@@ -1354,7 +1355,7 @@ static inline void legacy_pairs8(const uint8_t *b, int64_t row_bytes, int kind, 
 
 /* Block b of 16 rows row_bytes apart (`kind`: any of the 32-weight types) as pairs of codes, 8 rows a
  * register (legacy_pairs8), and the rows' d (and Q4_1's and Q5_1's m) as floats. */
-static inline void legacy_pairs(const uint8_t *b, int64_t row_bytes, int kind, lane_codes_t wp[16], lanes_t *d, lanes_t *m) {
+static inline __attribute__((always_inline)) void legacy_pairs(const uint8_t *b, int64_t row_bytes, int kind, lane_codes_t wp[16], lanes_t *d, lanes_t *m) {
     legacy_pairs8(b, row_bytes, kind, 0, wp, d, m);
     legacy_pairs8(b + 8 * row_bytes, row_bytes, kind, 1, wp, d, m);
 }
@@ -1402,7 +1403,7 @@ static inline __attribute__((always_inline)) void block_sums(const lane_codes_t 
 #ifdef LLMX_AVX2
 /* Where a tile's `rows` x rows read their codes (lane_words), scales and sums: xs[0..nt), the rest
  * repeating the last (their results are dropped). */
-static inline void tile_x(const qx_rows_t *qx, const int64_t *xs, int64_t nt, int rows, const int32_t *words[ROW_TILE],
+static inline __attribute__((always_inline)) void tile_x(const qx_rows_t *qx, const int64_t *xs, int64_t nt, int rows, const int32_t *words[ROW_TILE],
                           const float *dx[ROW_TILE], const float *s32[ROW_TILE]) {
     for (int t = 0; t < rows; t++) {
         const int64_t row = xs[t < nt ? t : nt - 1];
