@@ -1412,8 +1412,10 @@ static inline __attribute__((always_inline)) void tile_x(const qx_rows_t *qx, co
 }
 
 /* Block blk's share (`share`: the bytes of a block of all the rows ahead) of the next rows' bytes asked
- * for (`next`: those rows, NULL: none), so that a tile's stream from RAM runs ahead of its products. */
-static inline void prefetch_share(const uint8_t *next, int share, int64_t blk) {
+ * for (`next`: those rows, NULL: none), so that a tile's stream from RAM runs ahead of its products.
+ * Inlined by force: GCC found a call of it "looping const" (prefetches have no effect it can see) and
+ * removed every call, so that the wide kernels streamed with no prefetch at all. */
+static inline __attribute__((always_inline)) void prefetch_share(const uint8_t *next, int share, int64_t blk) {
     if (next != NULL)
         for (int o = 0; o < share; o += 64) _mm_prefetch((const char *)(next + share * blk + o), _MM_HINT_T0);
 }
