@@ -421,8 +421,9 @@ static inline void split_lanes(__m512i v, __m256i halves[2]) { /* lanes 0-7, the
 
 /* A thread's rows (a chunk at a time) lie one after another: ask for the lines `prefetch_ahead` bytes past a
  * block while multiplying it, so that the stream from RAM keeps that many bytes in flight (one core's
- * hardware prefetchers alone stop at each 4 KiB page). Past the end it is harmless: no fault. */
-static inline void prefetch_block(const uint8_t *b, int bytes) {
+ * hardware prefetchers alone stop at each 4 KiB page). Past the end it is harmless: no fault. Inlined by
+ * force, as prefetch_share: a call of it has no effect GCC can see, and would be removed. */
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *b, int bytes) {
     const uint8_t *ahead = b + prefetch_ahead;
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(ahead + o), _MM_HINT_T0);
 }
