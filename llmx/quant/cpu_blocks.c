@@ -12,10 +12,10 @@
  * the exact integer sum: about a third of the instructions of float32 products, which left one core
  * at ~6 GB/s, short of its share of RAM's bandwidth. Up to 64 rows of x reuse each weight row while
  * it sits in L1, their products formed from codes unpacked once (see rows_fn; 16 rows of W at once for
- * the 32-weight types, and with AVX-512 the K-quants too, see wide_fn). Weights are exactly GGUF's (d * scale * q - dmin * min). With AVX2 the dot products
- * are written out (VNNI's dpbusd where the CPU has it, else maddubs + madd: the same exact sums; with
- * AVX-512 VNNI two groups or blocks a 512-bit register);
- * elsewhere a portable loop decodes a block and multiplies it with x's rounded values in float32.
+ * the 32-weight types, and with AVX-512 the K-quants too, see wide_fn). Weights are exactly GGUF's
+ * (d * scale * q - dmin * min). With AVX2 the dot products are written out (VNNI's dpbusd where the
+ * CPU has it, else maddubs + madd: the same exact sums; with AVX-512 VNNI two groups or blocks a 512-bit
+ * register); elsewhere a portable loop decodes a block and multiplies it with x's rounded values in float32.
  * The library is linked to the OpenMP runtime torch itself loaded (cpu_native.compile_to), so
  * torch.set_num_threads governs both and one thread pool serves them.
  */
@@ -1242,7 +1242,7 @@ static inline void legacy_pairs(const uint8_t *b, int64_t row_bytes, int kind, _
 /* Row r's exact integer sums of block blk with each of `rows` x rows' codes (pairs[t]: its words) in lane
  * r of sums[t], as floats. The x rows' multiply-adds interleave: each row's chain of 16 waits on itself. */
 static inline __attribute__((always_inline)) void block_sums(const __m512i wp[16], const int32_t *const pairs[ROW_TILE],
-                                                               int64_t blk, __m512 sums[ROW_TILE], int rows) {
+                                                             int64_t blk, __m512 sums[ROW_TILE], int rows) {
     __m512i s[ROW_TILE];
     for (int t = 0; t < rows; t++) s[t] = _mm512_setzero_si512();
     for (int p = 0; p < 16; p++)
@@ -1311,7 +1311,8 @@ static inline __attribute__((always_inline)) void transpose8(__m256i v[8]) {
 
 /* Lanes of the 16 bytes at b + at of 8 rows row_bytes apart, rows r and r + 4 side by side: v[k] holds
  * rows k (low 128 bits) and k + 4. */
-static inline __attribute__((always_inline)) void rows_side_by_side(const uint8_t *b, int64_t row_bytes, int at, __m256i v[4]) {
+static inline __attribute__((always_inline)) void rows_side_by_side(const uint8_t *b, int64_t row_bytes, int at,
+                                                                    __m256i v[4]) {
     for (int k = 0; k < 4; k++)
         v[k] = _mm256_loadu2_m128i((const __m128i *)(b + (k + 4) * row_bytes + at), (const __m128i *)(b + k * row_bytes + at));
 }
@@ -1320,8 +1321,8 @@ static inline __attribute__((always_inline)) void rows_side_by_side(const uint8_
  * x's word j, lane_words) and their d and m. Q4_0's and Q4_1's nibbles transpose as 4 words a row, each
  * byte's two codes then taken apart in 16-bit lanes; Q8_0's codes and the 5-bit codes (nibble_codes) as
  * 8 words a row of whole bytes. */
-static inline __attribute__((always_inline)) void legacy_pairs8(const uint8_t *b, int64_t row_bytes, int kind, int h, lane_codes_t wp[16], lanes_t *d,
-                                 lanes_t *m) {
+static inline __attribute__((always_inline)) void legacy_pairs8(const uint8_t *b, int64_t row_bytes, int kind, int h,
+                                                                lane_codes_t wp[16], lanes_t *d, lanes_t *m) {
     __m256i v[8], a[4];
     rows_side_by_side(b, row_bytes, 0, v); /* the rows' first words: d (low half), then Q4_1's and Q5_1's m */
     const __m256i first = _mm256_unpacklo_epi64(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpacklo_epi32(v[2], v[3]));
@@ -1356,7 +1357,8 @@ static inline __attribute__((always_inline)) void legacy_pairs8(const uint8_t *b
 
 /* Block b of 16 rows row_bytes apart (`kind`: any of the 32-weight types) as pairs of codes, 8 rows a
  * register (legacy_pairs8), and the rows' d (and Q4_1's and Q5_1's m) as floats. */
-static inline __attribute__((always_inline)) void legacy_pairs(const uint8_t *b, int64_t row_bytes, int kind, lane_codes_t wp[16], lanes_t *d, lanes_t *m) {
+static inline __attribute__((always_inline)) void legacy_pairs(const uint8_t *b, int64_t row_bytes, int kind,
+                                                               lane_codes_t wp[16], lanes_t *d, lanes_t *m) {
     legacy_pairs8(b, row_bytes, kind, 0, wp, d, m);
     legacy_pairs8(b + 8 * row_bytes, row_bytes, kind, 1, wp, d, m);
 }
@@ -1404,8 +1406,9 @@ static inline __attribute__((always_inline)) void block_sums(const lane_codes_t 
 #ifdef LLMX_AVX2
 /* Where a tile's `rows` x rows read their codes (lane_words), scales and sums: xs[0..nt), the rest
  * repeating the last (their results are dropped). */
-static inline __attribute__((always_inline)) void tile_x(const qx_rows_t *qx, const int64_t *xs, int64_t nt, int rows, const int32_t *words[ROW_TILE],
-                          const float *dx[ROW_TILE], const float *s32[ROW_TILE]) {
+static inline __attribute__((always_inline)) void tile_x(const qx_rows_t *qx, const int64_t *xs, int64_t nt, int rows,
+                                                         const int32_t *words[ROW_TILE], const float *dx[ROW_TILE],
+                                                         const float *s32[ROW_TILE]) {
     for (int t = 0; t < rows; t++) {
         const int64_t row = xs[t < nt ? t : nt - 1];
         words[t] = lane_words(qx) + row * (qx->k / 2), dx[t] = qx->dx + row * qx->groups, s32[t] = qx->s32 + row * qx->groups;
