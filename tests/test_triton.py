@@ -527,7 +527,7 @@ def pick_kernel(name: str, m: int) -> str:
 
 def test_kernel_choice() -> None:
     lo, hi = choice.ROWS8_MIN_M, choice.ROWS8_MAX_M
-    assert [pick_kernel("Q6_K", m) for m in (1, lo, hi)] == ["dot8", "dot8_rows", "dot8_rows"]
+    assert [pick_kernel("Q8_0", m) for m in (1, lo, hi)] == ["dot8", "dot8_rows", "dot8_rows"]
     split = [choice.choose(qtype("Q4_K"), "cuda", choice.SPLIT, m) for m in (1, 2, 4, 5, 15, 16)]
     assert split == ["gemv"] * 3 + ["gemm"] * 2 + ["dequant"]  # rows the integer dots cannot read
     assert [pick_kernel("Q4_1", m) for m in (1, 4, 5)] == ["gemv"] * 2 + ["gemm"]
