@@ -1,7 +1,9 @@
 """mmh's time by its split over K: the tuned rule (`matmul.mmq_splits`) against K cut into 1, 2, 4 and 8
 ranges, on Llama-3-8B's FFN matrices (14336 x 4096 and 4096 x 14336) at 8 to 64 rows of x, microseconds
-a call (CUDA events, eager). A launch of the FFN up matrix at 16 rows has under two programs an SM
-(bench/RESULTS.md): whether more programs, each with fewer steps, hide the step's latency.
+a call: what one call adds to a CUDA graph of them over weight copies larger than the L2 (`kernels.graph_ms`,
+x scaled into f16 beforehand as a step does; eager calls were host-bound, ~140 us each on an H100). A
+launch of the FFN up matrix at 16 rows has under two programs an SM (bench/RESULTS.md): whether more
+programs, each with fewer steps, hide the step's latency.
 
     python bench/mmh_split.py [--types Q4_K,Q6_K] [--m 8,16,32,64]
 """
@@ -10,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 
 import torch
-from kernels import make_weight
+from kernels import copies, graph_ms, make_weight
 
+from llmx.quant.triton import activation
 from llmx.quant.triton import matmul as tops
 from llmx.quant.triton.layout import prepare
 
@@ -30,19 +34,6 @@ def forced(ranges: int) -> Callable[[int, int, int], tuple[int, int]]:
     return splits
 
 
-def micros(fn: Callable[[], object], reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1000
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_K,Q6_K")
@@ -53,13 +44,15 @@ def main() -> None:
     print("| --- | ---: | ---: |" + " ---: |" * len(FACTORS))
     for name in args.types.split(","):
         for n, k in ((14336, 4096), (4096, 14336)):
-            w = prepare(make_weight(name, n, k))
+            ws = copies(prepare(make_weight(name, n, k)))
             for m in map(int, args.m.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 0.1
+                half = activation.half_rows(x)
                 cells = []
                 for splits in (rule, *map(forced, FACTORS)):
-                    tops.mmq_splits = splits
-                    cells.append(f"{micros(lambda: tops.linear(x, w, kernel='mmh')):.1f}")  # noqa: B023
+                    tops.mmq_splits = splits  # read as each call is captured
+                    calls = [partial(tops.linear, x, w, kernel="mmh", half=half) for w in ws]
+                    cells.append(f"{graph_ms(calls) * 1e3:.1f}")
                 tops.mmq_splits = rule
                 print(f"| {name} {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
 
