@@ -1109,8 +1109,9 @@ static rows_fn rows_of(int type) {
  * bytes, 1.1-1.3x (their helpers inlined by force: GCC called them, the arrays through memory). The
  * K-quants keep rows_fn there. */
 /* x rows a wide kernel's pass over its W tile serves: AVX2's sixteen registers hold the sums of four
- * (two registers each) beside a pair of W codes and a broadcast x code; eight spilled them (one Zen 3
- * thread, Q4_1 in cache, 8 x rows: 1350-1400 us, two passes of four 900-915) */
+ * (two registers each) beside a pair of W codes and a broadcast x code. Eight a pass, sharing a block's
+ * pairs between two such groups, are level with two passes of four (one Zen 3 thread, Q4_1, 8 x rows,
+ * 2 MiB: 870-1140 us either way); with 8 W rows a register they had spilled (1350-1400). */
 #ifndef WIDE_ROWS
 #ifdef LLMX_AVX512
 #define WIDE_ROWS ROW_TILE
