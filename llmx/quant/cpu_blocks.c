@@ -868,7 +868,8 @@ typedef void (*rows_fn)(const uint8_t *row, int64_t blocks, const qx_rows_t *qx,
                         float *y, int64_t y_stride);
 
 #ifdef LLMX_AVX2
-static inline int64_t tile_of(int64_t nx, int64_t t0) { return nx - t0 < ROW_TILE ? nx - t0 : ROW_TILE; }
+/* The x rows of the tile (of up to `tile`) that starts at x row t0 of nx. */
+static inline int64_t tile_of(int64_t nx, int64_t t0, int64_t tile) { return nx - t0 < tile ? nx - t0 : tile; }
 
 /* The 32-weight types (kind: L_Q4_0 ...), as dot_legacy_nibbles and dot_q8_0 compute each row: eight
  * blocks at a time, then one by one. */
@@ -877,7 +878,7 @@ static inline void rows_legacy(const uint8_t *row, int64_t blocks, const qx_rows
     const int bytes = legacy_bytes(kind), at = legacy_codes_at(kind), with_m = legacy_has_m(kind);
     const int is_q8 = kind == L_Q8_0;
     for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
-        const int64_t nt = tile_of(nx, t0);
+        const int64_t nt = tile_of(nx, t0, ROW_TILE);
         qx_t x[ROW_TILE];
         __m256 acc[ROW_TILE], offsets[ROW_TILE];
         for (int64_t t = 0; t < nt; t++) x[t] = qx_row(qx, xs[t0 + t]), acc[t] = offsets[t] = _mm256_setzero_ps();
@@ -960,7 +961,7 @@ static inline void rows_k_nibbles(const uint8_t *row, int64_t blocks, const qx_r
     const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const int bytes = five ? 176 : 144, nibbles = five ? 48 : 16;
     for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
-        const int64_t nt = tile_of(nx, t0);
+        const int64_t nt = tile_of(nx, t0, ROW_TILE);
         qx_t x[ROW_TILE];
         __m256 even[ROW_TILE], odd[ROW_TILE], mins[ROW_TILE];
         for (int64_t t = 0; t < nt; t++)
@@ -1016,7 +1017,7 @@ static void rows_q6_k(const uint8_t *row, int64_t blocks, const qx_rows_t *qx, c
     const __m256i low = _mm256_set1_epi8(15), bits01 = _mm256_set1_epi8(3), bits23 = _mm256_set1_epi8(12),
                   bits45 = _mm256_set1_epi8(48);
     for (int64_t t0 = 0; t0 < nx; t0 += ROW_TILE) {
-        const int64_t nt = tile_of(nx, t0);
+        const int64_t nt = tile_of(nx, t0, ROW_TILE);
         qx_t x[ROW_TILE];
         __m256 acc[ROW_TILE], offsets[ROW_TILE];
         for (int64_t t = 0; t < nt; t++) x[t] = qx_row(qx, xs[t0 + t]), acc[t] = offsets[t] = _mm256_setzero_ps();
@@ -1609,7 +1610,7 @@ static inline __attribute__((always_inline)) void wide_rows(int type, const uint
                                                             int64_t blocks, const qx_rows_t *qx, const int64_t *xs,
                                                             int64_t nx, float *y, int64_t y_stride) {
     for (int64_t t0 = 0; t0 < nx; t0 += WIDE_ROWS) {
-        const int64_t nt = nx - t0 < WIDE_ROWS ? nx - t0 : WIDE_ROWS;
+        const int64_t nt = tile_of(nx, t0, WIDE_ROWS);
         const uint8_t *next = t0 == 0 ? w + W_TILE * row_bytes : NULL;
         const int rows = nt > 4 ? ROW_TILE : nt > 2 ? 4 : nt > 1 ? 2 : 1;
         if (WIDE_ROWS == ROW_TILE && rows == ROW_TILE)
