@@ -13,6 +13,7 @@ from tiny_models import SLIDING_WINDOW, random_prompt, write_tiny
 
 import llmx
 from llmx.errors import LlmxError
+from llmx.runtime import batch
 from llmx.runtime.batch import Chunk, forward_batch
 from llmx.runtime.blocks import BlockTable
 from llmx.runtime.cache import KVCache, LayerShape
@@ -113,6 +114,16 @@ def test_a_batched_step_gives_each_sequence_its_own_logits(arch, type_name, cach
     model = llmx.load(path, ctx_size=256, n_gpu_layers=0, cache_type_k=cache_type, cache_type_v=cache_type)
     lengths = [5, 2 * SLIDING_WINDOW + 3, 1, 2 * CHUNK + 3]  # the last joins late, in three chunks
     _check_batched(model, lengths, n_seq=4)
+
+
+@pytest.mark.parametrize(("arch", "cache_type"), [("llama", "f32"), ("gemma3", "f16")])
+def test_long_prompt_chunks_attend_over_their_gathered_rows(arch, cache_type, tmp_path, monkeypatch):
+    """Prompt chunks longer than TOKEN_CHUNK_ROWS take the eager path (each sequence's rows over its
+    own gathered rows, the decode tokens in one call) and give the same logits."""
+    monkeypatch.setattr(batch, "TOKEN_CHUNK_ROWS", 2)
+    path = write_tiny(arch, "Q8_0", tmp_path)
+    model = llmx.load(path, ctx_size=256, n_gpu_layers=0, cache_type_k=cache_type, cache_type_v=cache_type)
+    _check_batched(model, [5, 2 * SLIDING_WINDOW + 3, 1, 2 * CHUNK + 3], n_seq=4)
 
 
 # --- the prefix cache: sequences on blocks others computed, against the engine alone --------------

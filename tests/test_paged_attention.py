@@ -25,6 +25,7 @@ from llmx.ops.masks import causal_mask
 from llmx.quant import cpu_native, qtype
 from llmx.quant.quantize import quantize
 from llmx.quant.torch_ops import dequantize
+from llmx.runtime import batch
 from llmx.runtime.batch import Chunk, forward_batch
 from llmx.runtime.blocks import BlockTable
 from llmx.runtime.paged import PagedKVCache
@@ -164,10 +165,11 @@ def test_a_sequence_in_a_batch_attends_as_in_a_batch_of_one() -> None:
     assert relative_error(together, alone) < 1e-6
 
 
-def test_forward_batch_sends_its_decode_tokens_to_one_call_a_layer(tmp_path, monkeypatch) -> None:
-    """A step of decode tokens makes one native call a layer for all of them; a step that also holds
-    a prompt's chunk sends its decode tokens there all the same (the chunk takes the eager path).
-    That the logits are each sequence's own is test_batch's."""
+def test_forward_batch_sends_its_tokens_to_one_call_a_layer(tmp_path, monkeypatch) -> None:
+    """A step of decode tokens makes one native call a layer for all of them, and so does a step with
+    short prompt chunks, every row a token; past TOKEN_CHUNK_ROWS a chunk takes the eager path and the
+    decode tokens beside it go to that call all the same. That the logits are each sequence's own is
+    test_batch's."""
     calls: list[int] = []
     kernel = cpu_attention.paged_rope_decode_attention
     monkeypatch.setattr(
@@ -176,11 +178,16 @@ def test_forward_batch_sends_its_decode_tokens_to_one_call_a_layer(tmp_path, mon
     model = llmx.load(write_tiny("llama", "Q8_0", tmp_path), ctx_size=256, n_gpu_layers=0)
     executor = model.engine.executor
     paged = PagedKVCache.over(executor.cache, n_seq=4)
-    a, b, c = BlockTable(), BlockTable(), BlockTable()
+    a, b, c, d = BlockTable(), BlockTable(), BlockTable(), BlockTable()
     forward_batch(executor, paged, [Chunk(a, random_prompt(5, 0)), Chunk(b, random_prompt(9, 1))])
-    assert calls == []
+    assert calls == [5 + 9] * model.config.n_layer
+    calls.clear()
     forward_batch(executor, paged, [Chunk(a, [1]), Chunk(b, [2])])
     assert calls == [2] * model.config.n_layer
     calls.clear()
     forward_batch(executor, paged, [Chunk(a, [3]), Chunk(c, random_prompt(6, 2)), Chunk(b, [4])])
-    assert calls == [2] * model.config.n_layer and (a.length, b.length, c.length) == (7, 11, 6)
+    assert calls == [1 + 6 + 1] * model.config.n_layer and (a.length, b.length, c.length) == (7, 11, 6)
+    calls.clear()
+    monkeypatch.setattr(batch, "TOKEN_CHUNK_ROWS", 5)
+    forward_batch(executor, paged, [Chunk(a, [5]), Chunk(d, random_prompt(6, 3)), Chunk(b, [6])])
+    assert calls == [2] * model.config.n_layer and (a.length, b.length, d.length) == (8, 12, 6)

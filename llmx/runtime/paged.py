@@ -193,6 +193,13 @@ class DecodeTokens:
     tables: torch.Tensor
     positions: torch.Tensor
 
+    def takes_chunks(self, q: torch.Tensor) -> bool:
+        """Whether a sequence may bring several tokens to one call for q (a prompt chunk's rows, its
+        table repeated, at consecutive positions): the native CPU kernel stores every token before any
+        attends (`llmx_paged_rope_store_attend`), so each attends its sequence's up to its own; Triton's
+        kernel stores a program's token after its attention, where the others may have read its row."""
+        return self.kernels.decode == "auto" and not q.is_cuda
+
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
         sin: torch.Tensor, window: int | None, scale: float | None, softcap: float | None,
