@@ -124,7 +124,7 @@ class DeviceSampler:
         logits = logits.float()
         if any(p.repeat_last_n != 0 and _penalizes(p) for p in params):
             logits = penalize(logits, self.counts[index], self.floats[index, 3:])
-        chosen = logits.argmax(dim=-1)  # the first of equal maxima, as the host's greedy
+        chosen = argmax(logits)
         if not all(p.greedy for p in params):
             f, i = self.floats[index], self.ints[index]
             kept = max(p.top_k if 0 < p.top_k < self.n_vocab else self.n_vocab for p in params)
@@ -154,6 +154,15 @@ class DeviceSampler:
         self.ring[index] = self.ring[index].scatter(1, slot, chosen[:, None])
         self.ints[index, 2:4] += 1
         self.last[index] = chosen
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest logit [B] (int64): the first of equal maxima, as the host's
+    greedy; a NaN counts as the largest, in torch's and numpy's. On the CPU numpy's vectorized loop
+    reads [8, 49152] in 64 us where torch's took 300-1200 (2-core EPYC): a batched step's sampling."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def _penalizes(p: SamplingParams) -> bool:
