@@ -55,13 +55,14 @@ def run_speed(model: list[str], n: int) -> float:
     return float(re.search(r"\beval time .*?([\d.]+) tokens per second", out).group(1))
 
 
-def start_server(model: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model: list[str], ctx: int = 512) -> tuple[subprocess.Popen, str]:
+    """`llmx serve` with `model`'s flags and -c `ctx` on a free port: the process and its URL, once it
+    answers /health."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen(
-        llmx_command("serve", *model, "-c", "512", "--port", str(port)), cwd=ROOT, stderr=subprocess.DEVNULL
-    )
+    command = llmx_command("serve", *model, "-c", str(ctx), "--port", str(port))
+    server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
