@@ -46,7 +46,7 @@ from llmx.runtime.paged import ChunkRows, PagedKVCache, SequenceKV
 from llmx.runtime.segments import Segment
 
 # On the CPU, a step whose prompt chunks are this long at most attends every row in one native call,
-# each a token of its sequence (`DecodeTokens.takes_chunks`), not each chunk over its own gathered rows
+# each a token of its sequence (`PagedKVCache.decodes_chunks`), not each chunk over its own gathered rows
 # (ten-odd ops a layer a chunk): a row attends alone, so long chunks read their keys once a row.
 # SmolLM2 on the 2-core EPYC, one thread: eight short prompts (54 rows) 224-241 ms against 292-304,
 # one prompt of 64 rows 265 against 278, of 128 rows 487 against 489, of 256 rows 3-5% slower.
@@ -91,7 +91,7 @@ class BatchKV:
     ) -> torch.Tensor:  # fmt: skip
         """q [T, H, D], k and v [T, Hk, D] of the whole batch -> [T, H * D]. Every row goes in one
         call, a token of its sequence, where the prompt chunks are short and the paged cache's kernel
-        takes several tokens of a sequence (`DecodeTokens.takes_chunks`: the CPU's native one, with the
+        takes several tokens of a sequence (`PagedKVCache.decodes_chunks`: the CPU's native one, with the
         `norms`). Else the decode tokens (chunks of one) go in one call where that kernel takes them;
         the other rows get the norms and RoPE at once, then are stored and attended in one more call
         where Triton's flash kernel takes them (`PromptChunks`), else each sequence's are stored and
@@ -99,13 +99,13 @@ class BatchKV:
         sequence's."""
         layout, decoded = self.layout, None
         pool = layout.cache.k[self.layer].device
-        if len(layout.singles) < len(layout.chunks) and layout.longest <= TOKEN_CHUNK_ROWS:
+        chunked = len(layout.singles) < len(layout.chunks) and layout.longest <= TOKEN_CHUNK_ROWS
+        if chunked and layout.cache.decodes_chunks(q):
             every = tuple(range(len(layout.chunks)))
             tokens = layout.cache.decode(self.layer, *layout.token_tables(every, pool))
-            if tokens.takes_chunks(q):
-                out = tokens.rope_store_attend(q, k, v, rope, cos, sin, window, scale, softcap, norms)
-                if out is not None:
-                    return out
+            out = tokens.rope_store_attend(q, k, v, rope, cos, sin, window, scale, softcap, norms)
+            if out is not None:
+                return out
         if layout.singles:
             every = len(layout.singles) == len(layout.chunks)
             rows = None if every else layout.activation_rows(layout.singles, q.device)

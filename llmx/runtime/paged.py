@@ -140,6 +140,13 @@ class PagedKVCache:
         """Layer i's view for the prompt chunks of several sequences."""
         return PromptChunks(self.k[i], self.v[i], self.types, self.kernels, self.block_rows)
 
+    def decodes_chunks(self, q: torch.Tensor) -> bool:
+        """Whether `decode`'s call for queries q may take several tokens of a sequence (a prompt chunk's
+        rows, its table repeated, at consecutive positions): the native CPU kernel stores every token
+        before any attends (`llmx_paged_rope_store_attend`), so each attends its sequence's up to its
+        own; Triton's kernel stores a program's token after its attention, where others may read it."""
+        return self.kernels.decode == "auto" and not q.is_cuda
+
     def decode(self, i: int, tables: torch.Tensor, positions: torch.Tensor) -> DecodeTokens:
         """Layer i's view for one token of each of several sequences: sequence b's at positions[b]
         (int64 [B]) in its blocks tables[b] (`tables`), both on the pool's device."""
@@ -192,13 +199,6 @@ class DecodeTokens:
     block_rows: int
     tables: torch.Tensor
     positions: torch.Tensor
-
-    def takes_chunks(self, q: torch.Tensor) -> bool:
-        """Whether a sequence may bring several tokens to one call for q (a prompt chunk's rows, its
-        table repeated, at consecutive positions): the native CPU kernel stores every token before any
-        attends (`llmx_paged_rope_store_attend`), so each attends its sequence's up to its own; Triton's
-        kernel stores a program's token after its attention, where the others may have read its row."""
-        return self.kernels.decode == "auto" and not q.is_cuda
 
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
