@@ -787,8 +787,14 @@ static int block_of(int type, dot_fn *dot, void (**decode)(const uint8_t *, floa
 /* --- passes of GEMVs over several matrices -------------------------------------------------------- */
 
 /* m rows of x [m, k] as the dot products read them (qx_t), in one allocation: the code halves (255
- * and 256 splits), the whole codes (int16, see qx_set), the same codes in pairs (see wide_fn), then per
- * group dx, s32, two s16, and (X_FLOATS) f, k floats a row. */
+ * and 256 splits), the whole codes (int16, see qx_set), with AVX-512 the same codes in pairs (see
+ * wide_fn; NULL elsewhere, where nothing reads them), then per group dx, s32, two s16, and (X_FLOATS)
+ * f, k floats a row. */
+#ifdef LLMX_AVX512
+#define PAIR_BYTES 2 /* a value's share of `pair` */
+#else
+#define PAIR_BYTES 0
+#endif
 typedef struct {
     int8_t *hi, *lo, *hi8, *lo8;
     int16_t *c;
@@ -799,14 +805,14 @@ typedef struct {
 
 static int qx_alloc(qx_rows_t *q, int64_t m, int64_t k) {
     const int64_t groups = k / 32;
-    q->hi = malloc((size_t)(8 * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k)));
+    q->hi = malloc((size_t)((6 + PAIR_BYTES) * m * k) + sizeof(float) * (size_t)(m * (4 * groups + X_FLOATS * k)));
     if (q->hi == NULL) return 0;
     q->lo = q->hi + m * k;
     q->hi8 = q->lo + m * k;
     q->lo8 = q->hi8 + m * k;
     q->c = (int16_t *)(q->lo8 + m * k);
-    q->pair = (int32_t *)(q->c + m * k);
-    q->dx = (float *)(q->pair + m * k / 2);
+    q->pair = PAIR_BYTES ? (int32_t *)(q->c + m * k) : NULL;
+    q->dx = (float *)((uint8_t *)(q->c + m * k) + PAIR_BYTES * m * k);
     q->s32 = q->dx + m * groups;
     q->s16 = q->s32 + m * groups;
     q->f = q->s16 + 2 * m * groups;
