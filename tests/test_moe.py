@@ -266,17 +266,24 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the kernels 
 
 @pytest.fixture
 def bounded_waits(monkeypatch):
-    """A GPU side left waiting by a failed test gives up within seconds (the host serves in milliseconds)."""
-    monkeypatch.setattr(handoff, "MAX_SPINS", 200_000)
+    """A GPU side left waiting by a failed test gives up within seconds: a poll takes about a microsecond on
+    a GPU and five under the interpreter, where a loaded machine's host thread may wait a second for its
+    turn at the interpreter's lock."""
+    monkeypatch.setattr(handoff, "MAX_SPINS", 2_000_000)
 
 
-def crossed(trip: host_trips.Trip, operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """One trip there and back, the host's side served from another thread, as a replay's would be."""
-    host = threading.Thread(target=trip.serve)
-    host.start()
-    y = trip.cross(*operands).cpu()
-    host.join()
-    return y
+def crossed(trips: host_trips.HostTrips, operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The only trip of `trips` there and back, its GPU side issued from another thread while the host
+    serves it as a replay's would be (a trip the GPU stopped waiting for raises, not a stale sum)."""
+    (trip,) = trips.trips
+    got: list[torch.Tensor] = []
+    gpu = threading.Thread(target=lambda: got.append(trip.cross(*operands).cpu()))
+    gpu.start()
+    try:
+        trips.run(lambda: None)
+    finally:
+        gpu.join()
+    return got[0]
 
 
 def test_a_trip_hands_its_operands_to_the_host_and_takes_the_experts_sum_back(bounded_waits):
@@ -285,12 +292,14 @@ def test_a_trip_hands_its_operands_to_the_host_and_takes_the_experts_sum_back(bo
     layer = stacks("Q8_0", 4, 0)
     x, weights, ids = trip_operands(DEVICE)
     want = moe_ffn(x.cpu(), *layer, weights.cpu(), ids.cpu())
-    trip = host_trips.HostTrips(torch.device(DEVICE)).add(x, weights, layer, True)
+    trips = host_trips.HostTrips(torch.device(DEVICE))
+    trip = trips.add(x, weights, layer, True)
     for _ in range(3):
-        assert torch.equal(crossed(trip, (x, weights, ids)), want)
+        assert torch.equal(crossed(trips, (x, weights, ids)), want)
         assert torch.equal(trip.ids, ids.cpu().to(torch.int64)) and torch.equal(trip.weights, weights.cpu())
     x2 = x.flip(1)
-    assert torch.equal(crossed(trip, (x2, weights, ids)), moe_ffn(x2.cpu(), *layer, weights.cpu(), ids.cpu()))
+    want = moe_ffn(x2.cpu(), *layer, weights.cpu(), ids.cpu())
+    assert torch.equal(crossed(trips, (x2, weights, ids)), want)
 
 
 HANDOFF_FOR_HOPPER = """
@@ -367,7 +376,7 @@ def test_trips_a_host_cannot_serve_end_with_one_line_and_leave_the_next_step_who
         trips.run(lambda: None)
     monkeypatch.setattr(host_trips, "HOST_WAIT", wait)
     monkeypatch.setattr(handoff, "MAX_SPINS", spins)
-    assert torch.equal(crossed(trip, (x, weights, ids)), moe_ffn(x.cpu(), *layer, weights.cpu(), ids.cpu()))
+    assert torch.equal(crossed(trips, (x, weights, ids)), moe_ffn(x.cpu(), *layer, weights.cpu(), ids.cpu()))
 
 
 def test_runs_of_consecutive_experts_are_one_copy_each():
