@@ -1,10 +1,8 @@
 """Long contexts on the CPU: a prompt processed in -ub chunks never stores a [tokens x context] score
-matrix, an 8K-token prompt runs in seconds with the logits of the other paths, and `-c 131072` plans and
+matrix, an 8K-token prompt gives the logits of the other paths, and `-c 131072` plans and
 allocates exactly the KV cache the plan counts. (`bench/long_context.py` runs 32K.)"""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -53,11 +51,8 @@ def test_an_8k_prompt_prefills_in_ubatches_on_the_cpu(tmp_path, monkeypatch):
     calls = []
     real = cached_attention.cpu_flash_attention
     monkeypatch.setattr(cached_attention, "cpu_flash_attention", lambda *a: calls.append(1) or real(*a))
-    t0 = time.perf_counter()
     last = model.engine.prefill(ids)
-    seconds = time.perf_counter() - t0
     assert len(calls) == 16 * 3  # every ubatch after the first, and the first too, in each of 3 layers
-    assert seconds < 120, f"8K prefill took {seconds:.0f} s"
     model.engine.reset()
     model.engine.prefill(ids[:-1])
     assert (model.engine.decode(ids[-1]) - last).abs().max().item() < 2e-3

@@ -185,7 +185,7 @@ def test_a_client_leaving_mid_stream_frees_the_engine_at_once(server, client):
 
 def test_a_client_giving_up_on_a_whole_reply_stops_its_generation(server):
     before = server.metric("llmx_tokens_predicted_total")
-    with server.http(timeout=1) as http, pytest.raises(httpx.ReadTimeout):
+    with server.http(timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):  # ~100 tokens on a fast CPU
         http.post("/v1/completions", json=LONG)
     server.wait_idle()
     assert server.metric("llmx_tokens_predicted_total") - before < 200  # not the ~500 to a full context
@@ -202,12 +202,9 @@ def test_many_more_clients_than_threads_are_all_served_and_health_answers(server
     with ThreadPoolExecutor(n) as pool:
         statuses = pool.map(one, range(n))
         time.sleep(0.5)  # they are queued now
-        with server.http() as http:
-            t0 = time.monotonic()
-            assert http.get("/health", timeout=2).json() == {"status": "ok"}
-            health_seconds = time.monotonic() - t0
+        with server.http() as http:  # a frozen server never answers: the client gives up
+            assert http.get("/health", timeout=5).json() == {"status": "ok"}
         assert list(statuses) == [200] * n
-    assert health_seconds < 1
 
 
 BAD = [
@@ -285,13 +282,15 @@ def test_web_pages_reach_it_only_from_the_cors_origin_with_json_and_by_its_own_n
 
 
 def test_queue_limit_and_time_out():
-    s = Server("--max-queue", "1", "--timeout", "3")
+    # replies of up to 4096 tokens: longer than the time-out on any machine (512 take ~3 s on a fast CPU)
+    s = Server("--max-queue", "1", "--timeout", "3", "-c", "4096")
+    longer = LONG | {"max_tokens": 4096}
     try:
         with s.http() as a, s.http() as b, s.http() as c, ThreadPoolExecutor(2) as pool:
-            running = pool.submit(a.post, "/v1/completions", json=LONG)
+            running = pool.submit(a.post, "/v1/completions", json=longer)
             while not s.metric("llmx_requests_processing"):
                 time.sleep(0.05)
-            waiting = pool.submit(b.post, "/v1/completions", json=LONG)
+            waiting = pool.submit(b.post, "/v1/completions", json=longer)
             while not s.metric("llmx_requests_deferred"):
                 time.sleep(0.05)
             refused = c.post("/v1/completions", json=LONG)
