@@ -5,19 +5,23 @@ one stream) against batched steps (-np N, N streams).
 
 For each N a server is started with `-np N` (N = 1: the single-sequence engine; a batch of one is
 also measured, with -np 2 and one stream), N clients each ask for `-n` greedy tokens of a different
-prompt at once (ignoring end-of-text would need a sampler option: prompts that run long are chosen),
-and the aggregate rate is all completion tokens / the wall time from the first request to the last
-reply. The clients share one `httpx.Client` whose connections the warm round opens: a client made per
-request (its SSL context) took 30-70 ms on the 2-core EPYC, and eight made at once held the last
-request back ~250 ms. Every server is started first and the rounds take the cases in turn, so a
-machine shared with other work slows each alike. Prints one markdown table: the median of `--rounds`,
-and of each round's rate against that round's engine alone.
+prompt at once, streamed (ignoring end-of-text would need a sampler option: prompts that run long are
+chosen). Two rates: all completion tokens / the wall time from the first request to the last reply
+(prompts included), and the aggregate decode rate, the sum of each stream's tokens after its first over
+the time from its first to its last (as llama-batched-bench's S_TG leaves the prompts out; a stream's
+time still holds the prompt steps of later requests that came while it decoded). The clients share one
+`httpx.Client` whose connections the warm round opens: a client made per request (its SSL context) took
+30-70 ms on the 2-core EPYC, and eight made at once held the last request back ~250 ms. Every server is
+started first and the rounds take the cases in turn, so a machine shared with other work slows each
+alike. Prints one markdown table: the median of `--rounds`, and of each round's rates against that
+round's engine alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,17 +45,32 @@ PROMPTS = [
 ]
 
 
-def aggregate(client: httpx.Client, streams: int, n: int) -> tuple[float, float]:
-    """(completion tokens / second over all streams, the mean tokens a stream got)."""
+def streamed(client: httpx.Client, prompt: str, n: int) -> tuple[int, float]:
+    """One greedy completion of `prompt`, streamed: (its tokens, its decode rate: tokens after the
+    first a second, from the first's arrival to the end)."""
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    first, tokens = None, 0
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk["choices"] and first is None:
+                first = time.perf_counter()
+            tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
+    assert first is not None and tokens > 1, f"a reply of {tokens} tokens"
+    return tokens, (tokens - 1) / (time.perf_counter() - first)
 
-    def one(k: int) -> int:
-        body = {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": n, "temperature": 0}
-        return client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"]
 
+def aggregate(client: httpx.Client, streams: int, n: int) -> tuple[float, float, float]:
+    """(completion tokens / second over all streams, the sum of the streams' decode rates, the mean
+    tokens a stream got)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        tokens = list(pool.map(one, range(streams)))
-    return sum(tokens) / (time.perf_counter() - t0), sum(tokens) / streams
+        replies = list(pool.map(lambda k: streamed(client, PROMPTS[k % len(PROMPTS)], n), range(streams)))
+    tokens = sum(t for t, _ in replies)
+    return tokens / (time.perf_counter() - t0), sum(rate for _, rate in replies), tokens / streams
 
 
 def main() -> None:
@@ -77,12 +96,16 @@ def main() -> None:
             [aggregate(client, streams, args.n) for client, (_, streams) in zip(clients, cases, strict=True)]
             for _ in range(args.rounds)
         ]
-    print("| -np | streams | aggregate t/s | x one stream (engine) | tokens a stream |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    head = "aggregate t/s | x one stream (engine) | decode t/s | x one stream"
+    print(f"| -np | streams | {head} | tokens a stream |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for k, (slots, streams) in enumerate(cases):
-        rate = statistics.median(r[k][0] for r in runs)
-        ratio = statistics.median(r[k][0] / r[0][0] for r in runs)  # each round's own engine
-        print(f"| {slots} | {streams} | {rate:.1f} | {ratio:.2f} | {runs[0][k][1]:.0f} |", flush=True)
+        cells = []
+        for i in (0, 1):  # prompts included, then decode alone; each ratio against its round's engine
+            cells.append(statistics.median(r[k][i] for r in runs))
+            cells.append(statistics.median(r[k][i] / r[0][i] for r in runs))
+        shown = " | ".join(f"{v:.1f}" if j % 2 == 0 else f"{v:.2f}" for j, v in enumerate(cells))
+        print(f"| {slots} | {streams} | {shown} | {runs[0][k][2]:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
