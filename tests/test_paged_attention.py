@@ -21,6 +21,7 @@ import llmx
 from llmx.kernels import cpu_attention
 from llmx.ops import Rope
 from llmx.ops.cached_attention import AttentionKernels, cached_attention
+from llmx.ops.hadamard import rotate
 from llmx.ops.masks import causal_mask
 from llmx.quant import cpu_native, qtype
 from llmx.quant.quantize import quantize
@@ -71,10 +72,13 @@ def batched(paged: PagedKVCache, ts: list[BlockTable], rope: Rope, window: int |
 
 
 def one_by_one(paged: PagedKVCache, ts: list[BlockTable], rope: Rope, window: int | None, scale: float):
-    """What forward_batch did before, sequence by sequence, over the eager ops."""
+    """What forward_batch did before, sequence by sequence, over the eager ops (the pool's rotation
+    as `ops.rope_attention` makes it)."""
     positions = torch.tensor([t.length for t in ts])
     q, k, v, cos, sin = step_inputs(len(ts), rope, positions)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    rot_k, rot_v = paged.rotation[0]
+    q, k, v = rotate(q, rot_k), rotate(k, rot_k), rotate(v, rot_v)
     outs = []
     for b, t in enumerate(ts):
         pos = positions[b : b + 1]
@@ -82,16 +86,32 @@ def one_by_one(paged: PagedKVCache, ts: list[BlockTable], rope: Rope, window: in
         view = paged.layer(0, pos, rows[t.length :], rows)
         mask = causal_mask(pos, t.length + 1, window) if window else None
         outs.append(cached_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], view, mask, window, scale))
-    return torch.cat(outs)
+    return rotate(torch.cat(outs), rot_v)
+
+
+def hadamard_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., D] float64, each run of n values times the orthonormal Walsh-Hadamard matrix, built as
+    Kronecker powers of [[1, 1], [1, -1]] (n = 0: x)."""
+    if n == 0:
+        return x
+    h, two = (
+        torch.ones(1, 1, dtype=torch.float64),
+        torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64),
+    )
+    while h.shape[0] < n:
+        h = torch.kron(two, h)
+    return (x.reshape(-1, n) @ h / n**0.5).reshape(x.shape)
 
 
 def float64_reference(
     paged: PagedKVCache, ts: list[BlockTable], rope: Rope, window: int | None, scale: float
 ):
-    """Attention in float64 over the pools as the call left them, each sequence's rows gathered."""
+    """Attention in float64 over the pools as the call left them, each sequence's rows gathered: q
+    rotated as the pool's keys are, the output back as its values are."""
     positions = torch.tensor([t.length for t in ts])
     q, _, _, cos, sin = step_inputs(len(ts), rope, positions)
-    q = rope.apply(q, cos, sin).double()
+    rot_k, rot_v = paged.rotation[0]
+    q = hadamard_blocks(rope.apply(q, cos, sin).double(), rot_k)
     types = paged.types or (qtype("F32"), qtype("F32"))
     k, v = (dequantize(p.reshape(p.shape[0] * N_KV, -1), qt).reshape(p.shape[0], N_KV, D).double()
             for p, qt in zip((paged.k[0], paged.v[0]), types, strict=True))  # fmt: skip
@@ -103,7 +123,7 @@ def float64_reference(
         kb, vb = (x[rows].repeat_interleave(N_HEAD // N_KV, dim=1) for x in (k, v))  # [N, H, D]
         weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b], kb) * scale, dim=-1)
         outs.append(torch.einsum("hn,nhd->hd", weights, vb).reshape(1, -1))
-    return torch.cat(outs)
+    return hadamard_blocks(torch.cat(outs), rot_v)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

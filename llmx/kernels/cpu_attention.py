@@ -63,17 +63,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def prepare(
-    kc: torch.Tensor, vc: torch.Tensor, types: tuple[QType, QType] | None, dims: tuple[int, int]
-) -> cpu_native.Attention | None:
+    kc: torch.Tensor, vc: torch.Tensor, types: tuple[QType, QType] | None, dims: tuple[int, int],
+    rotation: tuple[int, int],
+) -> cpu_native.Attention | None:  # fmt: skip
     """The native decode step of a layer's cache kc, vc [rows, Hk, row] (`types`: the cache's where either
-    is GGUF blocks, else None; `dims`: the values a key head and a value head hold), made once with the
-    cache: None where the kernel does not take it (not on the CPU, a type or head width it lacks,
-    unequal key and value widths)."""
+    is GGUF blocks, else None; `dims`: the values a key head and a value head hold; `rotation`: its
+    Walsh-Hadamard blocks, `ops.hadamard`), made once with the cache: None where the kernel does not take
+    it (not on the CPU, a type or head width it lacks, unequal key and value widths)."""
     names = _kv_types(kc, vc, types)
     if kc.is_cuda or vc.is_cuda or dims[0] != dims[1] or not _cache_takes(kc, vc, names, dims[0]):
         return None
     assert names is not None
-    return cpu_native.Attention(kc, vc, names, dims[0])
+    return cpu_native.Attention(kc, vc, names, dims[0], rotation)
 
 
 def rope_decode_attention(
@@ -95,16 +96,17 @@ def rope_decode_attention(
 def paged_rope_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neox: bool, cos: torch.Tensor, sin: torch.Tensor,
     k_pool: torch.Tensor, v_pool: torch.Tensor, types: tuple[QType, QType] | None, tables: torch.Tensor,
-    block_rows: int, positions: torch.Tensor, window: int | None, scale: float,
+    block_rows: int, positions: torch.Tensor, window: int | None, scale: float, rotation: tuple[int, int],
 ) -> torch.Tensor | None:  # fmt: skip
     """`rope_decode_attention` for one float32 token of each of B sequences over a paged cache on the
     CPU (`runtime.paged.DecodeTokens`, which checked the head widths): q [B, H, D], k and v [B, Hk, D],
     cos and sin [B, n_dims / 2], sequence b's blocks tables[b] (int32) and position positions[b]
-    (int64) -> [B, H * D]; None (nothing written) where the native kernel does not take it."""
+    (int64) -> [B, H * D], in the pools' Walsh-Hadamard `rotation`; None (nothing written) where the
+    native kernel does not take it."""
     names = _kv_types(k_pool, v_pool, types)
     if not _takes(q, k_pool, v_pool, names):
         return None
     assert names is not None
     return cpu_native.paged_rope_store_attend(
-        q, k, v, cos, sin, neox, k_pool, v_pool, names, tables, block_rows, positions, window, scale
+        q, k, v, cos, sin, neox, k_pool, v_pool, names, tables, block_rows, positions, window, scale, rotation
     )

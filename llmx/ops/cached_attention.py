@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmx.ops.block_attention import block_attention
+from llmx.ops.hadamard import rotate
 from llmx.ops.masks import ring_mask
 from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
@@ -79,6 +80,7 @@ class LayerKV(Protocol):
     kernels: AttentionKernels
     types: tuple[QType, QType] | None  # K's and V's types where either is GGUF blocks, whose raw rows
     # `block_attention` reads; None: float buffers
+    rotation: tuple[int, int]  # Walsh-Hadamard blocks of keys and values as stored (`ops.hadamard`)
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -111,7 +113,8 @@ def rope_attention(
 
     `mask` (from `causal_mask`, for the eager path) and `window` (for the fused kernel) describe the
     same visibility. A one-token step goes to the cache's fused kernel where one takes it (one
-    launch on a GPU, the norms in it, instead of ~25; see `AttentionKernels`).
+    launch on a GPU, the norms in it, instead of ~25; see `AttentionKernels`). A cache that stores
+    its rows rotated (`cache.rotation`) gets them so, q alike, and the output is rotated back.
     """
     out = cache.rope_store_attend(q, k, v, rope, cos, sin, mask, window, scale, softcap, norms)
     if out is not None:
@@ -119,7 +122,9 @@ def rope_attention(
     if norms is not None:
         q, k = norms(q, k)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    return cached_attention(q, k, v, cache, mask, window, scale, softcap)
+    rot_k, rot_v = cache.rotation
+    q, k, v = rotate(q, rot_k), rotate(k, rot_k), rotate(v, rot_v)
+    return rotate(cached_attention(q, k, v, cache, mask, window, scale, softcap), rot_v)
 
 
 def cached_attention(

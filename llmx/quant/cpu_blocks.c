@@ -2486,53 +2486,87 @@ static inline void rope_in_place(float *x, const float *cos, const float *sin, i
     }
 }
 
-/* A token's query q [H, D] rotated by RoPE and scaled into qs [H, D]. */
+/* x [d] with each run of `block` values (a power of two; 0: none) rotated by the orthonormal Walsh-Hadamard
+ * matrix, as llmx/ops/hadamard.py's `rotate` does it, to the bit: butterflies (a + b, a - b) of strides 1,
+ * 2, 4, .. then the scale 1 / sqrt(block) rounded once from double, as Python's float meets float32. */
+static void hadamard_in_place(float *x, int64_t d, int block) {
+    if (block == 0) return;
+    const float scale = (float)(1.0 / sqrt((double)block));
+    for (int64_t r = 0; r < d; r += block) {
+        float *y = x + r;
+        for (int s = 1; s < block; s *= 2)
+            for (int g = 0; g < block; g += 2 * s)
+                for (int i = g; i < g + s; i++) {
+                    const float a = y[i], b = y[i + s];
+                    y[i] = a + b, y[i + s] = a - b;
+                }
+        for (int i = 0; i < block; i++) y[i] *= scale;
+    }
+}
+
+/* A token's query q [H, D] rotated by RoPE, then by the key cache's Walsh-Hadamard blocks (rot_k), and
+ * scaled into qs [H, D]. */
 static void rope_query(const float *q, const float *cos, const float *sin, int64_t n_dims, int neox, float scale,
-                       int64_t n_head, int64_t d, float *qs) {
+                       int rot_k, int64_t n_head, int64_t d, float *qs) {
     for (int64_t h = 0; h < n_head; h++) {
         float *qh = qs + h * d;
         memcpy(qh, q + h * d, sizeof(float) * (size_t)d);
         rope_in_place(qh, cos, sin, n_dims, neox);
+        hadamard_in_place(qh, d, rot_k);
         for (int64_t i = 0; i < d; i++) qh[i] *= scale;
     }
 }
 
-/* A token's key k [Hk, D] rotated by RoPE and its value v [Hk, D] stored (quantized, for a block type)
- * as the cache rows krow and vrow; each rotated key head goes through the stack on its way there. */
+/* A token's key k [Hk, D] rotated by RoPE and then by rot_k's blocks, and its value v [Hk, D] by
+ * rot_v's, stored (quantized, for a block type) as the cache rows krow and vrow; each head goes
+ * through the stack on its way there. */
 static void rope_store(const float *k, const float *v, const float *cos, const float *sin, int64_t n_dims, int neox,
-                       char *krow, char *vrow, int type_k, int type_v, int64_t n_kv, int64_t d) {
+                       int rot_k, int rot_v, char *krow, char *vrow, int type_k, int type_v, int64_t n_kv,
+                       int64_t d) {
     const int64_t k_head = kv_head_bytes(type_k, d), v_head = kv_head_bytes(type_v, d);
-    float kh[MAX_HEAD_DIM];
+    float kh[MAX_HEAD_DIM], vh[MAX_HEAD_DIM];
     for (int64_t h = 0; h < n_kv; h++) {
         memcpy(kh, k + h * d, sizeof(float) * (size_t)d);
         rope_in_place(kh, cos, sin, n_dims, neox);
+        hadamard_in_place(kh, d, rot_k);
         store_head(kh, type_k, d, krow + h * k_head);
-        store_head(v + h * d, type_v, d, vrow + h * v_head);
+        memcpy(vh, v + h * d, sizeof(float) * (size_t)d);
+        hadamard_in_place(vh, d, rot_v);
+        store_head(vh, type_v, d, vrow + h * v_head);
     }
+}
+
+/* The attention's output of n rows of H heads [n, H, D] rotated back by rot_v's blocks (its own inverse). */
+static void unrotate_output(float *out, int64_t n, int64_t n_head, int64_t d, int rot_v) {
+    if (rot_v == 0) return;
+    for (int64_t i = 0; i < n * n_head; i++) hadamard_in_place(out + i * d, d, rot_v);
 }
 
 /* One token's attention step on the CPU, whole: q [H, D] and k [Hk, D] (float32, this step's) rotated
  * by RoPE, q scaled, k and v [Hk, D] stored as the cache row of `position` in kc and vc (type_k, type_v;
  * `rows` rows, position p in row p mod rows: a sliding-window layer's ring), then its attention over
  * positions 0..position (with a sliding `window` > 0 only the last `window` of them, which the rows
- * must hold). q and k stay as they are. The step costs one call instead of some twenty torch ops.
- * Returns as llmx_decode_attention, or -1 for a position whose visible keys the rows do not hold. */
+ * must hold). With rot_k (rot_v) > 0 the keys and q (the values, and the output back) are rotated by
+ * Walsh-Hadamard blocks of that many values after RoPE (hadamard_in_place: the cache's rotation, see
+ * llmx/ops/hadamard.py). q and k stay as they are. The step costs one call instead of some twenty torch
+ * ops. Returns as llmx_decode_attention, or -1 for a position whose visible keys the rows do not hold. */
 int llmx_rope_store_attend(const float *q, const float *k, const float *v, const float *cos, const float *sin,
                            int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v, int64_t position,
-                           int64_t rows, int64_t window, int64_t n_head, int64_t n_kv, int64_t d, float scale, float *out,
-                           int threads) {
+                           int64_t rows, int64_t window, int64_t n_head, int64_t n_kv, int64_t d, float scale,
+                           int rot_k, int rot_v, float *out, int threads) {
     const int64_t first = window > 0 && position + 1 > window ? position + 1 - window : 0;
     if (!takes_shapes(type_k, type_v, n_head, n_kv, d) || n_dims > d || n_dims % 2 != 0 || position < 0 ||
         position + 1 - first > rows)
         return -1;
     float *qs = malloc(sizeof(float) * (size_t)(n_head * d));
     if (qs == NULL) return -1;
-    rope_query(q, cos, sin, n_dims, neox, scale, n_head, d, qs);
+    rope_query(q, cos, sin, n_dims, neox, scale, rot_k, n_head, d, qs);
     const int64_t slot = position % rows;
     char *krow = (char *)kc + slot * n_kv * kv_head_bytes(type_k, d), *vrow = (char *)vc + slot * n_kv * kv_head_bytes(type_v, d);
-    rope_store(k, v, cos, sin, n_dims, neox, krow, vrow, type_k, type_v, n_kv, d);
+    rope_store(k, v, cos, sin, n_dims, neox, rot_k, rot_v, krow, vrow, type_k, type_v, n_kv, d);
     const seq_attn_t one = {qs, NULL, first, position + 1, out};
     const int err = attend(&one, 1, kc, vc, type_k, type_v, rows, n_head, n_kv, d, threads);
+    unrotate_output(out, 1, n_head, d, rot_v);
     free(qs);
     return err;
 }
@@ -2543,7 +2577,8 @@ int llmx_rope_store_attend(const float *q, const float *k, const float *v, const
  * joined q/k/v projection, read where they lie) rotated by RoPE at its angles (row b of cos, sin [B, n_dims / 2]), q scaled, k and v stored in its
  * position's row of the pools kc and vc (type_k, type_v; its blocks are row b of tables [B, table_stride],
  * block_rows rows each, as pool_row reads them), then its attention over its positions 0..positions[b]
- * (with a sliding `window` > 0 only the last `window` of them) -> row b of out [B, H, D]. Every token is
+ * (with a sliding `window` > 0 only the last `window` of them) -> row b of out [B, H, D], rotated by
+ * rot_k and rot_v as llmx_rope_store_attend's. Every token is
  * stored before any attends, so the (chunk, KV head) items of all sequences share one parallel loop
  * (see attend) where a call per sequence left a thread idle at each. Sequences may share blocks (a
  * prefix cache) but never the block a position of this step lies in. Returns 0, or -1 for shapes
@@ -2552,7 +2587,7 @@ int llmx_paged_rope_store_attend(const float *q, const float *k, const float *v,
                                  int64_t v_stride, const float *cos, const float *sin, int64_t n_dims, int neox, void *kc, void *vc, int type_k, int type_v,
                                  const int32_t *tables, int64_t table_stride, int64_t block_rows,
                                  const int64_t *positions, int64_t window, int64_t n_seq, int64_t n_head, int64_t n_kv,
-                                 int64_t d, float scale, float *out, int threads) {
+                                 int64_t d, float scale, int rot_k, int rot_v, float *out, int threads) {
     if (!takes_shapes(type_k, type_v, n_head, n_kv, d) || n_dims > d || n_dims % 2 != 0 || n_seq < 1) return -1;
     for (int64_t b = 0; b < n_seq; b++)
         if (positions[b] < 0 || positions[b] >= table_stride * block_rows) return -1;
@@ -2567,13 +2602,15 @@ int llmx_paged_rope_store_attend(const float *q, const float *k, const float *v,
     for (int64_t b = 0; b < n_seq; b++) {
         const int32_t *table = tables + b * table_stride;
         const int64_t pos = positions[b], slot = pool_row(table, block_rows, pos);
-        rope_query(q + b * q_stride, cos + b * half, sin + b * half, n_dims, neox, scale, n_head, d, qs + b * n_head * d);
-        rope_store(k + b * k_stride, v + b * v_stride, cos + b * half, sin + b * half, n_dims, neox,
+        rope_query(q + b * q_stride, cos + b * half, sin + b * half, n_dims, neox, scale, rot_k, n_head, d,
+                   qs + b * n_head * d);
+        rope_store(k + b * k_stride, v + b * v_stride, cos + b * half, sin + b * half, n_dims, neox, rot_k, rot_v,
                    (char *)kc + slot * k_row, (char *)vc + slot * v_row, type_k, type_v, n_kv, d);
         const int64_t first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
         seqs[b] = (seq_attn_t){qs + b * n_head * d, table, first, pos + 1, out + b * n_head * d};
     }
     const int err = attend(seqs, n_seq, kc, vc, type_k, type_v, block_rows, n_head, n_kv, d, threads);
+    unrotate_output(out, n_seq, n_head, d, rot_v);
     free(qs);
     free(seqs);
     return err;
@@ -2729,14 +2766,14 @@ static int slots_decode_attention(const slot_t *a) {
 static int slots_rope_store_attend(const slot_t *a) {
     return llmx_rope_store_attend(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), a[5].i, (int)a[6].i, PTR(7), PTR(8),
                                   (int)a[9].i, (int)a[10].i, a[11].i, a[12].i, a[13].i, a[14].i, a[15].i, a[16].i,
-                                  a[17].f, PTR(18), (int)a[19].i);
+                                  a[17].f, (int)a[18].i, (int)a[19].i, PTR(20), (int)a[21].i);
 }
 
 static int slots_paged_rope_store_attend(const slot_t *a) {
     return llmx_paged_rope_store_attend(PTR(0), PTR(1), PTR(2), a[3].i, a[4].i, a[5].i, PTR(6), PTR(7), a[8].i,
                                         (int)a[9].i, PTR(10), PTR(11), (int)a[12].i, (int)a[13].i, PTR(14), a[15].i,
                                         a[16].i, PTR(17), a[18].i, a[19].i, a[20].i, a[21].i, a[22].i, a[23].f,
-                                        PTR(24), (int)a[25].i);
+                                        (int)a[24].i, (int)a[25].i, PTR(26), (int)a[27].i);
 }
 
 static int slots_rms_norm(const slot_t *a) {
@@ -2759,8 +2796,8 @@ static const struct {
     {"llmx_moe_route", slots_moe_route, 10},
     {"llmx_dequantize_rows", slots_dequantize_rows, 10},
     {"llmx_decode_attention", slots_decode_attention, 11},
-    {"llmx_rope_store_attend", slots_rope_store_attend, 20},
-    {"llmx_paged_rope_store_attend", slots_paged_rope_store_attend, 26},
+    {"llmx_rope_store_attend", slots_rope_store_attend, 22},
+    {"llmx_paged_rope_store_attend", slots_paged_rope_store_attend, 28},
     {"llmx_rms_norm", slots_rms_norm, 9},
 };
 

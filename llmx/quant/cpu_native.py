@@ -97,12 +97,12 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_dequantize_rows.argtypes = [i32, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, i32]
     lib.llmx_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, ptr, i32]
     lib.llmx_rope_store_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i64, i64]
-    lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, i64, ctypes.c_float, ptr, i32]
+    lib.llmx_rope_store_attend.argtypes += [i64, i64, i64, i64, ctypes.c_float, i32, i32, ptr, i32]
     lib.llmx_rope_store_attend.restype = i32
     lib.llmx_paged_rope_store_attend.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i32, ptr, ptr]
     lib.llmx_paged_rope_store_attend.argtypes += [i32, i32]
     lib.llmx_paged_rope_store_attend.argtypes += [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
-    lib.llmx_paged_rope_store_attend.argtypes += [ptr, i32]
+    lib.llmx_paged_rope_store_attend.argtypes += [i32, i32, ptr, i32]
     lib.llmx_paged_rope_store_attend.restype = i32
     lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.llmx_rms_norm.restype = None
@@ -629,13 +629,16 @@ class Attention:
     """One layer's cache on the CPU, kc and vc [rows, Hk, row] (contiguous, of the KV_TYPES `types`, equal
     head widths D; position p in row p mod rows), made ready once for `llmx_rope_store_attend`: a decode
     step makes one call a layer, so the cache's pointers and types are bound here rather than looked up
-    at every call."""
+    at every call. `rotation`: the cache's Walsh-Hadamard blocks of keys and values (`ops.hadamard`)."""
 
-    def __init__(self, kc: torch.Tensor, vc: torch.Tensor, types: tuple[str, str], d: int) -> None:
+    def __init__(
+        self, kc: torch.Tensor, vc: torch.Tensor, types: tuple[str, str], d: int,
+        rotation: tuple[int, int] = (0, 0),
+    ) -> None:  # fmt: skip
         lib = _library()
         assert lib is not None and kc.is_contiguous() and vc.is_contiguous()
         self._lib, self.caches = lib, (kc, vc)  # the caches kept alive with their pointers
-        self.rows, self.n_kv, self.d = kc.shape[0], kc.shape[1], d
+        self.rows, self.n_kv, self.d, self.rotation = kc.shape[0], kc.shape[1], d, rotation
         self._cache = (kc.data_ptr(), vc.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]])
 
     def takes(self, position: int, window: int | None) -> bool:
@@ -650,7 +653,8 @@ class Attention:
         """One token's attention step in one call (where `takes`): q [1, H, D] and k [1, Hk, D] float32
         rotated by RoPE (cos, sin [1, n_dims / 2] float32), k and v [1, Hk, D] stored (quantized, for a
         block type) in the caches' row of `position`, then attention over positions 0..position (the
-        last `window` of them, for a sliding window) -> [1, H * D] float32."""
+        last `window` of them, for a sliding window) -> [1, H * D] float32; all of it in the cache's
+        `rotation`, the output rotated back."""
         n_head = q.shape[1]
         qs, ks, vs = q.contiguous(), k.contiguous(), v.contiguous()  # read, not written: the C side copies
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -658,7 +662,7 @@ class Attention:
         err = _issue(self._lib.llmx_rope_store_attend, (
             qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1],
             int(neox), *self._cache, position, self.rows, window or 0, n_head, self.n_kv, self.d, scale,
-            out.data_ptr(), _threads(self._lib),
+            *self.rotation, out.data_ptr(), _threads(self._lib),
         ), (qs, ks, vs, cos, sin, out, self))  # fmt: skip
         assert err == 0, (n_head, self.n_kv, self.d, position, window)
         if recording is not None and recording.thread == threading.get_ident():
@@ -683,6 +687,7 @@ def paged_rope_store_attend(
     positions: torch.Tensor,
     window: int | None,
     scale: float,
+    rotation: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """The decode step of B sequences over a paged cache in one call: sequence b's q [H, D] and k
     [Hk, D] (rows b of q [B, H, D], k and v [B, Hk, D], float32; the rows may lie apart, each one's
@@ -690,7 +695,8 @@ def paged_rope_store_attend(
     (quantized, for a block type) at its position positions[b] (int64 [B]) in the pools [rows, Hk, row]
     (contiguous, of the KV_TYPES `types`), whose blocks of `block_rows` rows it holds in order in
     tables[b] (int32 [B, max blocks]), then its attention over its positions up to its own (the last
-    `window` of them, for a sliding window) -> [B, H * D] float32."""
+    `window` of them, for a sliding window) -> [B, H * D] float32; in the pools' Walsh-Hadamard
+    `rotation` (`Attention`'s)."""
     lib = _library()
     n_seq, n_head, d = q.shape
     n_kv = k.shape[1]
@@ -707,7 +713,7 @@ def paged_rope_store_attend(
         sin.data_ptr(), 2 * cos.shape[-1],
         int(neox), k_pool.data_ptr(), v_pool.data_ptr(), KV_TYPES[types[0]], KV_TYPES[types[1]],
         tables.data_ptr(), tables.shape[1], block_rows, positions.data_ptr(), window or 0, n_seq, n_head,
-        n_kv, d, scale, out.data_ptr(), _threads(lib),
+        n_kv, d, scale, *rotation, out.data_ptr(), _threads(lib),
     ), (qs, ks, vs, cos, sin, k_pool, v_pool, tables, positions, out))  # fmt: skip
     assert err == 0, (n_head, n_kv, d, tables.shape, positions.tolist())
     return out

@@ -15,7 +15,8 @@ object (`LayerWriter`), either stored by it or by the fused kernel it runs (`rop
 which rotates, stores and attends in one call. It holds the attention kernels chosen at load.
 Block types are quantized as they are stored (by the fused kernels, or by `BlockWriter` for the
 step's rows only: `store_rows`, on a GPU one launch, `kernels.cache_store`) and dequantized by the
-kernels that read them.
+kernels that read them; in the native kernels' layout their heads are stored rotated by a Walsh-Hadamard
+matrix, queries and outputs rotated to match (`ops.hadamard`, `KVCache.rotation`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from llmx.errors import LlmxError
 from llmx.ops.cached_attention import DEFAULT_KERNELS, AttentionKernels, native_cpu_decode
+from llmx.ops.hadamard import kv_rotation
 from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
 from llmx.quant import F16, QType, kv_layout, qtype
@@ -101,10 +103,13 @@ class KVCache:
 
         self.k = [kv_buffer(rows(s), s.n_head_kv, s.k_dim, self.types[0], s.device) for s in layers]
         self.v = [kv_buffer(rows(s), s.n_head_kv, s.v_dim, self.types[1], s.device) for s in layers]
+        # each layer's Walsh-Hadamard rotation of keys and values (`ops.hadamard`: quantized caches)
+        self.rotation = [kv_rotation(self.types, (s.k_dim, s.v_dim), torch.device(s.device)) for s in layers]
         # each CPU layer's native decode step, bound to its buffers once (None: not taken)
         block_types = self.types if self.blocks else None
         self.native = [
-            native_attention(k, v, block_types, kernels) for k, v in zip(self.k, self.v, strict=True)
+            native_attention(k, v, block_types, kernels, r)
+            for k, v, r in zip(self.k, self.v, self.rotation, strict=True)
         ]
 
     @property
@@ -116,24 +121,25 @@ class KVCache:
         kc = self.k[layer]
         if positions.device != kc.device:  # --no-kv-offload: a GPU layer's cache lives on the CPU
             positions = positions.to(kc.device)
-        native = self.native[layer]
+        vc, native, rotation = self.v[layer], self.native[layer], self.rotation[layer]
         if self.blocks:
-            return BlockWriter(kc, self.v[layer], positions, n_read, self.kernels, self.types, native)
-        return LayerWriter(kc, self.v[layer], positions, n_read, self.kernels, native=native)
+            return BlockWriter(kc, vc, positions, n_read, self.kernels, self.types, native, rotation)
+        return LayerWriter(kc, vc, positions, n_read, self.kernels, native=native)
 
 
 def native_attention(
-    k: torch.Tensor, v: torch.Tensor, types: tuple[QType, QType] | None, kernels: AttentionKernels
-) -> NativeAttention | None:
+    k: torch.Tensor, v: torch.Tensor, types: tuple[QType, QType] | None, kernels: AttentionKernels,
+    rotation: tuple[int, int] = (0, 0),
+) -> NativeAttention | None:  # fmt: skip
     """The native CPU decode step of a layer's buffers k, v [rows, Hk, row] (`types` where either is
-    GGUF blocks), or None where it is off (`kernels.decode`) or does not take them (blocks grouped
-    for the Triton kernels, `kv_layout.GROUPED_ON_CPU`)."""
+    GGUF blocks; `rotation` their Walsh-Hadamard blocks), or None where it is off (`kernels.decode`) or
+    does not take them (blocks grouped for the Triton kernels, `kv_layout.GROUPED_ON_CPU`)."""
     if kernels.decode == "off" or k.is_cuda or kv_layout.grouped_blocks(types, k.device):
         return None
     from llmx.kernels import cpu_attention
 
     dims = (head_dim(k, types[0]), head_dim(v, types[1])) if types else (k.shape[-1], v.shape[-1])
-    return cpu_attention.prepare(k, v, types, dims)
+    return cpu_attention.prepare(k, v, types, dims, rotation)
 
 
 @dataclass(frozen=True)
@@ -152,10 +158,14 @@ class LayerWriter:
     # the native CPU decode step bound to k and v (`native_attention`, None: not taken), which the
     # cache binds once a layer; a writer made on its own (tests) binds its own (BIND)
     native: NativeAttention | str | None = BIND
+    # the Walsh-Hadamard blocks in which keys (with queries) and values (with the output) are stored
+    # (`ops.hadamard.kv_rotation`; 0: not rotated), which every path into and out of k and v keeps
+    rotation: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         if self.native == BIND:
-            object.__setattr__(self, "native", native_attention(self.k, self.v, self.types, self.kernels))
+            native = native_attention(self.k, self.v, self.types, self.kernels, self.rotation)
+            object.__setattr__(self, "native", native)
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v [T, Hk, D]; the first `n_read` rows (of a ring: all of them, see
@@ -215,9 +225,10 @@ class LayerWriter:
 
     def _triton_takes(self, q: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the Triton kernel runs this step: one token, everything on one device (not a GPU
-        layer whose cache stays on the CPU), equal key and value widths, and Triton at hand."""
+        layer whose cache stays on the CPU), equal key and value widths, Triton at hand, and a cache
+        it reads as stored (it does not rotate: `ops.hadamard`)."""
         mode = self.kernels.decode
-        if mode == "off" or q.shape[0] != 1:
+        if mode == "off" or q.shape[0] != 1 or any(self.rotation):
             return False
         if mode == "auto" and not (q.is_cuda and has_triton()):
             return False

@@ -35,6 +35,7 @@ import torch
 from llmx.errors import LlmxError
 from llmx.kernels import cpu_attention
 from llmx.ops.cached_attention import AttentionKernels, flash_prefill
+from llmx.ops.hadamard import kv_rotation
 from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
 from llmx.quant import QType, kv_layout
@@ -64,6 +65,11 @@ class PagedKVCache:
             raise LlmxError(f"a sequence's context ({seq_ctx}) must be whole blocks of {block_rows} rows")
         self.k, self.v, self.types, self.kernels = k, v, types, kernels
         self.n_seq, self.seq_ctx, self.block_rows = n_seq, seq_ctx, block_rows
+        # each layer's Walsh-Hadamard rotation of keys and values as stored (`ops.hadamard`)
+        self.rotation = [(0, 0)] * len(k)
+        if types is not None:
+            dims = [(head_dim(a, types[0]), head_dim(b, types[1])) for a, b in zip(k, v, strict=True)]
+            self.rotation = [kv_rotation(types, d, a.device) for d, a in zip(dims, k, strict=True)]
         self.blocks = BlockPool(n_seq * seq_ctx // block_rows, block_rows, seq_ctx, caching)
 
     @classmethod
@@ -101,7 +107,8 @@ class PagedKVCache:
         """Layer i's view for one sequence's step: it writes `positions` [T] into pool rows `slots` [T]
         and reads its `rows` [N] (slots and rows on the pool's device)."""
         n_read = rows.shape[0]
-        return SequenceKV(self.k[i], self.v[i], positions, n_read, slots, rows, self.kernels, self.types)
+        k, v, rotation = self.k[i], self.v[i], self.rotation[i]
+        return SequenceKV(k, v, positions, n_read, slots, rows, self.kernels, self.types, rotation)
 
     def tables(self, tables: Sequence[BlockTable]) -> torch.Tensor:
         """The tables' blocks as int32 [len(tables), most blocks], on the CPU (a short table padded with
@@ -112,7 +119,10 @@ class PagedKVCache:
     def decodes_every_layer(self, width: int) -> bool:
         """Whether `DecodeTokens` takes the decode tokens of every layer (on a GPU, or anywhere with
         `kernels.decode` "on"): queries `width` wide, every pool's keys and values as wide, the
-        kernels not "off". A padded batched decode step (`runtime.batch.decode_padded`) needs it."""
+        kernels not "off", and no rotated pool where Triton's kernel is forced ("on": it does not rotate).
+        A padded batched decode step (`runtime.batch.decode_padded`) needs it."""
+        if self.kernels.decode == "on" and any(map(any, self.rotation)):
+            return False
         kt, vt = self.types or (None, None)
         widths = {width}
         for k, v in zip(self.k, self.v, strict=True):
@@ -150,8 +160,8 @@ class PagedKVCache:
     def decode(self, i: int, tables: torch.Tensor, positions: torch.Tensor) -> DecodeTokens:
         """Layer i's view for one token of each of several sequences: sequence b's at positions[b]
         (int64 [B]) in its blocks tables[b] (`tables`), both on the pool's device."""
-        k, v = self.k[i], self.v[i]
-        return DecodeTokens(k, v, self.types, self.kernels, self.block_rows, tables, positions)
+        k, v, rotation = self.k[i], self.v[i], self.rotation[i]
+        return DecodeTokens(k, v, self.types, self.kernels, self.block_rows, tables, positions, rotation)
 
 
 @dataclass(frozen=True)
@@ -168,6 +178,7 @@ class SequenceKV:
     rows: torch.Tensor
     kernels: AttentionKernels
     types: tuple[QType, QType] | None
+    rotation: tuple[int, int]  # as `PagedKVCache.rotation`'s: the eager path rotates the rows it stores
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         types = self.types or (None, None)
@@ -199,6 +210,7 @@ class DecodeTokens:
     block_rows: int
     tables: torch.Tensor
     positions: torch.Tensor
+    rotation: tuple[int, int]  # the pools' Walsh-Hadamard blocks (`ops.hadamard`): Triton's kernel lacks them
 
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
@@ -221,7 +233,8 @@ class DecodeTokens:
         if mode == "off" or not q.shape[-1] == v.shape[-1] == widths[0] == widths[1]:
             return None
         if mode == "on" or (q.is_cuda and has_triton()):
-            if not q.device == self.k.device == self.v.device == self.tables.device == self.positions.device:
+            devices = {q.device, self.k.device, self.v.device, self.tables.device, self.positions.device}
+            if len(devices) > 1 or any(self.rotation):
                 return None
             from llmx.kernels.decode_attention import paged_decode_attention
 
@@ -238,7 +251,7 @@ class DecodeTokens:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return cpu_attention.paged_rope_decode_attention(
             q, k, v, rope.neox, cos, sin, self.k, self.v, types, self.tables, self.block_rows, self.positions,
-            window, scale,
+            window, scale, self.rotation,
         )  # fmt: skip
 
 

@@ -1,0 +1,65 @@
+"""Walsh-Hadamard rotation of attention heads whose keys or values a quantized cache holds.
+
+A few channels of a key head carry most of its magnitude, and a 4-bit block's one scale then leaves
+the others a level or two. Rotating queries and keys alike by an orthonormal Walsh-Hadamard matrix H
+(after RoPE) spreads every channel over the block and leaves each score q.k as it was, since
+(Hq).(Hk) = q.k; rotating values by H rotates the attention's output by H too, and H H = I takes it
+back. llama.cpp does the same for quantized caches (its `attn_rot_k`, `attn_rot_v`): keys in blocks
+of the largest power of two from 64 dividing the head, values in blocks of 64. On SmolLM2 with a q4_0
+key cache the mean KLD against f16 falls from 0.27 to about 0.1 (bench/RESULTS.md, Quality).
+
+Rotation is the cache's, chosen once (`kv_rotation`): every path that stores into it or attends over
+it rotates alike. The native CPU kernels rotate inside their fused step; the Triton kernels do not
+yet, so caches in their layout (on a GPU, or grouped for them on the CPU) stay unrotated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llmx.quant import QType, kv_layout
+
+SMALLEST = 64  # llama.cpp's: heads not a multiple of it are not rotated
+
+
+def key_block(qt: QType, head_dim: int) -> int:
+    """The block in which keys (and queries) of `qt` are rotated: 0 for a float cache or a head that
+    is not a multiple of 64, else the largest power of two from 64 that divides it."""
+    if qt.is_float or head_dim % SMALLEST:
+        return 0
+    block = SMALLEST
+    while head_dim % (2 * block) == 0:
+        block *= 2
+    return block
+
+
+def value_block(qt: QType, head_dim: int) -> int:
+    """The block in which values (and the attention's output) of `qt` are rotated: 64, or 0 as for keys."""
+    return 0 if qt.is_float or head_dim % SMALLEST else SMALLEST
+
+
+def kv_rotation(types: tuple[QType, QType], dims: tuple[int, int], device: torch.device) -> tuple[int, int]:
+    """(key block, value block) for a cache of K and V types `types` with heads of `dims` values on
+    `device`; 0 where that side is not rotated (every side of a cache in the Triton kernels' layout)."""
+    if device.type != "cpu" or kv_layout.grouped_blocks(types, device):
+        return 0, 0
+    return key_block(types[0], dims[0]), value_block(types[1], dims[1])
+
+
+def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., D] with each run of `block` values of its last dimension rotated by the orthonormal
+    Walsh-Hadamard matrix (block 0: x itself). The matrix is symmetric and its own inverse: rotating
+    twice gives x back. Butterflies (a + b, a - b) of strides 1, 2, 4, .. in float32, then the scale:
+    the native kernels' steps (`hadamard_in_place` in cpu_blocks.c), so both store the same bytes."""
+    if block == 0:
+        return x
+    y = x.reshape(-1, block).to(torch.float32)
+    s = 1
+    while s < block:
+        pairs = y.reshape(-1, block // (2 * s), 2, s)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([a + b, a - b], 2).reshape(-1, block)
+        s *= 2
+    return (y * (1.0 / math.sqrt(block))).to(x.dtype).reshape(x.shape)
