@@ -116,10 +116,11 @@ def test_a_batched_step_gives_each_sequence_its_own_logits(arch, type_name, cach
     _check_batched(model, lengths, n_seq=4)
 
 
-@pytest.mark.parametrize(("arch", "cache_type"), [("llama", "f32"), ("gemma3", "f16")])
+@pytest.mark.parametrize(("arch", "cache_type"), [("llama", "f32"), ("gemma3", "f16"), ("llama", "q8_0")])
 def test_long_prompt_chunks_attend_over_their_gathered_rows(arch, cache_type, tmp_path, monkeypatch):
     """Prompt chunks longer than TOKEN_CHUNK_ROWS take the eager path (each sequence's rows over its
-    own gathered rows, the decode tokens in one call) and give the same logits."""
+    own gathered rows, the decode tokens in one call) and give the same logits; with a q8_0 cache the
+    eager rows are rotated as the native call's are (`ops.hadamard`)."""
     monkeypatch.setattr(batch, "TOKEN_CHUNK_ROWS", 2)
     path = write_tiny(arch, "Q8_0", tmp_path)
     model = llmx.load(path, ctx_size=256, n_gpu_layers=0, cache_type_k=cache_type, cache_type_v=cache_type)
