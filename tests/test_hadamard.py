@@ -8,17 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hadamard_reference import walsh_hadamard
 
 from llmx.ops.hadamard import key_block, kv_rotation, rotate, value_block
 from llmx.quant import cpu_native, qtype
-
-
-def walsh_hadamard(n: int) -> torch.Tensor:
-    """The orthonormal n x n matrix, float64, as Kronecker powers of [[1, 1], [1, -1]]."""
-    h, two = torch.ones(1, 1, dtype=torch.float64), torch.tensor([[1.0, 1.0], [1.0, -1.0]]).double()
-    while h.shape[0] < n:
-        h = torch.kron(two, h)
-    return h / n**0.5
 
 
 @pytest.mark.parametrize("block", [64, 128, 256])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hadamard_reference import hadamard_blocks
 from paged_sequences import ragged_tables
 from tiny_models import random_prompt, write_tiny
 
@@ -87,20 +88,6 @@ def one_by_one(paged: PagedKVCache, ts: list[BlockTable], rope: Rope, window: in
         mask = causal_mask(pos, t.length + 1, window) if window else None
         outs.append(cached_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], view, mask, window, scale))
     return rotate(torch.cat(outs), rot_v)
-
-
-def hadamard_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x [..., D] float64, each run of n values times the orthonormal Walsh-Hadamard matrix, built as
-    Kronecker powers of [[1, 1], [1, -1]] (n = 0: x)."""
-    if n == 0:
-        return x
-    h, two = (
-        torch.ones(1, 1, dtype=torch.float64),
-        torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64),
-    )
-    while h.shape[0] < n:
-        h = torch.kron(two, h)
-    return (x.reshape(-1, n) @ h / n**0.5).reshape(x.shape)
 
 
 def float64_reference(
