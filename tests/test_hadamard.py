@@ -1,8 +1,8 @@
 """The Walsh-Hadamard rotation of quantized caches' heads (`llmx.ops.hadamard`): the matrix against one
-built as Kronecker powers, llama.cpp's choice of blocks, where a cache is rotated, and what it is for:
-a 4-bit key cache of heads with outlier channels attends closer to float attention rotated than not.
-That every path into a rotated cache stores the same bytes (torch's butterflies and the native ones)
-is test_paged_attention's; that a model's steps over one agree, test_kv_blocks' and test_batch's."""
+built as Kronecker powers, torch's butterflies against the native ones (the same bits), llama.cpp's choice
+of blocks, and what it is for: a 4-bit key cache of heads with outlier channels attends closer to float
+attention rotated than not. That the batched native step stores the bytes the eager path stores is
+test_paged_attention's; that a model's steps over a rotated cache agree, test_kv_blocks' and test_batch's."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from hadamard_reference import walsh_hadamard
 from llmx.ops.hadamard import key_block, kv_rotation, rotate, value_block
 from llmx.quant import cpu_native, qtype
 
+native = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native kernels")
+
 
 @pytest.mark.parametrize("block", [64, 128, 256])
 def test_rotate_multiplies_each_block_by_the_matrix_and_undoes_itself(block):
@@ -22,6 +24,17 @@ def test_rotate_multiplies_each_block_by_the_matrix_and_undoes_itself(block):
     torch.testing.assert_close(rotate(rotate(x, block), block), x, rtol=0, atol=1e-6)
     assert rotate(x, 0) is x
     assert rotate(x.to(torch.bfloat16), block).dtype == torch.bfloat16
+
+
+@native
+@pytest.mark.parametrize("block", [64, 128, 256])
+def test_torchs_butterflies_give_the_native_rotations_bits(block, monkeypatch):
+    """Where the native kernels are not (a GPU's tensors, no compiler) torch's butterflies rotate: the
+    same float32 operations in the same order, so both paths store the same cache bytes."""
+    x = torch.randn(5, 2, 256, generator=torch.Generator().manual_seed(block))
+    native_bits = rotate(x, block)
+    monkeypatch.setattr(cpu_native, "available", lambda: False)
+    assert torch.equal(rotate(x, block), native_bits)
 
 
 def test_blocks_are_llama_cpps():
@@ -58,9 +71,6 @@ def native_steps(keys, values, q, kv_types, rotation) -> torch.Tensor:
     for p in range(n):
         out = step(q, keys[p : p + 1], values[p : p + 1], no_angles, no_angles, False, p, None, d**-0.5)
     return out
-
-
-native = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native kernels")
 
 
 @native

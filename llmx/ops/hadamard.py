@@ -9,7 +9,8 @@ of the largest power of two from 64 dividing the head, values in blocks of 64. O
 key cache the mean KLD against f16 falls from 0.27 to about 0.1 (bench/RESULTS.md, Quality).
 
 Rotation is the cache's, chosen once (`kv_rotation`): every path that stores into it or attends over
-it rotates alike. The native CPU kernels rotate inside their fused step; the Triton kernels do not
+it rotates alike. The native CPU kernels rotate inside their fused step, and the eager path (`rotate`,
+one native call a tensor on the CPU) before its store and attention; the Triton kernels do not rotate
 yet, so caches in their layout (on a GPU, or grouped for them on the CPU) stay unrotated.
 """
 
@@ -19,7 +20,7 @@ import math
 
 import torch
 
-from llmx.quant import QType, kv_layout
+from llmx.quant import QType, cpu_native, kv_layout
 
 SMALLEST = 64  # llama.cpp's: heads not a multiple of it are not rotated
 
@@ -52,9 +53,14 @@ def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [..., D] with each run of `block` values of its last dimension rotated by the orthonormal
     Walsh-Hadamard matrix (block 0: x itself). The matrix is symmetric and its own inverse: rotating
     twice gives x back. Butterflies (a + b, a - b) of strides 1, 2, 4, .. in float32, then the scale:
-    the native kernels' steps (`hadamard_in_place` in cpu_blocks.c), so both store the same bytes."""
+    the native kernels' steps (`hadamard_in_place` in cpu_blocks.c), so both store the same bytes; on
+    the CPU that very code, in one call (torch's ~20 ops a tensor cost a q8_0 cache's pp512 a quarter)."""
     if block == 0:
         return x
+    if not x.is_cuda and cpu_native.available():
+        y = x.to(torch.float32, copy=True).contiguous()
+        cpu_native.hadamard_rows(y, block)
+        return y.to(x.dtype)
     y = x.reshape(-1, block).to(torch.float32)
     s = 1
     while s < block:

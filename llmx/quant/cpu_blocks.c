@@ -2536,6 +2536,14 @@ static void rope_store(const float *k, const float *v, const float *cos, const f
     }
 }
 
+/* x [rows, d] float32, each row's runs of `block` values rotated in place (hadamard_in_place), the rows
+ * shared among `threads`: the eager path's rotation of a prompt's queries, keys, values and outputs on
+ * the CPU (llmx/ops/hadamard.py), the same bits as the fused steps'. */
+void llmx_hadamard_rows(float *x, int64_t rows, int64_t d, int block, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) hadamard_in_place(x + r * d, d, block);
+}
+
 /* The attention's output of n rows of H heads [n, H, D] rotated back by rot_v's blocks (its own inverse). */
 static void unrotate_output(float *out, int64_t n, int64_t n_head, int64_t d, int rot_v) {
     if (rot_v == 0) return;

@@ -105,6 +105,8 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_paged_rope_store_attend.argtypes += [i32, i32, ptr, i32]
     lib.llmx_paged_rope_store_attend.restype = i32
     lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.llmx_hadamard_rows.argtypes = [ptr, i64, i64, i32, i32]
+    lib.llmx_hadamard_rows.restype = None
     lib.llmx_rms_norm.restype = None
     lib.llmx_top_k.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.llmx_top_k.restype = None
@@ -717,6 +719,15 @@ def paged_rope_store_attend(
     ), (qs, ks, vs, cos, sin, k_pool, v_pool, tables, positions, out))  # fmt: skip
     assert err == 0, (n_head, n_kv, d, tables.shape, positions.tolist())
     return out
+
+
+def hadamard_rows(x: torch.Tensor, block: int) -> None:
+    """x [..., D] float32 (contiguous, on the CPU) with each run of `block` values of its last dimension
+    rotated in place by the orthonormal Walsh-Hadamard matrix (`ops.hadamard.rotate`'s bits)."""
+    lib = _library()
+    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda
+    d = x.shape[-1]
+    _issue(lib.llmx_hadamard_rows, (x.data_ptr(), x.numel() // d, d, block, _threads(lib)), (x,))
 
 
 def rms_norm(
