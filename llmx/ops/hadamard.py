@@ -58,7 +58,7 @@ def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     if block == 0:
         return x
     if not x.is_cuda and cpu_native.available():
-        y = x.to(torch.float32, copy=True).contiguous()
+        y = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # one copy, strided or not
         cpu_native.hadamard_rows(y, block)
         return y.to(x.dtype)
     y = x.reshape(-1, block).to(torch.float32)

@@ -2530,9 +2530,13 @@ static void rope_store(const float *k, const float *v, const float *cos, const f
         rope_in_place(kh, cos, sin, n_dims, neox);
         hadamard_in_place(kh, d, rot_k);
         store_head(kh, type_k, d, krow + h * k_head);
-        memcpy(vh, v + h * d, sizeof(float) * (size_t)d);
-        hadamard_in_place(vh, d, rot_v);
-        store_head(vh, type_v, d, vrow + h * v_head);
+        const float *vs = v + h * d;
+        if (rot_v) { /* rotated on the stack: v is the caller's */
+            memcpy(vh, vs, sizeof(float) * (size_t)d);
+            hadamard_in_place(vh, d, rot_v);
+            vs = vh;
+        }
+        store_head(vs, type_v, d, vrow + h * v_head);
     }
 }
 

@@ -634,8 +634,7 @@ class Attention:
     at every call. `rotation`: the cache's Walsh-Hadamard blocks of keys and values (`ops.hadamard`)."""
 
     def __init__(
-        self, kc: torch.Tensor, vc: torch.Tensor, types: tuple[str, str], d: int,
-        rotation: tuple[int, int] = (0, 0),
+        self, kc: torch.Tensor, vc: torch.Tensor, types: tuple[str, str], d: int, rotation: tuple[int, int]
     ) -> None:  # fmt: skip
         lib = _library()
         assert lib is not None and kc.is_contiguous() and vc.is_contiguous()
@@ -689,7 +688,7 @@ def paged_rope_store_attend(
     positions: torch.Tensor,
     window: int | None,
     scale: float,
-    rotation: tuple[int, int] = (0, 0),
+    rotation: tuple[int, int],
 ) -> torch.Tensor:
     """The decode step of B sequences over a paged cache in one call: sequence b's q [H, D] and k
     [Hk, D] (rows b of q [B, H, D], k and v [B, Hk, D], float32; the rows may lie apart, each one's

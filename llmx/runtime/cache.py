@@ -129,7 +129,7 @@ class KVCache:
 
 def native_attention(
     k: torch.Tensor, v: torch.Tensor, types: tuple[QType, QType] | None, kernels: AttentionKernels,
-    rotation: tuple[int, int] = (0, 0),
+    rotation: tuple[int, int],
 ) -> NativeAttention | None:  # fmt: skip
     """The native CPU decode step of a layer's buffers k, v [rows, Hk, row] (`types` where either is
     GGUF blocks; `rotation` their Walsh-Hadamard blocks), or None where it is off (`kernels.decode`) or
