@@ -128,6 +128,23 @@ def test_fused_matches_eager(case: Case) -> None:
     check(case)
 
 
+# Fewer programs than tiles (a long context's shape): each chunk takes several tiles, the whole ones
+# through the key loop without masks, its last after them (partial, and holding pos in pos's chunk).
+SEVERAL_TILES = [
+    (Case(4, 2, 32, 32, False, F16, pos=300, n_read=400, n_ctx=400), 2),  # two splits: 3 tiles, 2
+    (Case(4, 1, 32, 32, True, F32, pos=350, n_read=400, window=300, n_ctx=400), 1),  # one split: 5 tiles
+    (Case(6, 2, 40, 24, True, F16, pos=255, n_read=256, softcap=30.0, n_ctx=256), 1),  # 4 whole tiles
+]
+
+
+@pytest.mark.parametrize(("case", "splits"), SEVERAL_TILES, ids=str)
+def test_chunks_of_several_tiles(case: Case, splits: int, monkeypatch) -> None:
+    from llmx.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "target_programs", lambda device: splits * case.n_head_kv)
+    check(case)
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=str)
 @pytest.mark.parametrize("which", ["q and k", "q", "k"])
 def test_fused_applies_the_head_norms_before_rope(case: Case, which: str) -> None:
