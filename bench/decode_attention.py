@@ -3,12 +3,14 @@ and the cache bytes it reads a second.
 
     python bench/decode_attention.py [--types f16,q8_0,q4_0] [--n-read 512,8192,32768]
                                      [--heads 32,8,128] [--stages 0] [--warps 4] [--block-n 64]
+                                     [--programs N]
 
 Random caches of `--n-read` rows (Llama-3-8B's heads by default; block caches' scales kept finite),
 the token at the last row, `decode_attention.decode_attention` as a decode step calls it, twenty
 calls captured in a CUDA graph and the best of five replays kept. `--stages`, `--warps` and
 `--block-n` (comma-separated; stages 0: the kernel's own choice) launch `attention_kernel` with
-other settings, to sweep them.
+other settings, to sweep them; `--programs` splits the keys for that many programs (KV heads x
+splits) instead of the kernel's two waves of SMs.
 """
 
 from __future__ import annotations
@@ -110,7 +112,10 @@ def main() -> None:
     ap.add_argument("--stages", default="0", help="num_stages to launch with (0: the kernel's choice)")
     ap.add_argument("--warps", default="4", help="num_warps to launch with")
     ap.add_argument("--block-n", default=str(kernel.BLOCK_N), help="keys a loop step")
+    ap.add_argument("--programs", type=int, help="programs to split the keys into (default: the kernel's)")
     args = ap.parse_args()
+    if args.programs:
+        kernel.target_programs = lambda device: args.programs
     n_head, n_kv, d = (int(x) for x in args.heads.split(","))
     heads = (n_head, n_kv, d)
     settings = list(itertools.product(args.stages.split(","), args.warps.split(","), args.block_n.split(",")))
