@@ -310,18 +310,29 @@ def attention_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Every tile of the chunk is whole but its last, which also holds pos where the chunk does: the
-    # others go through a loop without masks or this step's row (selects that cost a float tile a
-    # trip through registers on its way from shared memory to the tensor cores), the last after them.
-    last = start + tl.maximum(tl.cdiv(end - start, BLOCK_N) - 1, 0) * BLOCK_N
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, start, last, pos, k_new, v_new, kc_ptr, vc_ptr, table_ptr, levels_ptr, skc_n,
-        svc_n, n_rows, scale, softcap, False, SOFTCAP, DOT, D, KT, KB, VT, VB, BLOCK_D, BLOCK_N, PAGED, BR,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, last, end, pos, k_new, v_new, kc_ptr, vc_ptr, table_ptr, levels_ptr, skc_n,
-        svc_n, n_rows, scale, softcap, True, SOFTCAP, DOT, D, KT, KB, VT, VB, BLOCK_D, BLOCK_N, PAGED, BR,
-    )  # fmt: skip
+    for n in range(start, end, BLOCK_N):
+        rows = n + tl.arange(0, BLOCK_N)
+        rmask = rows < end
+        fresh = (rows == pos)[:, None]  # this step's row: from registers, not (yet) from the cache
+        if PAGED:  # position p in row table[p // BR] * BR + p % BR
+            block = tl.load(table_ptr + rows // BR, mask=rmask, other=0).to(tl.int64)
+            r64 = (block * BR + rows % BR)[:, None]
+        else:
+            r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
+        keys = load_rows(kc_ptr + r64 * skc_n, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D, DOT)
+        keys = tl.where(fresh, k_new[None, :], keys)
+        s = dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
+        # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
+        s = softcap * (2.0 * tl.sigmoid(s * (2.0 * scale / softcap)) - 1.0) if SOFTCAP else s * scale
+        s = tl.where(rmask[None, :], s * 1.4426950408889634, float("-inf"))  # to log2 units for exp2
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a visible key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        values = load_rows(vc_ptr + r64 * svc_n, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D, DOT)
+        values = tl.where(fresh, v_new[None, :], values)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p, values, DOT)
+        m_i = m_new
 
     # The chunk holding pos stores this step's key and value. After the loop: the interpreter runs
     # programs one after another, and a store before it would hide a missing substitution from the
@@ -378,46 +389,6 @@ def attention_kernel(
             tl.store(count_ptr, 0)
             o = total / weight[:, None]
             _finish(o, out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
-
-
-@triton.jit
-def _attend(
-    acc, m_i, l_i, q, start, end, pos, k_new, v_new, kc_ptr, vc_ptr, table_ptr, levels_ptr, skc_n, svc_n,
-    n_rows, scale, softcap, LAST: tl.constexpr, SOFTCAP: tl.constexpr, DOT: tl.constexpr, D: tl.constexpr,
-    KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr, VB: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BR: tl.constexpr,
-):  # fmt: skip
-    """Keys [start, end) (tiles of BLOCK_N from start) into the running (acc, max, sum) of the queries
-    q [BLOCK_G, BLOCK_D]. Without LAST every tile is whole and none holds pos; with LAST (the chunk's
-    last tile) keys from `end` on are masked and key pos is this step's k_new, v_new (the row as
-    the cache will hold it), taken from registers since it is stored after the loop."""
-    for n in range(start, end, BLOCK_N):
-        rows = n + tl.arange(0, BLOCK_N)
-        rmask = rows < end if LAST else tl.full([BLOCK_N], True, tl.int1)
-        if PAGED:  # position p in row table[p // BR] * BR + p % BR
-            block = tl.load(table_ptr + rows // BR, mask=rmask, other=0).to(tl.int64)
-            r64 = (block * BR + rows % BR)[:, None]
-        else:
-            r64 = (rows % n_rows).to(tl.int64)[:, None]  # a sliding-window layer's cache is a ring
-        keys = load_rows(kc_ptr + r64 * skc_n, rmask[:, None], levels_ptr, D, KT, KB, BLOCK_D, DOT)
-        if LAST:
-            keys = tl.where((rows == pos)[:, None], k_new[None, :], keys)
-        s = dot(q, tl.trans(keys), DOT)  # [BLOCK_G, BLOCK_N]
-        # soft-capping: softcap * tanh(s * scale / softcap), with tanh(x) = 2 sigmoid(2x) - 1
-        s = softcap * (2.0 * tl.sigmoid(s * (2.0 * scale / softcap)) - 1.0) if SOFTCAP else s * scale
-        s = s * 1.4426950408889634  # to log2 units for exp2
-        if LAST:
-            s = tl.where(rmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a visible key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        values = load_rows(vc_ptr + r64 * svc_n, rmask[:, None], levels_ptr, D, VT, VB, BLOCK_D, DOT)
-        if LAST:
-            values = tl.where((rows == pos)[:, None], v_new[None, :], values)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p, values, DOT)
-        m_i = m_new
-    return acc, m_i, l_i
 
 
 @triton.jit
