@@ -128,8 +128,8 @@ def test_fused_matches_eager(case: Case) -> None:
     check(case)
 
 
-# Fewer programs than tiles (a long context's shape): each chunk takes several tiles, the whole ones
-# through the key loop without masks, its last after them (partial, and holding pos in pos's chunk).
+# Fewer programs than tiles (a long context's shape): each chunk's key loop takes several tiles, its
+# last one partial and holding pos in pos's chunk (the other tests' chunks are one tile each).
 SEVERAL_TILES = [
     (Case(4, 2, 32, 32, False, F16, pos=300, n_read=400, n_ctx=400), 2),  # two splits: 3 tiles, 2
     (Case(4, 1, 32, 32, True, F32, pos=350, n_read=400, window=300, n_ctx=400), 1),  # one split: 5 tiles

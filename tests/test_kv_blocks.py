@@ -207,8 +207,8 @@ def test_triton_decode_over_blocks(kt, vt, pos, n_read, rows, window) -> None:
 @pytest.mark.parametrize(("kt", "vt"), [("q8_0", "q8_0"), ("q4_0", "q5_1")], ids=lambda p: p)
 @pytest.mark.usefixtures("grouped_caches")
 def test_triton_decode_over_blocks_in_chunks_of_several_tiles(kt, vt, monkeypatch) -> None:
-    """One split a KV head (a long context's shape): two whole tiles through the key loop without
-    masks, then the partial one holding pos."""
+    """One split a KV head (a long context's shape): a key loop of two whole tiles, then the partial
+    one holding pos."""
     pytest.importorskip("triton")
     from llmx.kernels import decode_attention
 
