@@ -4,6 +4,7 @@ and the cache bytes it reads a second.
     python bench/decode_attention.py [--types f16,q8_0,q4_0] [--n-read 512,8192,32768]
                                      [--heads 32,8,128] [--stages 0] [--warps 4] [--block-n 64]
                                      [--programs N]
+                                     [--rotation]
 
 Random caches of `--n-read` rows (Llama-3-8B's heads by default; block caches' scales kept finite),
 the token at the last row, `decode_attention.decode_attention` as a decode step calls it, twenty
@@ -24,6 +25,7 @@ import torch
 
 import llmx.kernels.decode_attention as kernel
 from llmx.kernels.cache_rows import BLOCKS
+from llmx.ops.hadamard import kv_rotation
 from llmx.quant import qtype
 
 CALLS = 20  # a graph's calls
@@ -76,9 +78,11 @@ def graph_microseconds(call: Callable[[], object]) -> float:
     return best
 
 
-def cases(name: str, n_read: int, heads: tuple[int, int, int], settings: list[tuple[str, str, str]]) -> None:
+def cases(
+    name: str, n_read: int, heads: tuple[int, int, int], settings: list[tuple[str, str, str]], rotated: bool
+) -> None:
     """Print one line for each (stages, warps, BLOCK_N) of `settings` with a cache of `name` and `n_read`
-    rows."""
+    rows; `rotated`: a block cache rotated as the runtime rotates it (`ops.hadamard.kv_rotation`)."""
     n_head, n_kv, d = heads
     k_cache, v_cache, row_bytes = caches(name, n_read, n_kv, d)
     types = (qtype(name), qtype(name)) if k_cache.dtype == torch.uint8 else None
@@ -88,7 +92,7 @@ def cases(name: str, n_read: int, heads: tuple[int, int, int], settings: list[tu
     positions = torch.tensor([n_read - 1], device="cuda")
     call = partial(
         kernel.decode_attention, q, k, k, cos, sin, k_cache, v_cache, positions, n_read, n_dims=d, neox=False,
-        types=types,
+        types=types, rotation=kv_rotation(types, (d, d), q.device) if rotated and types else (0, 0),
     )  # fmt: skip
     jit, block_n = kernel.attention_kernel, kernel.BLOCK_N
     for stages, warps, bn in settings:
@@ -113,6 +117,7 @@ def main() -> None:
     ap.add_argument("--warps", default="4", help="num_warps to launch with")
     ap.add_argument("--block-n", default=str(kernel.BLOCK_N), help="keys a loop step")
     ap.add_argument("--programs", type=int, help="programs to split the keys into (default: the kernel's)")
+    ap.add_argument("--rotation", action="store_true", help="block caches rotated (`ops.hadamard`)")
     args = ap.parse_args()
     if args.programs:
         kernel.target_programs = lambda device: args.programs
@@ -124,7 +129,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in args.types.split(","):
         for n_read in (int(x) for x in args.n_read.split(",")):
-            cases(name, n_read, heads, settings)
+            cases(name, n_read, heads, settings, args.rotation)
             torch.cuda.empty_cache()
 
 

@@ -12,7 +12,7 @@ so a block cache's head stride (136 bytes of q8_0) is known only 8-aligned, as o
 versions lay the same kernel out differently: to see the device's 3.6, put its wheel's package first
 on PYTHONPATH (`pip install --target DIR triton==3.6.0`; no GPU needed).
 
-    python bench/ptx_attention.py [--types f16,q8_0,q4_0] [--heads 32,8,128]
+    python bench/ptx_attention.py [--types f16,q8_0,q4_0] [--heads 32,8,128] [--rotation]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import re
 from collections import Counter
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -29,6 +30,7 @@ from triton.compiler import ASTSource
 from llmx.kernels.cache_rows import BLOCKS
 from llmx.kernels.decode_attention import BLOCK_N, attention_kernel
 from llmx.kernels.prefill_attention import _tiles, prefill_kernel
+from llmx.ops.hadamard import kv_rotation
 from llmx.quant import qtype
 
 COUNTED = ("ld.global", "cp.async", "st.shared", "ld.shared", "bar.sync", "cvt")
@@ -66,6 +68,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="f16,q8_0,q4_0", help="cache types (f16, bf16, q8_0, q4_0, ...)")
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
+    ap.add_argument(
+        "--rotation", action="store_true", help="the decode kernel with block caches' Walsh-Hadamard rotation"
+    )
     args = ap.parse_args()
     n_head, n_kv, d = (int(x) for x in args.heads.split(","))
     block_d = max(16, triton.next_power_of_2(d))
@@ -73,6 +78,7 @@ def main() -> None:
         qt = qtype(name)
         code, block = BLOCKS.get(qt.name, (0, 0))
         head = d // 32 * block if code else d  # a cache row's head stride, in its elements
+        rotation = kv_rotation((qt, qt), (d, d), torch.device("cuda")) if args.rotation else (0, 0)
         cache = "*u8" if code else {"F16": "*fp16", "BF16": "*bf16"}[qt.name]
         kinds = dict(
             KT=code, KB=block, VT=code, VB=block, DOT=tl.float16, D=d, BLOCK_D=block_d, G=n_head // n_kv
@@ -89,7 +95,8 @@ def main() -> None:
             attention_kernel, rows, strides,
             kinds | dict(N_DIMS=d, NEOX=False, WINDOW=False, SOFTCAP=False, PAGED=False, BR=1, WAIT=False,
                          BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_N=BLOCK_N,
-                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False, Q_NORM=NORMS, K_NORM=NORMS),
+                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False, Q_NORM=NORMS, K_NORM=NORMS)
+            | dict(ROT_K=rotation[0], ROT_V=rotation[1]),
             4, 3,  # as `decode_attention._launch` launches a float16 or block cache (float32: 1)
         )  # fmt: skip
         bm, bn, warps, stages = _tiles(d, True, False, code != 0)

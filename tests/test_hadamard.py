@@ -6,8 +6,13 @@ test_paged_attention's; that a model's steps over a rotated cache agree, test_kv
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 from hadamard_reference import walsh_hadamard
 
 from llmx.ops.hadamard import key_block, kv_rotation, rotate, value_block
@@ -37,6 +42,23 @@ def test_torchs_butterflies_give_the_native_rotations_bits(block, monkeypatch):
     assert torch.equal(rotate(x, block), native_bits)
 
 
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter truncates bf16
+def test_the_gpus_one_launch_gives_torchs_butterflies_bits(block, dtype, monkeypatch):
+    """A GPU's eager rotation (one Triton launch, `kernels.hadamard.rotate_rows`; interpreted without
+    one) stores what torch's butterflies do, for a strided tensor of runs no multiple of a program's."""
+    pytest.importorskip("triton")
+    from llmx.kernels.hadamard import rotate_rows
+
+    x = torch.randn(3, 37, 128, generator=torch.Generator().manual_seed(block)).to(dtype).transpose(0, 1)
+    monkeypatch.setattr(cpu_native, "available", lambda: False)
+    want = rotate(x, block)  # on the CPU: torch's butterflies
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = rotate_rows(x.to(device), block)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert torch.equal(got.cpu(), want)
+
+
 def test_blocks_are_llama_cpps():
     """Keys: the largest power of two from 64 that divides the head; values: 64; float caches and heads
     not a multiple of 64: none."""
@@ -46,15 +68,23 @@ def test_blocks_are_llama_cpps():
     assert key_block(qtype("f16"), 128) == value_block(qtype("bf16"), 128) == 0
 
 
-def test_only_caches_in_the_native_kernels_layout_are_rotated(grouped_caches):
-    types, dims = (qtype("q8_0"), qtype("q4_0")), (128, 128)
-    assert kv_rotation(types, dims, torch.device("cuda")) == (0, 0)  # Triton's kernels do not rotate
-    assert kv_rotation(types, dims, torch.device("cpu")) == (0, 0)  # grouped for them here
+def test_a_cache_of_blocks_is_rotated_on_the_sides_it_quantizes():
+    cpu = torch.device("cpu")
+    assert kv_rotation((qtype("q4_0"), qtype("f16")), (128, 128), cpu) == (128, 0)
+    assert kv_rotation((qtype("f16"), qtype("q5_1")), (64, 64), cpu) == (0, 64)
+    assert kv_rotation((qtype("q8_0"), qtype("q8_0")), (64, 64), cpu) == (64, 64)
 
 
-def test_a_cpu_cache_of_blocks_is_rotated():
-    assert kv_rotation((qtype("q4_0"), qtype("f16")), (128, 128), torch.device("cpu")) == (128, 0)
-    assert kv_rotation((qtype("f16"), qtype("q5_1")), (64, 64), torch.device("cpu")) == (0, 64)
+def test_the_gpus_q8_0_sides_stay_unrotated(monkeypatch):
+    """In the Triton kernels' layout (a GPU's caches) q8_0 is not worth its cost (`TRITON_UNROTATED`);
+    4-bit sides are rotated there as on the CPU."""
+    from llmx.quant import kv_layout
+
+    monkeypatch.setattr(kv_layout, "GROUPED_ON_CPU", True)  # the CPU's caches as a GPU's
+    cpu = torch.device("cpu")
+    assert kv_rotation((qtype("q8_0"), qtype("q4_0")), (128, 128), cpu) == (0, 64)
+    assert kv_rotation((qtype("q8_0"), qtype("q8_0")), (128, 128), cpu) == (0, 0)
+    assert kv_rotation((qtype("iq4_nl"), qtype("q5_1")), (128, 128), cpu) == (128, 64)
 
 
 def native_steps(keys, values, q, kv_types, rotation) -> torch.Tensor:

@@ -30,6 +30,7 @@ from llmx import ops  # noqa: E402
 from llmx.ops import Rope, causal_mask  # noqa: E402
 from llmx.ops.block_attention import block_attention  # noqa: E402
 from llmx.ops.cached_attention import AttentionKernels, math_attention  # noqa: E402
+from llmx.ops.hadamard import kv_rotation  # noqa: E402
 from llmx.ops.masks import ring_mask  # noqa: E402
 from llmx.quant import kv_layout, qtype  # noqa: E402
 from llmx.quant.quantize import KV_BLOCK_TYPES, quantize  # noqa: E402
@@ -146,10 +147,12 @@ def test_block_attention_matches_float_attention(kt, vt, t, n, window, softcap) 
 
 
 def fused_step(
-    kt: str, vt: str, mode: str, pos: int, n_read: int, rows: int, window: int | None, seed: int = 0
-):
-    """One decode step through `ops.rope_attention` over a BlockWriter with decode kernels `mode`:
-    (output, the caches after it, the caches before it; blocks in GGUF order)."""
+    kt: str, vt: str, mode: str, pos: int, n_read: int, rows: int, window: int | None, seed: int = 0,
+    rotation: tuple[int, int] = (0, 0),
+):  # fmt: skip
+    """One decode step through `ops.rope_attention` over a BlockWriter with decode kernels `mode` and
+    the Walsh-Hadamard `rotation`: (output, the caches after it, the caches before it; blocks in GGUF
+    order)."""
     n_head, n_kv, d = 4, 2, 64
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, h, d, generator=g) for h in (n_head, n_kv, n_kv))
@@ -161,7 +164,8 @@ def fused_step(
     rope = Rope(d, 10000.0, False)
     positions = torch.tensor([pos], device=DEVICE)
     cos, sin = rope.tables(positions, n_read)
-    cache = BlockWriter(kc, vc, positions, n_read, AttentionKernels(decode=mode), (qtype(kt), qtype(vt)))
+    kernels, types = AttentionKernels(decode=mode), (qtype(kt), qtype(vt))
+    cache = BlockWriter(kc, vc, positions, n_read, kernels, types, rotation=rotation)
     mask = None if n_read == pos + 1 and window is None else causal_mask(positions, min(n_read, rows), window)
     if n_read > rows:  # a wrapped ring: as `rope_attention` masks it
         mask = ring_mask(positions, cache.key_positions(), window)
@@ -175,9 +179,12 @@ def fused_step(
     return out.cpu(), tuple(after), (kc0, vc0)
 
 
-def check_fused(kt: str, vt: str, mode: str, pos: int, n_read: int, rows: int, window: int | None) -> None:
-    out, caches, before = fused_step(kt, vt, mode, pos, n_read, rows, window)
-    ref, ref_caches, _ = fused_step(kt, vt, "off", pos, n_read, rows, window)
+def check_fused(
+    kt: str, vt: str, mode: str, pos: int, n_read: int, rows: int, window: int | None,
+    rotation: tuple[int, int] = (0, 0),
+) -> None:  # fmt: skip
+    out, caches, before = fused_step(kt, vt, mode, pos, n_read, rows, window, rotation=rotation)
+    ref, ref_caches, _ = fused_step(kt, vt, "off", pos, n_read, rows, window, rotation=rotation)
     slot = pos % rows
     for name, fused, eager, old in zip((kt, vt), caches, ref_caches, before, strict=True):
         others = torch.arange(rows) != slot
@@ -230,6 +237,31 @@ def test_native_cpu_decode_over_blocks(kt, vt, pos, rows, window, native_kernels
     if DEVICE != "cpu":
         pytest.skip("the native kernel is the CPU's")
     check_fused(kt, vt, "auto", pos, pos + 1, rows, window)
+
+
+ROTATED = [("Q4_0", "Q4_0"), ("Q8_0", "Q5_1"), ("F16", "IQ4_NL")]  # keys, values or both rotated
+
+
+@pytest.mark.parametrize(("kt", "vt"), ROTATED, ids=lambda p: p)
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.usefixtures("grouped_caches")
+def test_triton_decode_over_rotated_blocks(kt, vt, window) -> None:
+    """The fused kernel rotates q, k and v after RoPE and the output back (`ops.hadamard`) as the
+    eager path does around its store and attention: the same output and the same stored blocks."""
+    pytest.importorskip("triton")
+    rotation = kv_rotation((qtype(kt), qtype(vt)), (64, 64), torch.device(DEVICE))
+    assert any(rotation)
+    check_fused(kt, vt, "on", 130, 160, 160, window, rotation)
+
+
+@pytest.mark.parametrize(("kt", "vt"), ROTATED, ids=lambda p: p)
+def test_native_cpu_decode_over_rotated_blocks(kt, vt, native_kernels) -> None:
+    from llmx.quant import cpu_native
+
+    if not cpu_native.available() or DEVICE != "cpu":
+        pytest.skip("the native kernel is the CPU's")
+    rotation = kv_rotation((qtype(kt), qtype(vt)), (64, 64), torch.device("cpu"))
+    check_fused(kt, vt, "auto", 130, 131, 160, None, rotation)
 
 
 # --- memory: what the plan says ----------------------------------------------------------------------

@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from hadamard_reference import hadamard_blocks  # noqa: E402
 from paged_sequences import ragged_tables  # noqa: E402
 from references import GPU_BATCH_TOLERANCE, greedy_alone  # noqa: E402
 from tiny_models import random_prompt, write_tiny  # noqa: E402
@@ -36,6 +37,7 @@ import llmx  # noqa: E402
 from llmx.kernels import decode_attention, prefill_attention  # noqa: E402
 from llmx.ops import Rope  # noqa: E402
 from llmx.ops.cached_attention import AttentionKernels, cached_attention  # noqa: E402
+from llmx.ops.hadamard import kv_rotation, rotate  # noqa: E402
 from llmx.ops.masks import causal_mask  # noqa: E402
 from llmx.quant import kv_layout, qtype  # noqa: E402
 from llmx.quant.quantize import quantize  # noqa: E402
@@ -132,10 +134,13 @@ def batched(c: Case, paged: PagedKVCache, ts: list[BlockTable], rope: Rope) -> t
 
 
 def one_by_one(c: Case, paged: PagedKVCache, ts: list[BlockTable], rope: Rope) -> torch.Tensor:
-    """What forward_batch did before, sequence by sequence, over the eager ops."""
+    """What forward_batch did before, sequence by sequence, over the eager ops (the pool's rotation
+    as `ops.rope_attention` makes it)."""
     positions = torch.tensor([t.length for t in ts])
     q, k, v, cos, sin = step_inputs(c, rope, positions)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    rot_k, rot_v = paged.rotation[0]
+    q, k, v = rotate(q, rot_k), rotate(k, rot_k), rotate(v, rot_v)
     outs = []
     for b, t in enumerate(ts):
         pos = positions[b : b + 1]
@@ -145,7 +150,7 @@ def one_by_one(c: Case, paged: PagedKVCache, ts: list[BlockTable], rope: Rope) -
         outs.append(
             cached_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], view, mask, c.window, None, c.softcap)
         )
-    return torch.cat(outs)
+    return rotate(torch.cat(outs), rot_v)
 
 
 def single_kernel(c: Case, pools: tuple[torch.Tensor, torch.Tensor], ts: list[BlockTable], rope: Rope):
@@ -154,23 +159,26 @@ def single_kernel(c: Case, pools: tuple[torch.Tensor, torch.Tensor], ts: list[Bl
     positions = torch.tensor([t.length for t in ts])
     q, k, v, cos, sin = step_inputs(c, rope, positions)
     outs, stored = [], []
+    rotation = kv_rotation(c.types, (c.d, c.d), pools[0].device) if c.types else (0, 0)
     for b, t in enumerate(ts):
         rows = torch.tensor([blk * ROWS + r for blk in t.blocks for r in range(ROWS)])[: t.length + 1]
         kc, vc = pools[0][rows].clone(), pools[1][rows].clone()
         outs.append(decode_attention.decode_attention(
             q[b : b + 1], k[b : b + 1], v[b : b + 1], cos[b : b + 1], sin[b : b + 1], kc, vc,
             positions[b : b + 1], t.length + 1, n_dims=c.n_dims, neox=c.neox, softcap=c.softcap,
-            window=c.window, types=c.types,
+            window=c.window, types=c.types, rotation=rotation,
         ))  # fmt: skip
         stored.append((kc[t.length], vc[t.length]))
     return torch.cat(outs), stored
 
 
 def float64_reference(c: Case, paged: PagedKVCache, ts: list[BlockTable], rope: Rope) -> torch.Tensor:
-    """Attention in float64 over the pools as the call left them, each sequence's rows gathered."""
+    """Attention in float64 over the pools as the call left them, each sequence's rows gathered: q
+    rotated as the pools' keys are, the output back as their values are."""
     positions = torch.tensor([t.length for t in ts])
     q, _, _, cos, sin = step_inputs(c, rope, positions)
-    q = rope.apply(q, cos, sin).double()
+    rot_k, rot_v = paged.rotation[0]
+    q = hadamard_blocks(rope.apply(q, cos, sin).double(), rot_k)
     types = c.types or (qtype(c.kt), qtype(c.vt))
     k, v = (dequantize(kv_layout.gguf_rows(p, qt).reshape(p.shape[0] * c.n_kv, -1), qt)
             .reshape(p.shape[0], c.n_kv, c.d).double()
@@ -185,7 +193,7 @@ def float64_reference(c: Case, paged: PagedKVCache, ts: list[BlockTable], rope: 
         if c.softcap:
             scores = c.softcap * torch.tanh(scores / c.softcap)
         outs.append(torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), vb).reshape(1, -1))
-    return torch.cat(outs)
+    return hadamard_blocks(torch.cat(outs), rot_v)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -406,9 +414,12 @@ def gpu_step(c: Case, blocks: BlockPool, lengths: list[int], seed: int):
 
 
 def gpu_eager(c: Case, paged: PagedKVCache, ts, rope, inputs, positions) -> torch.Tensor:
-    """Each sequence alone on the eager path (fused kernels off), over `paged`'s pools."""
+    """Each sequence alone on the eager path (fused kernels off), over `paged`'s pools (rotated as
+    `ops.rope_attention` rotates them)."""
     q, k, v, cos, sin = inputs
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    rot_k, rot_v = paged.rotation[0]
+    q, k, v = rotate(q, rot_k), rotate(k, rot_k), rotate(v, rot_v)
     outs = []
     for b, t in enumerate(ts):
         rows = paged.rows(t, t.length + 1, torch.device(DEVICE))
@@ -417,7 +428,7 @@ def gpu_eager(c: Case, paged: PagedKVCache, ts, rope, inputs, positions) -> torc
         outs.append(
             cached_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], view, mask, c.window, None, c.softcap)
         )
-    return torch.cat(outs)
+    return rotate(torch.cat(outs), rot_v)
 
 
 def gpu_cache(c: Case, n_blocks: int, seq_ctx: int, kernels: AttentionKernels, seed: int = 0) -> PagedKVCache:

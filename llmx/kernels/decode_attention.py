@@ -56,6 +56,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from llmx.kernels import cache_rows
 from llmx.kernels.cache_rows import TL_DTYPE, dot, head_at, load_rows
 from llmx.kernels.cache_store import blocks_value, quantize_head, store_head
+from llmx.kernels.hadamard import hadamard
 from llmx.quant import QType
 from llmx.quant.triton import activation, launch
 from llmx.quant.triton.dot8 import store_quantized
@@ -84,6 +85,7 @@ def decode_attention(
     window: int | None = None,
     types: tuple[QType, QType] | None = None,
     norms: Norms | None = None,
+    rotation: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """RoPE'd q [1, H, D] attending over cache rows 0..n_read-1 after k, v [1, Hk, D] (k rotated)
     are written at row positions[0]; keys j <= pos are visible (and j > pos - window with a window).
@@ -91,13 +93,14 @@ def decode_attention(
     `norms`: each head of q and k RMS-normalized first (`Norms`). Rotation as
     `ops.Rope.apply` with `n_dims` and `neox`; scores scaled by `scale` (default 1/sqrt(D)), then
     soft-capped to softcap * tanh(s / softcap) when `softcap` is set. `types`: the caches' (K's,
-    V's) where either is GGUF blocks, None for float caches.
+    V's) where either is GGUF blocks, None for float caches. `rotation`: the caches' Walsh-Hadamard
+    blocks (`ops.hadamard`): q and k after RoPE in the first, v in the second, the output back.
     Requires n_read > pos. Returns [1, H * D] in q's dtype.
     """
     span = n_read if window is None else min(n_read, window)
     return _launch(
         q, k, v, cos, sin, k_cache, v_cache, positions, None, n_read, 1, span, n_dims=n_dims, neox=neox,
-        scale=scale, softcap=softcap, window=window, types=types, norms=norms,
+        scale=scale, softcap=softcap, window=window, types=types, norms=norms, rotation=rotation,
     )  # fmt: skip
 
 
@@ -120,6 +123,7 @@ def paged_decode_attention(
     window: int | None = None,
     types: tuple[QType, QType] | None = None,
     norms: Norms | None = None,
+    rotation: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """`decode_attention` for one token of each of B sequences over a paged cache
     (`runtime.paged`), in the same launch: q [B, H, D], k, v [B, Hk, D], cos/sin [B, n_dims/2]
@@ -134,6 +138,7 @@ def paged_decode_attention(
     return _launch(
         q, k, v, cos, sin, k_pool, v_pool, positions, (tables, block_rows), 0, q.shape[0], span,
         n_dims=n_dims, neox=neox, scale=scale, softcap=softcap, window=window, types=types, norms=norms,
+        rotation=rotation,
     )  # fmt: skip
 
 
@@ -150,7 +155,7 @@ def _launch(
     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
     paged: tuple[torch.Tensor, int] | None, n_read: int, n_seq: int, span: int, *, n_dims: int,
     neox: bool, scale: float | None, softcap: float | None, window: int | None,
-    types: tuple[QType, QType] | None, norms: Norms | None,
+    types: tuple[QType, QType] | None, norms: Norms | None, rotation: tuple[int, int],
 ) -> torch.Tensor:  # fmt: skip
     """The kernel for `n_seq` tokens: over a contiguous cache (`paged` None: one token, rows
     0..n_read-1, a ring past its rows) or a paged one (`paged`: the block tables and block rows)."""
@@ -203,7 +208,8 @@ def _launch(
         SOFTCAP=softcap is not None, DOT=dot_type, KT=kt, KB=kb, VT=vt, VB=vb,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         PAGED=paged is not None, BR=block_rows, WAIT=pdl, SPLIT=splits > 1, QUANT=qx is not None,
-        TRIGGER=qx is not None and pdl, num_warps=4, num_stages=stages, launch_pdl=pdl,
+        TRIGGER=qx is not None and pdl, ROT_K=rotation[0], ROT_V=rotation[1], num_warps=4, num_stages=stages,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -265,7 +271,7 @@ def attention_kernel(
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr,
     VB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, BR: tl.constexpr, WAIT: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr,
 ):  # fmt: skip
     if WAIT:  # launched as a programmatic dependent (norm.rms_norm_kernel's note)
         gdc_wait()
@@ -293,6 +299,10 @@ def attention_kernel(
     q = _rotate(q_at, d[None, :], qmask, cos_ptr, sin_ptr, N_DIMS, NEOX, qn_ptr, eps, 1, D, Q_NORM)
     k_new = _rotate(k_ptr + kvh * sk, d, dmask, cos_ptr, sin_ptr, N_DIMS, NEOX, kn_ptr, eps, 0, D, K_NORM)
     v_new = tl.load(v_ptr + kvh * sv + d, mask=dmask, other=0.0).to(tl.float32)
+    # the caches' Walsh-Hadamard rotation (`ops.hadamard`): q and k alike, v (the output goes back)
+    q = hadamard(q, ROT_K)
+    k_new = tl.reshape(hadamard(tl.reshape(k_new, (1, BLOCK_D)), ROT_K), (BLOCK_D,))
+    v_new = tl.reshape(hadamard(tl.reshape(v_new, (1, BLOCK_D)), ROT_V), (BLOCK_D,))
     # this step's row as the cache will hold it: rounded to its dtype, or quantized (codes kept to store)
     if KT == 0:
         k_new = k_new.to(kc_ptr.dtype.element_ty)
@@ -357,7 +367,7 @@ def attention_kernel(
     n_kv = tl.num_programs(0)
     if not SPLIT:
         o = acc / tl.where(gmask, l_i, 1.0)[:, None]
-        _finish(o, out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
+        _finish(hadamard(o, ROT_V), out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
     else:
         # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 below.
         first = (b64 * (n_kv * G) + heads) * n_splits  # this token's heads' partials of split 0
@@ -388,7 +398,7 @@ def attention_kernel(
                 top = new
             tl.store(count_ptr, 0)
             o = total / weight[:, None]
-            _finish(o, out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
+            _finish(hadamard(o, ROT_V), out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
 
 
 @triton.jit

@@ -9,9 +9,10 @@ of the largest power of two from 64 dividing the head, values in blocks of 64. O
 key cache the mean KLD against f16 falls from 0.27 to about 0.1 (bench/RESULTS.md, Quality).
 
 Rotation is the cache's, chosen once (`kv_rotation`): every path that stores into it or attends over
-it rotates alike. The native CPU kernels rotate inside their fused step, and the eager path (`rotate`,
-one native call a tensor on the CPU) before its store and attention; the Triton kernels do not rotate
-yet, so caches in their layout (on a GPU, or grouped for them on the CPU) stay unrotated.
+it rotates alike. The fused one-token steps rotate inside (the native CPU kernels in C, Triton's
+decode kernel with `tl.split`/`tl.join` butterflies); the eager path (`rotate`: one native call a
+tensor on the CPU, one Triton launch on a GPU, torch's butterflies elsewhere) before the cache's
+store and the prompt kernels, and rotates their output back.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ import torch
 from llmx.quant import QType, cpu_native, kv_layout
 
 SMALLEST = 64  # llama.cpp's: heads not a multiple of it are not rotated
+# Types the Triton kernels' caches (a GPU's) hold unrotated: unrotated, a q8_0 cache already attends
+# within a mean KLD of 0.0012 of f16 on SmolLM2 (llama.cpp's rotated one: 0.0070), and rotating
+# costs its decode kernel 18-60% (H100, 32K-512 keys: the butterflies' shuffles through shared
+# memory); a 4-bit cache's KLD falls 3x rotated, for 4-34% of its kernel.
+TRITON_UNROTATED = frozenset({"Q8_0"})
 
 
 def key_block(qt: QType, head_dim: int) -> int:
@@ -43,10 +49,12 @@ def value_block(qt: QType, head_dim: int) -> int:
 
 def kv_rotation(types: tuple[QType, QType], dims: tuple[int, int], device: torch.device) -> tuple[int, int]:
     """(key block, value block) for a cache of K and V types `types` with heads of `dims` values on
-    `device`; 0 where that side is not rotated (every side of a cache in the Triton kernels' layout)."""
-    if device.type != "cpu" or kv_layout.grouped_blocks(types, device):
-        return 0, 0
-    return key_block(types[0], dims[0]), value_block(types[1], dims[1])
+    `device`; 0 where that side is not rotated (`TRITON_UNROTATED` in the Triton kernels' layout)."""
+    kt, vt = types
+    triton_layout = kv_layout.grouped(device)
+    k = 0 if triton_layout and kt.name in TRITON_UNROTATED else key_block(kt, dims[0])
+    v = 0 if triton_layout and vt.name in TRITON_UNROTATED else value_block(vt, dims[1])
+    return k, v
 
 
 def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -54,10 +62,15 @@ def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     Walsh-Hadamard matrix (block 0: x itself). The matrix is symmetric and its own inverse: rotating
     twice gives x back. Butterflies (a + b, a - b) of strides 1, 2, 4, .. in float32, then the scale:
     the native kernels' steps (`hadamard_in_place` in cpu_blocks.c), so both store the same bytes; on
-    the CPU that very code, in one call (torch's ~20 ops a tensor cost a q8_0 cache's pp512 a quarter)."""
+    the CPU that very code, in one call (torch's ~20 ops a tensor cost a q8_0 cache's pp512 a quarter),
+    on a GPU one Triton launch (`kernels.hadamard.rotate_rows`)."""
     if block == 0:
         return x
-    if not x.is_cuda and cpu_native.available():
+    if x.is_cuda:
+        from llmx.kernels.hadamard import rotate_rows  # Triton: imported where a GPU is
+
+        return rotate_rows(x, block)
+    if cpu_native.available():
         y = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # one copy, strided or not
         cpu_native.hadamard_rows(y, block)
         return y.to(x.dtype)

@@ -15,8 +15,8 @@ object (`LayerWriter`), either stored by it or by the fused kernel it runs (`rop
 which rotates, stores and attends in one call. It holds the attention kernels chosen at load.
 Block types are quantized as they are stored (by the fused kernels, or by `BlockWriter` for the
 step's rows only: `store_rows`, on a GPU one launch, `kernels.cache_store`) and dequantized by the
-kernels that read them; in the native kernels' layout their heads are stored rotated by a Walsh-Hadamard
-matrix, queries and outputs rotated to match (`ops.hadamard`, `KVCache.rotation`).
+kernels that read them; their heads are stored rotated by a Walsh-Hadamard matrix, queries and outputs
+rotated to match (`ops.hadamard`, `KVCache.rotation`).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class LayerWriter:
             return decode_attention(
                 q, k, v, cos, sin, self.k, self.v, self.positions, self.n_read, types=self.types,
                 n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window,
-                norms=None if norms is None else norms.weights(),
+                norms=None if norms is None else norms.weights(), rotation=self.rotation,
             )  # fmt: skip
         native = self.native
         if isinstance(native, NativeAttention) and self._native_takes(q, v, softcap, native):
@@ -225,10 +225,9 @@ class LayerWriter:
 
     def _triton_takes(self, q: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the Triton kernel runs this step: one token, everything on one device (not a GPU
-        layer whose cache stays on the CPU), equal key and value widths, Triton at hand, and a cache
-        it reads as stored (it does not rotate: `ops.hadamard`)."""
+        layer whose cache stays on the CPU), equal key and value widths, and Triton at hand."""
         mode = self.kernels.decode
-        if mode == "off" or q.shape[0] != 1 or any(self.rotation):
+        if mode == "off" or q.shape[0] != 1:
             return False
         if mode == "auto" and not (q.is_cuda and has_triton()):
             return False

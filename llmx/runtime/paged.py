@@ -119,10 +119,7 @@ class PagedKVCache:
     def decodes_every_layer(self, width: int) -> bool:
         """Whether `DecodeTokens` takes the decode tokens of every layer (on a GPU, or anywhere with
         `kernels.decode` "on"): queries `width` wide, every pool's keys and values as wide, the
-        kernels not "off", and no rotated pool where Triton's kernel is forced ("on": it does not rotate).
-        A padded batched decode step (`runtime.batch.decode_padded`) needs it."""
-        if self.kernels.decode == "on" and any(map(any, self.rotation)):
-            return False
+        kernels not "off". A padded batched decode step (`runtime.batch.decode_padded`) needs it."""
         kt, vt = self.types or (None, None)
         widths = {width}
         for k, v in zip(self.k, self.v, strict=True):
@@ -210,7 +207,7 @@ class DecodeTokens:
     block_rows: int
     tables: torch.Tensor
     positions: torch.Tensor
-    rotation: tuple[int, int]  # the pools' Walsh-Hadamard blocks (`ops.hadamard`): Triton's kernel lacks them
+    rotation: tuple[int, int]  # the pools' Walsh-Hadamard blocks (`ops.hadamard`)
 
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cos: torch.Tensor,
@@ -234,14 +231,14 @@ class DecodeTokens:
             return None
         if mode == "on" or (q.is_cuda and has_triton()):
             devices = {q.device, self.k.device, self.v.device, self.tables.device, self.positions.device}
-            if len(devices) > 1 or any(self.rotation):
+            if len(devices) > 1:
                 return None
             from llmx.kernels.decode_attention import paged_decode_attention
 
             return paged_decode_attention(
                 q, k, v, cos, sin, self.k, self.v, self.tables, self.positions, block_rows=self.block_rows,
                 n_dims=rope.n_dims, neox=rope.neox, scale=scale, softcap=softcap, window=window, types=types,
-                norms=None if norms is None else norms.weights(),
+                norms=None if norms is None else norms.weights(), rotation=self.rotation,
             )  # fmt: skip
         cpu = not q.is_cuda and q.dtype == torch.float32 and self.k.device.type == "cpu"
         if not cpu or softcap is not None or kv_layout.grouped_blocks(types, self.k.device):
