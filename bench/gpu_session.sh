@@ -13,6 +13,7 @@
 #   bash bench/gpu_session.sh beside    # issues #36-#38's tables, llmx then llama.cpp per row, ~9 min
 #   TREES="/tmp/A /tmp/B" bash bench/gpu_session.sh gemv-ab  # M = 1 GEMVs of other trees and this one, ~1.5 min a tree
 #   TREES="/tmp/A" bash bench/gpu_session.sh decode-ab  # decode steps (kernel and graph time) of other trees and this one
+#   TREES="/tmp/A" bash bench/gpu_session.sh attention-ab  # the decode attention kernel alone, other trees and this one, ~4 min a tree
 #   TREES="/tmp/A" bash bench/gpu_session.sh moe-ab  # experts in RAM: GPU checks, then --cpu-moe / -ncmoe 24 decode A/B
 #
 # Each part writes its output under $OUT (default /tmp/llmx-out) as it goes, and every command has
@@ -95,6 +96,20 @@ decode-ab)
             | grep -E "eager decode:|gemv8|graphs=True" | sed "s|^|$1 |"
     }
     alternate decode | tee "$OUT/decode-ab.txt"
+    ;;
+attention-ab)
+    # the one-token attention kernel alone (bench/decode_attention.py: f16, q8_0, q4_0 caches at 512, 8K
+    # and 32K keys) of other trees ($TREES, as gemv-ab) and this one (`alternate`), each tree's own
+    # bench script (its kernel's launch arguments); then this tree at 2 and 3 pipeline stages
+    trees="${TREES:?set TREES to the other trees}"
+    attention() {
+        local tree=${PYTHONPATH%%:*}
+        [ "$1" = "${1#this}" ] || tree=$PWD
+        timeout 150 $PY "$tree/bench/decode_attention.py" --types f16,q8_0,q4_0 2>&1 | grep "^| [fq]" \
+            | sed "s|^|$1 |"
+    }
+    alternate attention | tee "$OUT/attention-ab.txt"
+    timeout 150 $PY bench/decode_attention.py --types f16,q8_0,q4_0 --stages 2,3 | tee "$OUT/attention-stages.txt"
     ;;
 moe-ab)
     # experts in RAM under GPU layers: their GPU checks (trips to the host inside one graph, batched
@@ -206,7 +221,7 @@ ncu)
     grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
-    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|e2e|hybrid|multi|llama|beside|ncu" >&2
+    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|attention-ab|moe-ab|e2e|hybrid|multi|llama|beside|ncu" >&2
     exit 2
     ;;
 esac
