@@ -47,6 +47,9 @@ from llmx.runtime.blocks import BlockPool, BlockTable  # noqa: E402
 from llmx.runtime.paged import PagedKVCache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Tests whose CPU tensors meet the Triton kernels forced "on": only the interpreter takes them, which a
+# machine with CUDA does not run (TRITON_INTERPRET is read once, at import); the `gpu` tests cover it there.
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors for Triton: interpreted only")
 ROWS, N_BLOCKS, SEQ_BLOCKS = 16, 24, 12
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 OFF, ON = AttentionKernels(decode="off"), AttentionKernels(decode="on")
@@ -208,6 +211,7 @@ def assert_row(ours: torch.Tensor, theirs: torch.Tensor) -> None:
         assert torch.equal(ours, theirs)
 
 
+@interpreted
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_a_batchs_decode_tokens_in_one_launch_match_each_alone(case: Case) -> None:
     rope = Rope(case.n_dims, 10000.0, case.neox)
@@ -232,6 +236,7 @@ def test_a_batchs_decode_tokens_in_one_launch_match_each_alone(case: Case) -> No
         assert torch.equal(ours[slots], torch.stack([r[i] for r in alone_rows]))
 
 
+@interpreted
 def test_a_sequence_in_a_batch_attends_as_in_a_batch_of_one() -> None:
     """Splits are chosen per launch (from B and the tables' width): a sequence's output does not
     depend on its batch but to float rounding."""
@@ -263,6 +268,7 @@ def test_splits_fill_the_gpu_for_one_long_sequence_and_not_for_a_wide_batch() ->
     assert decode_attention.split_count(32, 1, 4096, cpu) == 8
 
 
+@interpreted
 def test_the_auto_kernels_keep_a_cpu_step_native(monkeypatch) -> None:
     """On the CPU only "on" takes the Triton kernel; "auto" keeps the native call, "off" neither."""
     calls: list[int] = []
@@ -295,6 +301,7 @@ def _alone(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tenso
 FORWARD_CASES = [("llama", "q8_0"), ("gemma3", "f16")]  # gemma3: windows, groups of 2, D 256
 
 
+@interpreted
 @pytest.mark.parametrize(("arch", "cache_type"), FORWARD_CASES)
 def test_forward_batch_sends_its_decode_rows_to_one_launch_a_layer(arch, cache_type, tmp_path, monkeypatch):
     """Sequences decode beside one whose prompt joins in chunks: every step's decode tokens make one
@@ -303,6 +310,7 @@ def test_forward_batch_sends_its_decode_rows_to_one_launch_a_layer(arch, cache_t
     check_forward_batch(arch, cache_type, 0, ON, tmp_path, monkeypatch)
 
 
+@interpreted
 @pytest.mark.parametrize(("arch", "cache_type"), FORWARD_CASES)
 def test_forward_batch_sends_its_prompt_chunks_to_one_launch_a_layer(arch, cache_type, tmp_path, monkeypatch):
     """With the flash kernel for prompts (as on a GPU), the prompt chunks of every sequence in a step
