@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmx.ops.block_attention import block_attention
-from llmx.ops.hadamard import rotate
+from llmx.ops.hadamard import rotate, rotate_qkv
 from llmx.ops.masks import ring_mask
 from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
@@ -122,9 +122,8 @@ def rope_attention(
     if norms is not None:
         q, k = norms(q, k)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    rot_k, rot_v = cache.rotation
-    q, k, v = rotate(q, rot_k), rotate(k, rot_k), rotate(v, rot_v)
-    return rotate(cached_attention(q, k, v, cache, mask, window, scale, softcap), rot_v)
+    q, k, v = rotate_qkv(q, k, v, cache.rotation)
+    return rotate(cached_attention(q, k, v, cache, mask, window, scale, softcap), cache.rotation[1])
 
 
 def cached_attention(

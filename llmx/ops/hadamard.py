@@ -57,6 +57,16 @@ def kv_rotation(types: tuple[QType, QType], dims: tuple[int, int], device: torch
     return k, v
 
 
+def rotate_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k (after RoPE) rotated in a cache's key blocks, v in its value blocks (`rotation`, from
+    `kv_rotation`): what the eager path stores and attends with; its output goes back by
+    `rotate(out, rotation[1])`."""
+    rot_k, rot_v = rotation
+    return rotate(q, rot_k), rotate(k, rot_k), rotate(v, rot_v)
+
+
 def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [..., D] with each run of `block` values of its last dimension rotated by the orthonormal
     Walsh-Hadamard matrix (block 0: x itself). The matrix is symmetric and its own inverse: rotating

@@ -36,7 +36,7 @@ from llmx.errors import LlmxError
 from llmx.models.common import Step
 from llmx.ops import current_device
 from llmx.ops.cached_attention import cached_attention
-from llmx.ops.hadamard import rotate
+from llmx.ops.hadamard import rotate, rotate_qkv
 from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
 from llmx.runtime.blocks import BlockTable
@@ -122,8 +122,8 @@ class BatchKV:
         if norms is not None:
             q, k = norms(q, k)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        rot_k, rot_v = layout.cache.rotation[self.layer]  # the pools' (`ops.rope_attention`'s eager path)
-        q, k, v = rotate(q, rot_k), rotate(k, rot_k), rotate(v, rot_v)
+        rotation = layout.cache.rotation[self.layer]  # the pools' (`ops.rope_attention`'s eager path)
+        q, k, v = rotate_qkv(q, k, v, rotation)
         prompts = layout.cache.prompts(self.layer)
         if prompts.takes(q):
             rows_in_pool = layout.prompt_rows(eager, q.device)
@@ -134,7 +134,7 @@ class BatchKV:
                 self._attend_alone(j, q[a:b], k[a:b], v[a:b], window, scale, softcap)
                 for j, (a, b) in zip(eager, pairwise(starts), strict=True)
             ])  # fmt: skip
-        out = rotate(out, rot_v)
+        out = rotate(out, rotation[1])
         if decoded is None:
             return out
         full = torch.empty(layout.bounds[-1][1], decoded.shape[1], dtype=decoded.dtype, device=decoded.device)
