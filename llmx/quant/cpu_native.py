@@ -105,9 +105,9 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_paged_rope_store_attend.argtypes += [i32, i32, ptr, i32]
     lib.llmx_paged_rope_store_attend.restype = i32
     lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.llmx_rms_norm.restype = None
     lib.llmx_hadamard_rows.argtypes = [ptr, i64, i64, i32, i32]
     lib.llmx_hadamard_rows.restype = None
-    lib.llmx_rms_norm.restype = None
     lib.llmx_top_k.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.llmx_top_k.restype = None
     lib.llmx_pin_threads.argtypes = [ptr, i32]
