@@ -2164,17 +2164,31 @@ static inline int64_t pool_row(const int32_t *table, int64_t block_rows, int64_t
     return table == NULL ? j % block_rows : (int64_t)table[j / block_rows] * block_rows + j % block_rows;
 }
 
+/* The pool rows (pool_row) of a sequence's keys j..j+t-1, one division for them all. */
+static inline void tile_pool_rows(const int32_t *table, int64_t block_rows, int64_t j, int64_t t, int64_t *rows) {
+    int64_t blk = j / block_rows, at = j - blk * block_rows;
+    for (int64_t r = 0; r < t; r++) {
+        rows[r] = table == NULL ? at : (int64_t)table[blk] * block_rows + at;
+        if (++at == block_rows) blk++, at = 0;
+    }
+}
+
 /* A sequence's keys j..j+t-1 (t <= KEY_TILE) of one KV head, its rows row_bytes apart in the pool
  * (pool_row), as floats in rows (the rest of the tile zeroed); every line of the next tile's rows up
  * to key `end` is asked for meanwhile (the rows are strided, and in a paged cache scattered, which
  * the hardware prefetcher does not follow). */
 static inline void tile_rows(const char *base, int64_t row_bytes, int type, int64_t d, const int32_t *table,
                              int64_t block_rows, int64_t j, int64_t t, int64_t end, float rows[][MAX_HEAD_DIM]) {
-    const int64_t bytes = kv_head_bytes(type, d);
-    for (int64_t r = j + KEY_TILE; r < j + 2 * KEY_TILE && r < end; r++)
-        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + pool_row(table, block_rows, r) * row_bytes + o);
+    const int64_t bytes = kv_head_bytes(type, d), ahead = end - (j + KEY_TILE) < KEY_TILE ? end - (j + KEY_TILE) : KEY_TILE;
+    int64_t at[KEY_TILE];
+    if (ahead > 0) {
+        tile_pool_rows(table, block_rows, j + KEY_TILE, ahead, at);
+        for (int64_t r = 0; r < ahead; r++)
+            for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + at[r] * row_bytes + o);
+    }
+    tile_pool_rows(table, block_rows, j, t, at);
     for (int64_t r = 0; r < KEY_TILE; r++) {
-        if (r < t) kv_row(base + pool_row(table, block_rows, j + r) * row_bytes, type, d, rows[r]);
+        if (r < t) kv_row(base + at[r] * row_bytes, type, d, rows[r]);
         else memset(rows[r], 0, sizeof(float) * (size_t)d);
     }
 }
@@ -2189,6 +2203,10 @@ static inline void tile_scores(const float *qh, int64_t group, int64_t d, float 
         for (int64_t i = 0; i < d; i += 8) {
             const __m256 qv = _mm256_loadu_ps(qh + g * d + i);
             for (int r = 0; r < KEY_TILE; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[r] + i), acc[r]);
+        }
+        if (t == KEY_TILE) { /* a whole tile: one store (a copy of 8 floats became rep movs) */
+            _mm256_storeu_ps(s + g * n, hsum8(acc));
+            continue;
         }
         float sums[KEY_TILE];
         _mm256_storeu_ps(sums, hsum8(acc));
