@@ -11,6 +11,7 @@
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
 #   LLAMA_SRC=llama.tar.xz bash bench/gpu_session.sh llama  # llama-bench, llama-batched-bench with CUDA, ~4 min
 #   bash bench/gpu_session.sh beside    # issues #36-#38's tables, llmx then llama.cpp per row, ~9 min
+#                                       # (ROWS="kv moe batch" by default: which of them)
 #   TREES="/tmp/A /tmp/B" bash bench/gpu_session.sh gemv-ab  # M = 1 GEMVs of other trees and this one, ~1.5 min a tree
 #   TREES="/tmp/A" bash bench/gpu_session.sh decode-ab  # decode steps (kernel and graph time) of other trees and this one
 #   TREES="/tmp/A" bash bench/gpu_session.sh attention-ab  # the decode attention kernel alone, other trees and this one, ~4 min a tree
@@ -183,7 +184,9 @@ beside)
     # ratios are same-machine; a fresh machine's first llmx run also compiles its kernels (give it time).
     bin=$LLAMA/llama.cpp/build/bin
     [ -x "$bin/llama-bench" ] || { echo "no llama-bench under $bin: run the llama part first" >&2; exit 1; }
-    q4=$(synth llama3-8b Q4_K_M) moe=$(synth qwen3-30b-a3b Q4_K_M)
+    wanted() { case " ${ROWS:-kv moe batch} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+    q4=$(synth llama3-8b Q4_K_M) moe=
+    wanted moe && moe=$(synth qwen3-30b-a3b Q4_K_M)
     row() {  # NAME LIMIT -- llmx bench options... -- llama-bench options...
         local name=$1 limit=$2 ours=()
         shift 3
@@ -193,22 +196,22 @@ beside)
         timeout "$limit" "$bin/llama-bench" "$@" -o json > "$OUT/$name-llama.json" 2> /dev/null
     }
     # #37: cache types and depth (-fa on; -c holds the deepest test)
-    for ct in f16 q8_0; do
+    wanted kv && for ct in f16 q8_0; do
         row "kv-$ct" 150 -- -m "$q4" -ngl 99 -p 512 -n 128 -d 0,8192,32768 -c 33792 -ctk $ct -ctv $ct -fa on -r 2 \
             -- -m "$q4" -ngl 99 -fa 1 -p 512 -n 128 -d 0,8192,32768 -ctk $ct -ctv $ct -r 2
     done
     # #36: MoE placements (llama-bench spells --cpu-moe as -ncmoe with every layer)
     t=${THREADS:-$(nproc)}
-    row moe-gpu 90 -- -m "$moe" -ngl 99 -p 512 -n 128 -r 2 -t "$t" -- -m "$moe" -ngl 99 -p 512 -n 128 -r 2 -t "$t"
-    row moe-ncmoe24 120 -- -m "$moe" -ngl 99 -ncmoe 24 -p 512 -n 128 -r 2 -t "$t" \
+    wanted moe && row moe-gpu 90 -- -m "$moe" -ngl 99 -p 512 -n 128 -r 2 -t "$t" -- -m "$moe" -ngl 99 -p 512 -n 128 -r 2 -t "$t"
+    wanted moe && row moe-ncmoe24 120 -- -m "$moe" -ngl 99 -ncmoe 24 -p 512 -n 128 -r 2 -t "$t" \
         -- -m "$moe" -ngl 99 -ncmoe 24 -p 512 -n 128 -r 2 -t "$t"
-    row moe-cpumoe 150 -- -m "$moe" -ngl 99 --cpu-moe -p 512 -n 128 -r 2 -t "$t" \
+    wanted moe && row moe-cpumoe 150 -- -m "$moe" -ngl 99 --cpu-moe -p 512 -n 128 -r 2 -t "$t" \
         -- -m "$moe" -ngl 99 -ncmoe 48 -p 512 -n 128 -r 2 -t "$t"
-    row moe-cpu 90 -- -m "$moe" -ngl 0 -p 0 -n 32 -r 1 -t "$t" -- -m "$moe" -ngl 0 -p 0 -n 32 -r 1 -t "$t"
+    wanted moe && row moe-cpu 90 -- -m "$moe" -ngl 0 -p 0 -n 32 -r 1 -t "$t" -- -m "$moe" -ngl 0 -p 0 -n 32 -r 1 -t "$t"
     # #38: batched decode, 1-64 sequences at a 520-token depth
-    timeout 150 $PY bench/batch_step.py -m "$q4" -ngl 99 -c 40960 --seqs 1,8,16,32,64 --depth 520 --warm 4 \
+    wanted batch && timeout 150 $PY bench/batch_step.py -m "$q4" -ngl 99 -c 40960 --seqs 1,8,16,32,64 --depth 520 --warm 4 \
         --steps 40 --rounds 2 > "$OUT/batch-llmx.txt"
-    timeout 90 "$bin/llama-batched-bench" -m "$q4" -ngl 99 -fa 1 -c 45056 -b 2048 -ub 512 -npp 512 -ntg 128 \
+    wanted batch && timeout 90 "$bin/llama-batched-bench" -m "$q4" -ngl 99 -fa 1 -c 45056 -b 2048 -ub 512 -npp 512 -ntg 128 \
         -npl 1,8,32,64 > "$OUT/batch-llama.txt" 2>&1
     for f in "$OUT"/kv-*-llmx.json "$OUT"/moe-*-llmx.json; do  # a row cut off by its limit left no JSON
         [ -s "$f" ] && $PY bench/e2e.py table "$f"
