@@ -95,7 +95,8 @@ def main() -> None:
             attention_kernel, rows, strides,
             kinds | dict(N_DIMS=d, NEOX=False, WINDOW=False, SOFTCAP=False, PAGED=False, BR=1, WAIT=False,
                          BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_N=BLOCK_N,
-                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False, Q_NORM=NORMS, K_NORM=NORMS)
+                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False, Q_NORM=NORMS, K_NORM=NORMS,
+                         MERGE_G=triton.next_power_of_2(n_head // n_kv))
             | dict(ROT_K=rotation[0], ROT_V=rotation[1]),
             4, 3,  # as `decode_attention._launch` launches a float16 or block cache (float32: 1)
         )  # fmt: skip

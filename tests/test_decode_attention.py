@@ -79,6 +79,7 @@ CASES = [
     Case(8, 1, 32, 32, False, F32, pos=5, n_read=160, window=200),  # window wider than the context
     Case(4, 2, 32, 32, True, F16, pos=127, n_read=128),  # two full chunks
     Case(4, 2, 32, 32, False, F32, pos=63, n_read=160),  # pos at a chunk's end
+    Case(6, 2, 32, 32, True, F16, pos=690, n_read=704, n_ctx=704),  # 11 splits: two merge steps of 8
 ]
 
 

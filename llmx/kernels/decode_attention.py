@@ -64,6 +64,7 @@ from llmx.quant.triton.dot8 import store_quantized
 # the per-head RMSNorms of q and k (`ops.HeadNorms`): their weights [D] (None: that side has none), eps
 Norms = tuple[torch.Tensor | None, torch.Tensor | None, float]
 BLOCK_N = 64  # keys per loop step
+MERGE_SPLITS = tl.constexpr(8)  # splits `_merge` loads at once
 INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's, so tests split as it does
 
 
@@ -208,8 +209,8 @@ def _launch(
         SOFTCAP=softcap is not None, DOT=dot_type, KT=kt, KB=kb, VT=vt, VB=vb,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         PAGED=paged is not None, BR=block_rows, WAIT=pdl, SPLIT=splits > 1, QUANT=qx is not None,
-        TRIGGER=qx is not None and pdl, ROT_K=rotation[0], ROT_V=rotation[1], num_warps=4, num_stages=stages,
-        launch_pdl=pdl,
+        TRIGGER=qx is not None and pdl, ROT_K=rotation[0], ROT_V=rotation[1],
+        MERGE_G=triton.next_power_of_2(n_head // n_kv), num_warps=4, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -271,7 +272,7 @@ def attention_kernel(
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr,
     VB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, BR: tl.constexpr, WAIT: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
-    TRIGGER: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr,
+    TRIGGER: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr, MERGE_G: tl.constexpr,
 ):  # fmt: skip
     if WAIT:  # launched as a programmatic dependent (norm.rms_norm_kernel's note)
         gdc_wait()
@@ -376,29 +377,45 @@ def attention_kernel(
         tl.store(stats_ptr + (first + split) * 2 + 1, l_i, mask=gmask)
         # every thread's partials are stored before the count (the barrier), and visible to the
         # program that counts last (acq_rel), which reads them past the L1 (.cg) and merges the
-        # splits in their order (the same result whichever program ends last)
+        # splits in their order (the same result whichever program ends last; `_merge`)
         tl.debug_barrier()
         count_ptr += b * n_kv + kvh
         if tl.atomic_add(count_ptr, 1, sem="acq_rel") == n_splits - 1:
-            # one pass, rescaling as the running max grows (as the key loop does); an empty split
-            # (max -inf) adds nothing, and the split holding pos makes the max finite
-            top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            total = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            weight = tl.zeros([BLOCK_G], tl.float32)
-            for i in range(n_splits):
-                m_s = tl.load(stats_ptr + (first + i) * 2, mask=gmask, other=0.0, cache_modifier=".cg")
-                l_s = tl.load(stats_ptr + (first + i) * 2 + 1, mask=gmask, other=1.0, cache_modifier=".cg")
-                part = tl.load(part_ptr + (first + i)[:, None] * D + d[None, :], mask=qmask, other=0.0,
-                               cache_modifier=".cg")  # fmt: skip
-                new = tl.maximum(top, m_s)
-                finite = tl.where(new == float("-inf"), 0.0, new)
-                kept, w = tl.exp2(top - finite), tl.exp2(m_s - finite)
-                total = total * kept[:, None] + w[:, None] * part
-                weight = weight * kept + w * l_s
-                top = new
+            o = _merge(part_ptr, stats_ptr, b64 * (n_kv * G) + kvh * G, n_splits, G, D, MERGE_G, BLOCK_D)
             tl.store(count_ptr, 0)
-            o = total / weight[:, None]
             _finish(hadamard(o, ROT_V), out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
+
+
+@triton.jit
+def _merge(
+    part_ptr, stats_ptr, head0, n_splits, G: tl.constexpr, D: tl.constexpr, MERGE_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The output [MERGE_G, BLOCK_D] (rows past G zero) of heads head0.. of a token, from their
+    n_splits partial outputs (head h's split i at row h * n_splits + i of part, its max in log2 units
+    and sum in stats'), in their order. MERGE_SPLITS splits a step, their loads issued together: one
+    round trip to the L2 a step, where a split at a time waited for each (a 32-split merge was ~13 us
+    of serial latency at the end of each layer's launch). Rescaled as the running max grows, as the key
+    loop does; an empty split (max -inf) adds nothing, and the split holding pos makes the max finite."""
+    g, d = tl.arange(0, MERGE_G), tl.arange(0, BLOCK_D)
+    top = tl.full([MERGE_G], float("-inf"), tl.float32)
+    total = tl.zeros([MERGE_G, BLOCK_D], tl.float32)
+    weight = tl.zeros([MERGE_G], tl.float32)
+    for i in range(0, n_splits, MERGE_SPLITS):
+        s = i + tl.arange(0, MERGE_SPLITS)
+        row = (head0 + g)[None, :] * n_splits + s[:, None]  # [MERGE_SPLITS, MERGE_G]
+        ok = (s < n_splits)[:, None] & (g < G)[None, :]
+        m_s = tl.load(stats_ptr + row * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(stats_ptr + row * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        rows = part_ptr + row[:, :, None] * D + d[None, None, :]
+        part = tl.load(rows, mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0, cache_modifier=".cg")
+        new = tl.maximum(top, tl.max(m_s, 0))
+        finite = tl.where(new == float("-inf"), 0.0, new)
+        kept, w = tl.exp2(top - finite), tl.exp2(m_s - finite[None, :])
+        total = total * kept[:, None] + tl.sum(w[:, :, None] * part, 0)
+        weight = weight * kept + tl.sum(w * l_s, 0)
+        top = new
+    return total / tl.where(g < G, weight, 1.0)[:, None]
 
 
 @triton.jit
