@@ -143,6 +143,26 @@ def paged_decode_attention(
     )  # fmt: skip
 
 
+# Pipeline stages of the key loop by cache type (K and V alike; 3 otherwise). An H100's sweep of the
+# kernel alone (`bench/decode_attention.py --stages 2,3`, 512 / 8K / 32K keys, Llama-3-8B's heads):
+# q8_0 8.1 / 23.9 / 63.9 us at 2 against 8.5 / 25.2 / 71.1 at 3; f16 7.6 / 25.5 / 64.9 against 7.7 /
+# 22.1 / 60.3; q4_0 level but at 32K (62.9 against 59.4); raw bench/results/h100-20261207-s47-*.
+STAGES_BY_TYPE = {"Q8_0": 2}
+
+
+def pipeline_stages(types: tuple[QType, QType] | None, k_dtype: torch.dtype, v_dtype: torch.dtype) -> int:
+    """The key loop's pipeline stages for a cache of `types` (None: float rows of k_dtype, v_dtype).
+    Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared memory
+    (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth). Block tiles are staged: in the
+    grouped layout a head's codes are one contiguous tile, compiled without spills (H100, q8_0, 32K
+    rows: 78 us at 3 stages, 91 at 1)."""
+    if torch.float32 in (k_dtype, v_dtype):
+        return 1
+    if types is not None and types[0].name == types[1].name:
+        return STAGES_BY_TYPE.get(types[0].name, 3)
+    return 3
+
+
 def split_count(n_seq: int, n_kv: int, span: int, device: torch.device) -> int:
     """How many chunks each (sequence, KV head) cuts its visible keys into: enough that the
     n_seq * n_kv * splits programs make `target_programs` (a long context of one sequence fills the
@@ -178,11 +198,7 @@ def _launch(
     q, k, v, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cos, sin))
     tables, block_rows = paged if paged is not None else (positions, 1)  # unread without `paged`
     block_d = max(16, triton.next_power_of_2(d))
-    # Float32 tiles go unpipelined: staged, D = 256 needs more than an H200's 227 KB of shared
-    # memory (348 KB at 3 stages, 86 KB at 1; f16/bf16 take 43 KB at any depth). Block tiles are
-    # staged: in the grouped layout a head's codes are one contiguous tile, compiled without spills
-    # (H100, q8_0, 32K rows: 78 us at 3 stages, 91 at 1; `bench/decode_attention.py --stages`).
-    stages = 1 if torch.float32 in (k_cache.dtype, v_cache.dtype) else 3
+    stages = pipeline_stages(types, k_cache.dtype, v_cache.dtype)
     (kt, kb), (vt, vb) = cache_rows.codes(types, k_cache, v_cache)
     # dequantized rows meet q in f16 on a GPU's tensor cores, as an f16 cache does
     dot_type = (
