@@ -13,6 +13,7 @@ from tiny_models import SLIDING_WINDOW, random_prompt, write_tiny
 
 import llmx
 from llmx.errors import LlmxError
+from llmx.quant import choice
 from llmx.runtime import batch
 from llmx.runtime.batch import Chunk, forward_batch
 from llmx.runtime.blocks import BlockTable
@@ -200,6 +201,28 @@ def test_a_sequence_on_cached_blocks_gets_its_own_logits_before_and_after_evicti
 def test_eight_sequences_of_smollm2_batched(smollm2_path):
     model = llmx.load(smollm2_path, ctx_size=512, n_gpu_layers=0)
     _check_batched(model, [7, 30, 2, 11, 19, 4, 25, 13], n_seq=8)
+
+
+def test_a_decode_batch_wider_than_native_max_rows_runs_native_and_is_replayed(smollm2_path):
+    """Decode-only steps of more sequences than a prompt's ubatch takes on the native GEMV
+    (`choice.NATIVE_MAX_ROWS`) still run the native kernels (`weight.decode_tokens`): each sequence's
+    logits are its token's alone, and the steps are recorded and replayed (a torch matmul between the
+    native calls, as dequantized chunks were, has its batch size refused)."""
+    n = choice.NATIVE_MAX_ROWS + 5
+    model = llmx.load(smollm2_path, ctx_size=64 * n, n_gpu_layers=0)
+    executor = model.engine.executor
+    prompts = [random_prompt(6 + s % 4, s) for s in range(n)]
+    alone = [greedy_alone(model, p, STEPS) for p in prompts]  # first: the pools lie over the engine's cache
+    paged = PagedKVCache.over(executor.cache, n)
+    tables = [BlockTable() for _ in prompts]
+    forward_batch(executor, paged, [Chunk(t, p) for t, p in zip(tables, prompts, strict=True)])
+    for s in range(STEPS):
+        out = forward_batch(executor, paged, [Chunk(tables[j], [alone[j][0][s]]) for j in range(n)])
+        for j in range(n):
+            want = alone[j][1][s + 1]
+            torch.testing.assert_close(out[j], want, atol=5e-3 * want.abs().max().item(), rtol=0)
+    replays = executor.cpu_batch(paged)
+    assert replays is not None and n not in replays.refused
 
 
 @pytest.mark.gpu

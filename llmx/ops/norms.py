@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from llmx import settings
 from llmx.quant import cpu_native
 from llmx.quant.triton.launch import has_triton
+from llmx.quant.weight import native_rows
 
 # "auto": the kernels above; "off": PyTorch's ops everywhere (to compare); "on": the Triton kernels on
 # the CPU too (tests, under TRITON_INTERPRET=1). Read once at import; tests set the module attribute.
@@ -99,14 +100,15 @@ def _same(a: torch.Tensor, x: torch.Tensor) -> bool:
 
 def _native_cpu_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a CPU decode step's norm takes the native kernel (`cpu_native.rms_norm`): a few
-    float32 tokens, contiguous, their weight on the CPU in float32 (not with FUSED_NORM "off")."""
+    float32 tokens (a batch's decode tokens: up to `weight.native_rows`), contiguous, their weight
+    on the CPU in float32 (not with FUSED_NORM "off")."""
     return (
         FUSED_NORM == "auto"
         and x.is_cpu
         and weight.is_cpu
         and x.dtype == weight.dtype == torch.float32
         and x.dim() > 1
-        and x.shape[0] <= FUSED_NORM_MAX_TOKENS
+        and x.shape[0] <= max(FUSED_NORM_MAX_TOKENS, native_rows())
         and x.is_contiguous()
         and cpu_native.available()
     )

@@ -22,9 +22,10 @@ Every CPU path computes in float32 from the exact weights, so they differ only i
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,32 @@ GEMV_MAX_M = 8  # rows of x up to which the fused GEMV beats dequantize + dense 
 DEQUANT_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time: big enough for mm, small enough for L3
 _ON_GPU = frozenset((*C.GPU_KERNELS, "float"))  # the kernels `G.run` takes
 _BUCKET_OF, _BUCKETED, _LAST_BUCKET = C.BUCKET_OF, len(C.BUCKET_OF), C.LAST_BUCKET  # `C.bucket`, inlined
+
+
+class _NativeRows(threading.local):
+    limit = C.NATIVE_MAX_ROWS  # rows of x up to which the CPU's native GEMV runs, on this thread
+
+
+_NATIVE_ROWS = _NativeRows()
+
+
+@contextlib.contextmanager
+def decode_tokens() -> Iterator[None]:
+    """Within it, on this thread, x of up to `cpu_native.MAX_ROWS` rows takes the CPU's native GEMV
+    (and the native gated FFN and router): the rows are decode tokens of a batch, each then computed
+    as that token alone is (the several-row kernels give each row the one-row kernel's result), where
+    a prompt's ubatch of more than NATIVE_MAX_ROWS rows multiplies float x in dequantized chunks. At 16
+    rows a SmolLM2 decode step took 73 ms this way against 173-236 through the chunks (bench/RESULTS.md)."""
+    _NATIVE_ROWS.limit = N.MAX_ROWS
+    try:
+        yield
+    finally:
+        _NATIVE_ROWS.limit = C.NATIVE_MAX_ROWS
+
+
+def native_rows() -> int:
+    """Rows of x up to which the CPU's native kernels run now, on this thread (`decode_tokens`)."""
+    return _NATIVE_ROWS.limit
 
 
 @dataclass
@@ -291,6 +318,8 @@ def linear(
     m = x.shape[0] if flat else x.numel() // max(k, 1)
     if kernel is None:
         choice = w.kernels[_BUCKET_OF[m] if m < _BUCKETED else _LAST_BUCKET]
+        if choice == "native_chunks" and m <= _NATIVE_ROWS.limit:
+            choice = "native"
     else:
         choice = _forced(w, m, kernel)
     if choice in _ON_GPU:  # x keeps its shape; the integer-dot GEMV adds the residual as it stores
@@ -352,7 +381,7 @@ def linear_many(
     if x.shape[-1] != k:
         raise LlmxError(f"{ws[0].name or 'weight'} {ws[0].shape} cannot multiply x of shape {tuple(x.shape)}")
     rows = x.numel() // max(k, 1)
-    if group.native is not None and rows <= C.NATIVE_MAX_ROWS:
+    if group.native is not None and rows <= _NATIVE_ROWS.limit:
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         outs = group.native(x2, group.bias_rows(biases, rows)).split_with_sizes(group.native.sizes, dim=1)
         return list(outs) if x.dim() == 2 else [y.reshape(*x.shape[:-1], -1) for y in outs]
@@ -381,9 +410,10 @@ def gated_ffn(
     """down(act(gate(x)) * up(x)) (`activation`: one of `cpu_native.ACTIVATIONS`), each token's row times
     sigmoid(gate_inp . x_t) where `gate_inp` [1, K] is given (a shared expert's gate: float32, as GGUFs
     keep it), plus `residual` where given, in one native call for a decode step's x [M, K] (M <=
-    NATIVE_MAX_ROWS) when gate and up were prepared as one native call (`prepare_shared`) and down takes
-    the native kernels too (`cpu_native.Gemv.gated_ffn`); None otherwise."""
-    if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > C.NATIVE_MAX_ROWS or not x.is_cpu:
+    NATIVE_MAX_ROWS; `decode_tokens`' limit within it) when gate and up were prepared as one native
+    call (`prepare_shared`) and down takes the native kernels too (`cpu_native.Gemv.gated_ffn`); None
+    otherwise."""
+    if KERNEL not in ("auto", "packed") or x.dim() != 2 or x.shape[0] > _NATIVE_ROWS.limit or not x.is_cpu:
         return None
     group, down_call = gate.shared, down.native
     if group is None or group.native is None or down_call is None or not group.serves((gate, up)):
@@ -429,12 +459,12 @@ def moe_route(
     x: torch.Tensor, router: QWeight, k: int, normalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A MoE layer's routing (`ops.moe.router`) of x [T, E] in one native call (`cpu_native.moe_route`)
-    for a decode step's few tokens (T <= NATIVE_MAX_ROWS; a prompt's matmul is torch's) by a float32
-    router on the CPU, as GGUFs keep routers; None otherwise."""
+    for a decode step's few tokens (T <= NATIVE_MAX_ROWS, `decode_tokens`' limit within it; a prompt's
+    matmul is torch's) by a float32 router on the CPU, as GGUFs keep routers; None otherwise."""
     raw = router.raw
     if KERNEL not in ("auto", "packed") or not N.available():
         return None
-    if x.dim() != 2 or x.shape[0] > C.NATIVE_MAX_ROWS:
+    if x.dim() != 2 or x.shape[0] > _NATIVE_ROWS.limit:
         return None
     if not (x.is_cpu and raw.is_cpu and x.dtype == raw.dtype == torch.float32 and raw.is_contiguous()):
         return None

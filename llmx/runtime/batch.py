@@ -39,6 +39,7 @@ from llmx.ops.cached_attention import cached_attention
 from llmx.ops.hadamard import rotate, rotate_qkv
 from llmx.ops.norms import HeadNorms
 from llmx.ops.rope import Rope
+from llmx.quant.weight import decode_tokens
 from llmx.runtime.blocks import BlockTable
 from llmx.runtime.cpu_replay import CpuBatchReplay
 from llmx.runtime.executor import Executor, ids_on
@@ -437,8 +438,9 @@ def cpu_decode(
 def _cpu_rows(
     executor: Executor, cache: PagedKVCache, ids: torch.Tensor, step: BatchStep, tables: torch.Tensor
 ) -> torch.Tensor:
-    """`cpu_decode`'s step eagerly (what its replay records): logits [B, vocab]."""
-    with current_device(executor.embed_device):
+    """`cpu_decode`'s step eagerly (what its replay records): logits [B, vocab], the native kernels taking
+    every row (`weight.decode_tokens`)."""
+    with current_device(executor.embed_device), decode_tokens():
         x = executor.model.embed(ids)
         for seg in executor.segments:
             x = decode_rows(executor, cache, seg, x, step.positions, tables, step)
