@@ -2179,10 +2179,11 @@ static inline void tile_pool_rows(const int32_t *table, int64_t block_rows, int6
  * the hardware prefetcher does not follow). */
 static inline void tile_rows(const char *base, int64_t row_bytes, int type, int64_t d, const int32_t *table,
                              int64_t block_rows, int64_t j, int64_t t, int64_t end, float rows[][MAX_HEAD_DIM]) {
-    const int64_t bytes = kv_head_bytes(type, d), ahead = end - (j + KEY_TILE) < KEY_TILE ? end - (j + KEY_TILE) : KEY_TILE;
+    const int64_t bytes = kv_head_bytes(type, d), next = j + KEY_TILE;
+    const int64_t ahead = end - next < KEY_TILE ? end - next : KEY_TILE;
     int64_t at[KEY_TILE];
     if (ahead > 0) {
-        tile_pool_rows(table, block_rows, j + KEY_TILE, ahead, at);
+        tile_pool_rows(table, block_rows, next, ahead, at);
         for (int64_t r = 0; r < ahead; r++)
             for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + at[r] * row_bytes + o);
     }
