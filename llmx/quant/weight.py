@@ -64,11 +64,11 @@ def decode_tokens() -> Iterator[None]:
     as that token alone is (the several-row kernels give each row the one-row kernel's result), where
     a prompt's ubatch of more than NATIVE_MAX_ROWS rows multiplies float x in dequantized chunks. At 16
     rows a SmolLM2 decode step took 73 ms this way against 173-236 through the chunks (bench/RESULTS.md)."""
-    _NATIVE_ROWS.limit = N.MAX_ROWS
+    before, _NATIVE_ROWS.limit = _NATIVE_ROWS.limit, N.MAX_ROWS
     try:
         yield
     finally:
-        _NATIVE_ROWS.limit = C.NATIVE_MAX_ROWS
+        _NATIVE_ROWS.limit = before
 
 
 def native_rows() -> int:
