@@ -413,10 +413,6 @@ static inline __m512 pair_scales(__m256 scales, int i) {
     return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(i), upper), _mm512_castps256_ps512(scales));
 }
 
-static inline void split_lanes(__m512i v, __m256i halves[2]) { /* lanes 0-7, then 8-15 */
-    halves[0] = _mm512_castsi512_si256(v);
-    halves[1] = _mm512_extracti64x4_epi64(v, 1);
-}
 #endif
 
 /* A thread's rows (a chunk at a time) lie one after another: ask for the lines `prefetch_ahead` bytes past a
@@ -522,11 +518,31 @@ static inline __m256 eight_halves(const uint8_t *b, int bytes, int at) {
  * blocks go at once: their integer sums reduced into one vector (lane i: block i), their d's converted
  * together, acc += sums * d * dx; returns the d's. A row's last blocks (fewer than eight) go one by one:
  * a partial group with zeroed lanes cost more. */
-static inline __m256 add_eight_blocks(const __m256i sums[8], const uint8_t *b, int bytes, const float *dx, __m256 *acc) {
+static inline __m256 add_eight_totals(__m256i totals, const uint8_t *b, int bytes, const float *dx, __m256 *acc) {
     const __m256 d = eight_halves(b, bytes, 0);
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i(sums)), _mm256_mul_ps(d, _mm256_loadu_ps(dx)), *acc);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(d, _mm256_loadu_ps(dx)), *acc);
     return d;
 }
+
+static inline __m256 add_eight_blocks(const __m256i sums[8], const uint8_t *b, int bytes, const float *dx, __m256 *acc) {
+    return add_eight_totals(hsum8i(sums), b, bytes, dx, acc);
+}
+
+#ifdef LLMX_AVX512
+/* hsum8i for eight blocks' lane sums two a register (block 2k in the low half of pairs[k], 2k + 1 in
+ * the high one): unpacks and adds within 128-bit lanes, then one lane shuffle and one permute, where
+ * splitting them for hsum8i's horizontal adds took twice the shuffles (the port the loop waits on).
+ * Integer sums: the same totals in any order. */
+static inline __m256i pair_totals(const __m512i pairs[4]) {
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(pairs[0], pairs[1]), _mm512_unpackhi_epi32(pairs[0], pairs[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(pairs[2], pairs[3]), _mm512_unpackhi_epi32(pairs[2], pairs[3]));
+    /* lane 4c + k: the sum of pairs[k]'s 128-bit lane c (lanes 0, 1: block 2k; 2, 3: block 2k + 1) */
+    const __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const __m512i q = _mm512_add_epi32(r, _mm512_shuffle_i32x4(r, r, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, q));
+}
+#endif
 
 /* The 32-weight types with an f16 d first, as their kernels tell them apart: Q4_1 and Q5_1 carry an
  * f16 m after d (w = d * q + m), Q4_0 and Q5_0 an offset every code carries (-8, -16), Q8_0 signed
@@ -555,6 +571,20 @@ static inline __m256i nibble_codes(const uint8_t *b, int kind) {
     return kind == L_Q5_0 || kind == L_Q5_1 ? _mm256_or_si256(codes, fifth_bits(b + legacy_codes_at(kind) - 4)) : codes;
 }
 
+#ifdef LLMX_AVX512
+/* nibble_codes of two blocks `bytes` apart, the first's in the low half. Q4_0's and Q4_1's are built
+ * from two broadcast loads, each block's nibbles in two 128-bit lanes shifted apart by 64-bit shifts
+ * (the mask drops what crosses a byte), without the lane inserts that took the shuffle port. */
+static inline __m512i nibble_pair(const uint8_t *b, int bytes, int kind) {
+    if (kind == L_Q5_0 || kind == L_Q5_1)
+        return _mm512_inserti64x4(_mm512_castsi256_si512(nibble_codes(b, kind)), nibble_codes(b + bytes, kind), 1);
+    const uint8_t *q = b + legacy_codes_at(kind);
+    const __m512i both = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q)),
+                                                     0xFF00, _mm_loadu_si128((const __m128i *)(q + bytes)));
+    return _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(15));
+}
+#endif
+
 /* Q4_0, Q4_1, Q5_0 and Q5_1, eight blocks at a time (add_eight_blocks); the minimums (m, or the offset
  * times d) come off as m * s32, eight at a time too. */
 static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int kind) {
@@ -565,17 +595,17 @@ static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const
     for (; blk + 8 <= blocks; blk += 8) {
         const uint8_t *b = row + bytes * blk;
         prefetch_block(b, 8 * bytes);
-        __m256i sums[8];
 #ifdef LLMX_AVX512
+        __m512i pairs[4];
         for (int i = 0; i < 8; i += 2) { /* two blocks a register: their x codes lie side by side */
-            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(nibble_codes(b + bytes * i, kind)),
-                                                 nibble_codes(b + bytes * (i + 1), kind), 1);
-            split_lanes(sum_x64(u, x, 32 * (blk + i)), sums + i);
+            pairs[i / 2] = sum_x64(nibble_pair(b + bytes * i, bytes, kind), x, 32 * (blk + i));
         }
+        const __m256 d = add_eight_totals(pair_totals(pairs), b, bytes, x->d + blk, &acc);
 #else
+        __m256i sums[8];
         for (int i = 0; i < 8; i++) sums[i] = sum_x(nibble_codes(b + bytes * i, kind), x, 32 * (blk + i));
-#endif
         const __m256 d = add_eight_blocks(sums, b, bytes, x->d + blk, &acc);
+#endif
         const __m256 m = with_m ? eight_halves(b, bytes, 2) : _mm256_mul_ps(d, _mm256_set1_ps(offset));
         offsets = _mm256_fmadd_ps(m, _mm256_loadu_ps(x->s32 + blk), offsets);
     }
@@ -711,15 +741,15 @@ static inline __m256i q8_0_sum(const uint8_t *b, const qx_t *x, int64_t at) { /*
 }
 
 #ifdef LLMX_AVX512
-/* q8_0_sum of two blocks (34 bytes apart) in one register: |w| times x with w's sign, the sign moved
- * onto x by a byte mask (512-bit registers have no sign instruction). */
-static inline void q8_0_sum2(const uint8_t *b, const qx_t *x, int64_t at, __m256i sums[2]) {
+/* q8_0_sum of two blocks (34 bytes apart) in one register, the first's in the low half: |w| times x
+ * with w's sign, the sign moved onto x by a byte mask (512-bit registers have no sign instruction). */
+static inline __m512i q8_0_sum2(const uint8_t *b, const qx_t *x, int64_t at) {
     const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load32(b + 2)), load32(b + 34 + 2), 1);
     const __mmask64 negative = _mm512_movepi8_mask(w);
     const __m512i zero = _mm512_setzero_si512(), u = _mm512_abs_epi8(w);
     const __m512i hi = _mm512_loadu_si512(x->hi + at), lo = _mm512_loadu_si512(x->lo + at);
     const __m512i signed_hi = _mm512_mask_sub_epi8(hi, negative, zero, hi);
-    split_lanes(sum_u8s16_512(u, signed_hi, _mm512_mask_sub_epi8(lo, negative, zero, lo)), sums);
+    return sum_u8s16_512(u, signed_hi, _mm512_mask_sub_epi8(lo, negative, zero, lo));
 }
 #endif
 
@@ -729,13 +759,15 @@ static float dot_q8_0(const uint8_t *row, int64_t blocks, const qx_t *x) { /* ei
     for (; blk + 8 <= blocks; blk += 8) {
         const uint8_t *b = row + 34 * blk;
         prefetch_block(b, 8 * 34);
-        __m256i sums[8];
 #ifdef LLMX_AVX512
-        for (int i = 0; i < 8; i += 2) q8_0_sum2(b + 34 * i, x, 32 * (blk + i), sums + i);
+        __m512i pairs[4];
+        for (int i = 0; i < 8; i += 2) pairs[i / 2] = q8_0_sum2(b + 34 * i, x, 32 * (blk + i));
+        add_eight_totals(pair_totals(pairs), b, 34, x->d + blk, &acc);
 #else
+        __m256i sums[8];
         for (int i = 0; i < 8; i++) sums[i] = q8_0_sum(b + 34 * i, x, 32 * (blk + i));
-#endif
         add_eight_blocks(sums, b, 34, x->d + blk, &acc);
+#endif
     }
     float total = hsum(acc);
     for (; blk < blocks; blk++) {
