@@ -407,6 +407,13 @@ static inline __m512i sum_x64(__m512i u, const qx_t *x, int64_t at) { /* with th
     return _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), u, _mm512_loadu_si512(x->lo8 + at));
 }
 
+/* Codes 0..15 from nibbles whose bytes `both` holds twice: each 64-bit lane shifted by its `shifts`
+ * (0: the low nibbles, 4: the high ones; the mask drops what crosses a byte). Built from broadcast
+ * loads, it spares the lane inserts that took the shuffle port a dot product's loop waits on. */
+static inline __m512i nibbles_apart(__m512i both, __m512i shifts) {
+    return _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(15));
+}
+
 /* scales[i] in lanes 0-7 and scales[i + 1] in lanes 8-15: the factors of two groups side by side */
 static inline __m512 pair_scales(__m256 scales, int i) {
     const __m512i upper = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -475,7 +482,8 @@ static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t
             }
 #ifdef LLMX_AVX512
             /* groups 2c and 2c + 1 side by side, as x's 64 codes from 64c lie */
-            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            const __m512i u = five ? _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+                                   : nibbles_apart(_mm512_broadcast_i64x4(v), _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
             wide[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_x64(u, x, 256 * blk + 64 * c)),
                                           pair_scales(scales, 2 * c), wide[c & 1]);
 #else
@@ -572,16 +580,15 @@ static inline __m256i nibble_codes(const uint8_t *b, int kind) {
 }
 
 #ifdef LLMX_AVX512
-/* nibble_codes of two blocks `bytes` apart, the first's in the low half. Q4_0's and Q4_1's are built
- * from two broadcast loads, each block's nibbles in two 128-bit lanes shifted apart by 64-bit shifts
- * (the mask drops what crosses a byte), without the lane inserts that took the shuffle port. */
+/* nibble_codes of two blocks `bytes` apart, the first's in the low half; Q4_0's and Q4_1's from two
+ * broadcast loads (nibbles_apart). */
 static inline __m512i nibble_pair(const uint8_t *b, int bytes, int kind) {
     if (kind == L_Q5_0 || kind == L_Q5_1)
         return _mm512_inserti64x4(_mm512_castsi256_si512(nibble_codes(b, kind)), nibble_codes(b + bytes, kind), 1);
     const uint8_t *q = b + legacy_codes_at(kind);
     const __m512i both = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q)),
                                                      0xFF00, _mm_loadu_si128((const __m128i *)(q + bytes)));
-    return _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(15));
+    return nibbles_apart(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
 }
 #endif
 
