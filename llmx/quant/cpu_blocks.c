@@ -580,15 +580,19 @@ static inline __m256i nibble_codes(const uint8_t *b, int kind) {
 }
 
 #ifdef LLMX_AVX512
-/* nibble_codes of two blocks `bytes` apart, the first's in the low half; Q4_0's and Q4_1's from two
- * broadcast loads (nibbles_apart). */
+/* nibble_codes of two blocks `bytes` apart, the first's in the low half, from two broadcast loads
+ * (nibbles_apart); Q5_0's and Q5_1's fifth bits (the two blocks' 32-bit qh, code l's bit l) as a byte
+ * mask adding 16. */
 static inline __m512i nibble_pair(const uint8_t *b, int bytes, int kind) {
-    if (kind == L_Q5_0 || kind == L_Q5_1)
-        return _mm512_inserti64x4(_mm512_castsi256_si512(nibble_codes(b, kind)), nibble_codes(b + bytes, kind), 1);
     const uint8_t *q = b + legacy_codes_at(kind);
     const __m512i both = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q)),
                                                      0xFF00, _mm_loadu_si128((const __m128i *)(q + bytes)));
-    return nibbles_apart(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+    const __m512i codes = nibbles_apart(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+    if (kind != L_Q5_0 && kind != L_Q5_1) return codes;
+    uint32_t first, second;
+    memcpy(&first, q - 4, 4);
+    memcpy(&second, q + bytes - 4, 4);
+    return _mm512_mask_add_epi8(codes, _cvtu64_mask64(first | (uint64_t)second << 32), codes, _mm512_set1_epi8(16));
 }
 #endif
 
