@@ -452,12 +452,12 @@ static inline void k_scales8(const uint8_t *b, __m256 *dsc, __m256 *dmn) {
 /* Q4_K and Q5_K (five: the fifth bits at byte 16 of each block, nibbles at 48). Group j's codes times
  * x's are scaled by d * scale_j * dx_j; the minimums come off at the end, dmin * min_j * s32_j. */
 static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int five) {
-    const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const int bytes = five ? 176 : 144, nibbles = five ? 48 : 16;
     __m256 mins = _mm256_setzero_ps();
 #ifdef LLMX_AVX512
     __m512 wide[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
 #else
+    const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
 #endif
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -474,19 +474,24 @@ static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t
         const __m256i hb = five ? load32(b + 16) : _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i v = load32(b + nibbles + 32 * c);
+#ifdef LLMX_AVX512
+            /* groups 2c and 2c + 1 side by side, as x's 64 codes from 64c lie */
+            __m512i u = nibbles_apart(_mm512_broadcast_i64x4(v), _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
+            if (five) { /* bits 2c (low half) and 2c + 1 (high) of each qh byte moved to bit 4 (64-bit
+                           shifts stay in their byte once masked) */
+                const __m512i shifts = _mm512_add_epi64(_mm512_set1_epi64(2 * c), _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1));
+                const __m512i bits = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(hb), shifts), _mm512_set1_epi8(1));
+                u = _mm512_or_si512(u, _mm512_slli_epi64(bits, 4));
+            }
+            wide[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_x64(u, x, 256 * blk + 64 * c)),
+                                          pair_scales(scales, 2 * c), wide[c & 1]);
+#else
             __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             if (five) { /* bits 2c and 2c + 1 of each qh byte, moved to bit 4 (16-bit shifts stay in
                            their byte once masked) */
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
             }
-#ifdef LLMX_AVX512
-            /* groups 2c and 2c + 1 side by side, as x's 64 codes from 64c lie */
-            const __m512i u = five ? _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
-                                   : nibbles_apart(_mm512_broadcast_i64x4(v), _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
-            wide[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_x64(u, x, 256 * blk + 64 * c)),
-                                          pair_scales(scales, 2 * c), wide[c & 1]);
-#else
             even = add_scaled(sum_x(lo, x, 256 * blk + 64 * c), _mm256_broadcast_ss(scale + 2 * c), even);
             odd = add_scaled(sum_x(hi, x, 256 * blk + 64 * c + 32), _mm256_broadcast_ss(scale + 2 * c + 1), odd);
 #endif
