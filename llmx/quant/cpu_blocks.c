@@ -479,8 +479,10 @@ static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t
             __m512i u = nibbles_apart(_mm512_broadcast_i64x4(v), _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
             if (five) { /* bits 2c (low half) and 2c + 1 (high) of each qh byte moved to bit 4 (64-bit
                            shifts stay in their byte once masked) */
-                const __m512i shifts = _mm512_add_epi64(_mm512_set1_epi64(2 * c), _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1));
-                const __m512i bits = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(hb), shifts), _mm512_set1_epi8(1));
+                const __m512i shifts =
+                    _mm512_add_epi64(_mm512_set1_epi64(2 * c), _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1));
+                const __m512i bits =
+                    _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(hb), shifts), _mm512_set1_epi8(1));
                 u = _mm512_or_si512(u, _mm512_slli_epi64(bits, 4));
             }
             wide[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_x64(u, x, 256 * blk + 64 * c)),
@@ -547,8 +549,10 @@ static inline __m256 add_eight_blocks(const __m256i sums[8], const uint8_t *b, i
  * splitting them for hsum8i's horizontal adds took twice the shuffles (the port the loop waits on).
  * Integer sums: the same totals in any order. */
 static inline __m256i pair_totals(const __m512i pairs[4]) {
-    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(pairs[0], pairs[1]), _mm512_unpackhi_epi32(pairs[0], pairs[1]));
-    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(pairs[2], pairs[3]), _mm512_unpackhi_epi32(pairs[2], pairs[3]));
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(pairs[0], pairs[1]),
+                                         _mm512_unpackhi_epi32(pairs[0], pairs[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(pairs[2], pairs[3]),
+                                         _mm512_unpackhi_epi32(pairs[2], pairs[3]));
     /* lane 4c + k: the sum of pairs[k]'s 128-bit lane c (lanes 0, 1: block 2k; 2, 3: block 2k + 1) */
     const __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
     const __m512i q = _mm512_add_epi32(r, _mm512_shuffle_i32x4(r, r, _MM_SHUFFLE(2, 3, 0, 1)));
@@ -713,7 +717,8 @@ static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
             for (int j = 0; j < 4; j += 2) {
                 const __m512i qq = j == 0 ? q01 : q23;
                 const int64_t at = 256 * blk + 128 * h + 32 * j;
-                const __m512 factor = _mm512_permutexvar_ps(_mm512_add_epi32(quarter_pick, _mm512_set1_epi32(8 * h + 2 * j)), factors);
+                const __m512 factor =
+                    _mm512_permutexvar_ps(_mm512_add_epi32(quarter_pick, _mm512_set1_epi32(8 * h + 2 * j)), factors);
                 wide = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_x64(qq, x, at)), factor, wide);
             }
 #else
