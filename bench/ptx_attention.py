@@ -85,7 +85,7 @@ def main() -> None:
         )
         rows = {"k_ptr": cache, "v_ptr": cache, "kc_ptr": cache, "vc_ptr": cache, "levels_ptr": "*fp32",
                 "pos_ptr": "*i64", "kpos_ptr": "*i64", "table_ptr": "*i32", "part_ptr": "*fp32",
-                "stats_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "count_ptr": "*i32",
+                "stats_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                 "xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32", "qn_ptr": "*fp32",
                 "kn_ptr": "*fp32", "starts_ptr": "*i32", "tables_ptr": "*i32"}  # fmt: skip
         strides = {"sq_b": n_head * d, "sq_t": n_head * d, "sq": d, "sq_h": d, "sk_b": n_kv * d, "sk": d,
@@ -95,8 +95,7 @@ def main() -> None:
             attention_kernel, rows, strides,
             kinds | dict(N_DIMS=d, NEOX=False, WINDOW=False, SOFTCAP=False, PAGED=False, BR=1, WAIT=False,
                          BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_N=BLOCK_N,
-                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False, Q_NORM=NORMS, K_NORM=NORMS,
-                         MERGE_G=triton.next_power_of_2(n_head // n_kv))
+                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False, Q_NORM=NORMS, K_NORM=NORMS)
             | dict(ROT_K=rotation[0], ROT_V=rotation[1]),
             4, 3,  # as `decode_attention._launch` launches a float16 or block cache (float32: 1)
         )  # fmt: skip
