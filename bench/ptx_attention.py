@@ -1,16 +1,16 @@
 """What the attention kernels' cache reads compile to on Hopper, without a GPU.
 
-Triton compiles `decode_attention.attention_kernel` (split over the keys, its output quantized) and
-`prefill_attention.prefill_kernel` (over a contiguous cache, and "paged" over a paged one) for sm_90
-here (PTX needs no device) at Llama-3-8B's shape (32 heads, 8 KV heads, D = 128) for each cache
-type, and counts what a thread issues: global loads (`ld.global`: waited on in registers),
-asynchronous copies (`cp.async`: the loads the compiler pipelines through shared memory, only those
-of 4 bytes or more), shared-memory stores, loads and barriers (layout conversions), conversions
-(`cvt`) and all instructions; and the shared memory a program takes (it bounds the programs an SM
-holds). The integer arguments are specialized as a launch specializes them (divisible by 16 or not),
-so a block cache's head stride (136 bytes of q8_0) is known only 8-aligned, as on the device. Triton
-versions lay the same kernel out differently: to see the device's 3.6, put its wheel's package first
-on PYTHONPATH (`pip install --target DIR triton==3.6.0`; no GPU needed).
+Triton compiles `decode_attention.attention_kernel` (split over the keys), its `combine_kernel` (the
+merge, its output quantized) and `prefill_attention.prefill_kernel` (over a contiguous cache, and
+"paged" over a paged one) for sm_90 here (PTX needs no device) at Llama-3-8B's shape (32 heads, 8 KV
+heads, D = 128) for each cache type, and counts what a thread issues: global loads (`ld.global`: waited
+on in registers), asynchronous copies (`cp.async`: the loads the compiler pipelines through shared
+memory, only those of 4 bytes or more), shared-memory stores, loads and barriers (layout conversions),
+conversions (`cvt`) and all instructions; and the shared memory a program takes (it bounds the programs
+an SM holds). The integer arguments are specialized as a launch specializes them (divisible by 16 or
+not), so a block cache's head stride (136 bytes of q8_0) is known only 8-aligned, as on the device.
+Triton versions lay the same kernel out differently: to see the device's 3.6, put its wheel's package
+first on PYTHONPATH (`pip install --target DIR triton==3.6.0`; no GPU needed).
 
     python bench/ptx_attention.py [--types f16,q8_0,q4_0] [--heads 32,8,128] [--rotation]
 """
@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from llmx.kernels.cache_rows import BLOCKS
-from llmx.kernels.decode_attention import BLOCK_N, attention_kernel
+from llmx.kernels.decode_attention import BLOCK_N, MERGE_SPLITS, attention_kernel, combine_kernel
 from llmx.kernels.prefill_attention import _tiles, prefill_kernel
 from llmx.ops.hadamard import kv_rotation
 from llmx.quant import qtype
@@ -85,7 +85,7 @@ def main() -> None:
         )
         rows = {"k_ptr": cache, "v_ptr": cache, "kc_ptr": cache, "vc_ptr": cache, "levels_ptr": "*fp32",
                 "pos_ptr": "*i64", "kpos_ptr": "*i64", "table_ptr": "*i32", "part_ptr": "*fp32",
-                "stats_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "count_ptr": "*i32",
+                "stats_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                 "xq_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32", "qn_ptr": "*fp32",
                 "kn_ptr": "*fp32", "starts_ptr": "*i32", "tables_ptr": "*i32"}  # fmt: skip
         strides = {"sq_b": n_head * d, "sq_t": n_head * d, "sq": d, "sq_h": d, "sk_b": n_kv * d, "sk": d,
@@ -95,8 +95,7 @@ def main() -> None:
             attention_kernel, rows, strides,
             kinds | dict(N_DIMS=d, NEOX=False, WINDOW=False, SOFTCAP=False, PAGED=False, BR=1, WAIT=False,
                          BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_N=BLOCK_N,
-                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False, Q_NORM=NORMS, K_NORM=NORMS,
-                         MERGE_G=triton.next_power_of_2(n_head // n_kv))
+                         SPLIT=True, QUANT=d % 32 == 0, TRIGGER=False, Q_NORM=NORMS, K_NORM=NORMS)
             | dict(ROT_K=rotation[0], ROT_V=rotation[1]),
             4, 3,  # as `decode_attention._launch` launches a float16 or block cache (float32: 1)
         )  # fmt: skip
@@ -106,7 +105,15 @@ def main() -> None:
             compile_sm90(prefill_kernel, rows, strides, prefill_kinds | dict(PAGED=p, BR=br), warps, stages)
             for p, br in ((False, 1), (True, 16))
         )
-        for kernel, compiled in (("decode", decode), ("prefill", prefill), ("paged", paged)):
+        # the split merge of a decode step at a long context (as many splits as it loads at once)
+        combine = compile_sm90(
+            combine_kernel, rows, strides,
+            dict(D=d, QUANT=d % 32 == 0, TRIGGER=d % 32 == 0, ROT_V=rotation[1], MERGE_SPLITS=MERGE_SPLITS,
+                 BLOCK_D=block_d),
+            4, 1,
+        )  # fmt: skip
+        kernels = (("decode", decode), ("combine", combine), ("prefill", prefill), ("paged", paged))
+        for kernel, compiled in kernels:
             shown = " ".join(f"{k} {n}" for k, n in counts(compiled.asm["ptx"]).items())
             print(f"{kernel:8} {name:7} {shown}  shared {compiled.metadata.shared}")
 

@@ -79,7 +79,7 @@ CASES = [
     Case(8, 1, 32, 32, False, F32, pos=5, n_read=160, window=200),  # window wider than the context
     Case(4, 2, 32, 32, True, F16, pos=127, n_read=128),  # two full chunks
     Case(4, 2, 32, 32, False, F32, pos=63, n_read=160),  # pos at a chunk's end
-    Case(6, 2, 32, 32, True, F16, pos=690, n_read=704, n_ctx=704),  # 11 splits: two merge steps of 8
+    Case(6, 2, 32, 32, True, F16, pos=690, n_read=704, n_ctx=704),  # 11 splits
 ]
 
 
@@ -129,6 +129,14 @@ def test_fused_matches_eager(case: Case) -> None:
     check(case)
 
 
+def test_combine_merges_the_splits_a_few_at_a_time(monkeypatch) -> None:
+    """11 splits merged 4 a step (three steps, the last partial), as a long context's 256 are 32 a step."""
+    from llmx.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "MERGE_SPLITS", 4)
+    check(CASES[-1])
+
+
 # Fewer programs than tiles (a long context's shape): each chunk's key loop takes several tiles, its
 # last one partial and holding pos in pos's chunk (the other tests' chunks are one tile each).
 SEVERAL_TILES = [
@@ -159,17 +167,16 @@ def test_fused_applies_the_head_norms_before_rope(case: Case, which: str) -> Non
 
 
 @pytest.mark.parametrize("head_dim", [32, 40])
-@pytest.mark.parametrize("pos", [37, 150])  # one chunk; three, merged by the last program
+@pytest.mark.parametrize("pos", [37, 150])  # one chunk; three, merged by the combine kernel
 def test_output_carries_its_quantized_form_where_heads_hold_whole_groups(head_dim, pos, monkeypatch) -> None:
-    """The kernel writes its row quantized as `quantize_x` would (asked for as on a GPU), from the
-    one chunk's program or the last of the chunks' to finish (which sets its counter back to 0);
-    with heads of 40 a group of 32 would straddle two heads, so none is written."""
-    from llmx.quant.triton import activation, launch
+    """The kernels write the row quantized as `quantize_x` would (asked for as on a GPU), from the
+    one chunk's program or the combine kernel; with heads of 40 a group of 32 would straddle two
+    heads, so none is written."""
+    from llmx.quant.triton import activation
 
     monkeypatch.setattr(activation, "wants_quantized", lambda x: True)
     c = Case(4, 2, head_dim, 32, True, F32, pos=pos, n_read=pos + 1)
     out = run(c, "on", *random_step(c))
-    assert not launch.zeroed_counters(out.device).any()
     qx = activation.PENDING.quantized(out)
     if head_dim % 32:
         assert qx is None

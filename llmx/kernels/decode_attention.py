@@ -1,6 +1,7 @@
-"""One decode token's attention layer in one launch: RoPE on q and k, the KV-cache write, and
-grouped-query attention over the cache, flash-decoding style (split over the keys, then combined);
-for one token of each of B sequences over a paged cache, the same launch (`paged_decode_attention`).
+"""One decode token's attention layer in one launch (two where the keys are split): RoPE on q and k,
+the KV-cache write, and grouped-query attention over the cache, flash-decoding style (split over the
+keys, then combined); for one token of each of B sequences over a paged cache, the same launches
+(`paged_decode_attention`).
 
 The eager path (`Rope.apply`, the cache's `index_copy_`, `ops.attention`) costs ~25 small kernels a
 layer. Shapes (one token): q [1, H, D], k, v [1, Hk, D], cos/sin [1, n_dims/2] float32 (the step's
@@ -19,11 +20,12 @@ the one stored.
   window are never read, and a window layer still spreads over all S programs. The program whose
   chunk holds pos writes the new key and value to the cache and takes that row from its registers;
   no other program reads the row, so the write needs no ordering. With one chunk the program
-  writes its heads' output; with S it leaves an unnormalized output with its running max and sum,
-  and counts itself in its (token, KV head)'s counter (`launch.zeroed_counters`): the last of the
-  S merges the S partial outputs with log-sum-exp weights, in the chunks' order, writes the output
-  and sets the counter back to 0 (a launch of its own before: one launch a layer fewer). Where the
-  o projection reads int8 x, the output row is also written quantized for it.
+  writes its heads' output; with S it leaves an unnormalized output with its running max and sum.
+- `combine_kernel`, grid (B * H,): merges a head's S partial outputs with log-sum-exp weights, in
+  the chunks' order. A launch of its own: merging in the attention launch, by the last of a (token,
+  KV head)'s S programs to finish, made the kernel 13-50% slower on an H100 (a serial tail after an
+  atomic counter, at 512 / 8K / 32K keys f16 8.0 / 24.2 / 60.8 us against 5.9 / 16.2 / 52.7).
+Where the o projection reads int8 x, the output row is also written quantized for it.
 
 Paged (`runtime.paged`, `PAGED`): token b's position pos = positions[b] lives in pool row
 tables[b, pos // BR] * BR + pos % BR (blocks of BR rows), and so does each key it reads: the visible
@@ -64,7 +66,7 @@ from llmx.quant.triton.dot8 import store_quantized
 # the per-head RMSNorms of q and k (`ops.HeadNorms`): their weights [D] (None: that side has none), eps
 Norms = tuple[torch.Tensor | None, torch.Tensor | None, float]
 BLOCK_N = 64  # keys per loop step
-MERGE_SPLITS = tl.constexpr(8)  # splits `_merge` loads at once
+MERGE_SPLITS = 32  # the most splits `combine_kernel` loads at once
 INTERPRETED_SMS = 132  # the SMs a CPU (TRITON_INTERPRET) splits for: an H200's, so tests split as it does
 
 
@@ -183,15 +185,9 @@ def _launch(
     _, n_head, d = q.shape
     n_kv = k.shape[1]
     splits = split_count(n_seq, n_kv, span, q.device)
-    # a (token, KV head) counts its chunks in word b * Hk + kvh (split_count keeps B * Hk small)
-    counts = launch.zeroed_counters(q.device) if splits > 1 and n_seq * n_kv <= launch.COUNTERS else None
-    if counts is None:  # one split, or a CUDA graph captured before any eager step: no counters
-        splits = 1
     out = torch.empty(n_seq, n_head * d, dtype=q.dtype, device=q.device)
     partial = stats = out  # unread with one split
-    if counts is None:
-        counts = out
-    else:
+    if splits > 1:
         partial = torch.empty(n_seq * n_head, splits, d, dtype=torch.float32, device=q.device)
         # max (log2 units), sum
         stats = torch.empty(n_seq * n_head, splits, 2, dtype=torch.float32, device=q.device)
@@ -213,7 +209,7 @@ def _launch(
     qn, kn = _norm_weights(norms, q)
     pdl = launch.programmatic_launch(q.device)  # after the q/k/v GEMV: resident as it ends
     attention_kernel[(n_kv, splits, n_seq)](
-        q, k, v, cos, sin, positions, tables, k_cache, v_cache, partial, stats, counts, out,
+        q, k, v, cos, sin, positions, tables, k_cache, v_cache, partial, stats, out,
         *activation.quantized_pointers(out, qx), qn, kn, cache_rows.levels(q.device),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -225,9 +221,15 @@ def _launch(
         SOFTCAP=softcap is not None, DOT=dot_type, KT=kt, KB=kb, VT=vt, VB=vb,
         BLOCK_G=max(16, triton.next_power_of_2(n_head // n_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         PAGED=paged is not None, BR=block_rows, WAIT=pdl, SPLIT=splits > 1, QUANT=qx is not None,
-        TRIGGER=qx is not None and pdl, ROT_K=rotation[0], ROT_V=rotation[1],
-        MERGE_G=triton.next_power_of_2(n_head // n_kv), num_warps=4, num_stages=stages, launch_pdl=pdl,
+        TRIGGER=qx is not None and pdl and splits == 1, ROT_K=rotation[0], ROT_V=rotation[1],
+        num_warps=4, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
+    if splits > 1:
+        combine_kernel[(n_seq * n_head,)](
+            partial, stats, out, *activation.quantized_pointers(out, qx), splits, n_head, D=d,
+            QUANT=qx is not None, TRIGGER=qx is not None and pdl, ROT_V=rotation[1],
+            MERGE_SPLITS=min(triton.next_power_of_2(splits), MERGE_SPLITS), BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -281,14 +283,14 @@ def _rotate(
 @triton.jit
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, part_ptr, stats_ptr,
-    count_ptr, out_ptr, xq_ptr, dx_ptr, xs_ptr, qn_ptr, kn_ptr, levels_ptr,
+    out_ptr, xq_ptr, dx_ptr, xs_ptr, qn_ptr, kn_ptr, levels_ptr,
     sq_b, sq, sk_b, sk, sv_b, sv, scos_b, ssin_b, skc_n, skc_h, svc_n, svc_h, st_b,
     n_read, n_rows, window, scale, softcap, n_splits, eps, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
     G: tl.constexpr, D: tl.constexpr, N_DIMS: tl.constexpr, NEOX: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, KT: tl.constexpr, KB: tl.constexpr, VT: tl.constexpr,
     VB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, BR: tl.constexpr, WAIT: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
-    TRIGGER: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr, MERGE_G: tl.constexpr,
+    TRIGGER: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr,
 ):  # fmt: skip
     if WAIT:  # launched as a programmatic dependent (norm.rms_norm_kernel's note)
         gdc_wait()
@@ -386,52 +388,55 @@ def attention_kernel(
         o = acc / tl.where(gmask, l_i, 1.0)[:, None]
         _finish(hadamard(o, ROT_V), out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
     else:
-        # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 below.
+        # An empty chunk (a split past the visible keys) leaves max -inf and sum 0: weight 0 in combine.
         first = (b64 * (n_kv * G) + heads) * n_splits  # this token's heads' partials of split 0
         tl.store(part_ptr + (first + split)[:, None] * D + d[None, :], acc, mask=qmask)
         tl.store(stats_ptr + (first + split) * 2, m_i, mask=gmask)
         tl.store(stats_ptr + (first + split) * 2 + 1, l_i, mask=gmask)
-        # every thread's partials are stored before the count (the barrier), and visible to the
-        # program that counts last (acq_rel), which reads them past the L1 (.cg) and merges the
-        # splits in their order (the same result whichever program ends last; `_merge`)
-        tl.debug_barrier()
-        count_ptr += b * n_kv + kvh
-        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == n_splits - 1:
-            o = _merge(part_ptr, stats_ptr, b64 * (n_kv * G) + kvh * G, n_splits, G, D, MERGE_G, BLOCK_D)
-            tl.store(count_ptr, 0)
-            _finish(hadamard(o, ROT_V), out_ptr, xq_ptr, dx_ptr, xs_ptr, b64, kvh, n_kv, G, D, QUANT)
+
+
+@triton.jit
+def combine_kernel(
+    part_ptr, stats_ptr, out_ptr, xq_ptr, dx_ptr, xs_ptr, n_splits, n_head, D: tl.constexpr,
+    QUANT: tl.constexpr, TRIGGER: tl.constexpr, ROT_V: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program h: token h // n_head's head h % n_head, its output from the splits' partials."""
+    if TRIGGER:  # the o projection's GEMV may start loading its weights (norm.rms_norm_kernel's note)
+        gdc_launch_dependents()
+    h = tl.program_id(0)
+    o = _merge(part_ptr, stats_ptr, h, n_splits, D, MERGE_SPLITS, BLOCK_D)
+    _finish(hadamard(o, ROT_V), out_ptr, xq_ptr, dx_ptr, xs_ptr, h // n_head, h % n_head, n_head, 1, D, QUANT)
 
 
 @triton.jit
 def _merge(
-    part_ptr, stats_ptr, head0, n_splits, G: tl.constexpr, D: tl.constexpr, MERGE_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    part_ptr, stats_ptr, head, n_splits, D: tl.constexpr, MERGE_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr
 ):  # fmt: skip
-    """The output [MERGE_G, BLOCK_D] (rows past G zero) of heads head0.. of a token, from their
-    n_splits partial outputs (head h's split i at row h * n_splits + i of part, its max in log2 units
-    and sum in stats'), in their order. MERGE_SPLITS splits a step, their loads issued together: one
-    round trip to the L2 a step, where a split at a time waited for each (H100, 32 splits: the kernel
-    ~2 us faster at 32K keys). Rescaled as the running max grows, as the key loop does; an empty split
-    (max -inf) adds nothing, and the split holding pos makes the max finite."""
-    g, d = tl.arange(0, MERGE_G), tl.arange(0, BLOCK_D)
-    top = tl.full([MERGE_G], float("-inf"), tl.float32)
-    total = tl.zeros([MERGE_G, BLOCK_D], tl.float32)
-    weight = tl.zeros([MERGE_G], tl.float32)
+    """The output [1, BLOCK_D] of `head` (of all tokens' heads) from its n_splits partial outputs
+    (split i at row head * n_splits + i of part, its max in log2 units and sum in stats'), in their
+    order, MERGE_SPLITS of them a step with their loads issued together. Rescaled as the running max
+    grows, as the key loop does; an empty split (max -inf) adds nothing, and the split holding pos
+    makes the max finite."""
+    d = tl.arange(0, BLOCK_D)
+    top = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1, BLOCK_D], tl.float32)
+    weight = tl.zeros([1], tl.float32)
     for i in range(0, n_splits, MERGE_SPLITS):
         s = i + tl.arange(0, MERGE_SPLITS)
-        row = (head0 + g)[None, :] * n_splits + s[:, None]  # [MERGE_SPLITS, MERGE_G]
-        ok = (s < n_splits)[:, None] & (g < G)[None, :]
-        m_s = tl.load(stats_ptr + row * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(stats_ptr + row * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        rows = part_ptr + row[:, :, None] * D + d[None, None, :]
-        part = tl.load(rows, mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0, cache_modifier=".cg")
+        row = head * n_splits + s
+        ok = s < n_splits
+        m_s = tl.load(stats_ptr + row * 2, mask=ok, other=float("-inf"))
+        l_s = tl.load(stats_ptr + row * 2 + 1, mask=ok, other=0.0)
+        rows = part_ptr + row[:, None] * D + d[None, :]
+        part = tl.load(rows, mask=ok[:, None] & (d < D)[None, :], other=0.0)
         new = tl.maximum(top, tl.max(m_s, 0))
         finite = tl.where(new == float("-inf"), 0.0, new)
-        kept, w = tl.exp2(top - finite), tl.exp2(m_s - finite[None, :])
-        total = total * kept[:, None] + tl.sum(w[:, :, None] * part, 0)
+        kept, w = tl.exp2(top - finite), tl.exp2(m_s - finite)
+        total = total * kept[:, None] + tl.sum(w[:, None] * part, 0)[None, :]
         weight = weight * kept + tl.sum(w * l_s, 0)
         top = new
-    return total / tl.where(g < G, weight, 1.0)[:, None]
+    return total / weight[:, None]
 
 
 @triton.jit
