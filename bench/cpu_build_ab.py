@@ -7,7 +7,7 @@ this thread's CPU time on one thread, wall time on more) and whether all builds'
 bit, as changes to a kernel's instruction choice should leave them.
 
     python bench/cpu_build_ab.py OLD.c,llmx/quant/cpu_blocks.c [--types Q4_1,Q4_K] [--mib 1]
-                                 [--threads 1] [--m 1]
+                                 [--threads 1] [--m 1] [--k 1024]
 
 `--mib` sizes each matrix: 1-2 MiB stay in a core's L2 (the kernel's own speed), 64 MiB stream from RAM.
 """
@@ -26,7 +26,7 @@ import torch
 from llmx.bench.blocks import random_data
 from llmx.quant import cpu_native, qtype
 
-K = 1024
+K = 1024  # a row's weights unless --k
 ROUNDS = 7
 
 
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--mib", type=float, default=1.0, help="each matrix's size")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--m", type=int, default=1, help="rows of x")
+    ap.add_argument("--k", type=int, default=K, help="a row's weights (Gemma 3 270M's: 640)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sources = [Path(s) for s in args.sources.split(",")]
@@ -55,20 +56,21 @@ def main() -> None:
     cpu_native.SOURCE = original
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     calls = 20 if args.mib < 8 else 5
-    shape = f"{args.mib:g} MiB a matrix, K = {K}, M = {args.m}"
+    k = args.k
+    shape = f"{args.mib:g} MiB a matrix, K = {k}, M = {args.m}"
     print(f"{args.threads} threads, {shape}; us a call, best-median\n")
     print("| type | " + " | ".join(s.name for s in sources) + " | same bits |")
     print("| --- | " + " | ".join("---:" for _ in sources) + " | --- |")
     for name in args.types.split(","):
         qt = qtype(name)
-        n = int(args.mib * 2**20) // qt.row_bytes(K)
-        data = random_data(qt, n * K, K**-0.5, np.random.default_rng(0))
-        raw = torch.from_numpy(data).view(n, qt.row_bytes(K))
+        n = int(args.mib * 2**20) // qt.row_bytes(k)
+        data = random_data(qt, n * k, k**-0.5, np.random.default_rng(0))
+        raw = torch.from_numpy(data).view(n, qt.row_bytes(k))
         gemvs = []
         for lib in libs:
             cpu_native._library = lambda lib=lib: lib  # a Gemv binds the library it finds at its making
             gemvs.append(cpu_native.Gemv([(raw, qt)]))
-        x = torch.randn(args.m, K)
+        x = torch.randn(args.m, k)
         outputs = [gemv(x).clone() for gemv in gemvs]
         same = all(torch.equal(outputs[0], out) for out in outputs[1:])
         times: list[list[float]] = [[] for _ in gemvs]
