@@ -9,7 +9,8 @@ bit, as changes to a kernel's instruction choice should leave them.
     python bench/cpu_build_ab.py OLD.c,llmx/quant/cpu_blocks.c [--types Q4_1,Q4_K] [--mib 1]
                                  [--threads 1] [--m 1] [--k 1024]
 
-`--mib` sizes each matrix: 1-2 MiB stay in a core's L2 (the kernel's own speed), 64 MiB stream from RAM.
+`--mib` sizes each matrix: 1-2 MiB stay in a core's L2 (the kernel's own speed); 64 MiB pass it (from RAM
+where the last-level cache is smaller: the 2-core Xeon's VM reports 480 MiB of L3).
 """
 
 from __future__ import annotations

@@ -661,7 +661,7 @@ static float dot_q5_1(const uint8_t *row, int64_t blocks, const qx_t *x) {
  * products (dpbusd, as sum_x64) is multiplied in float by its 16's factor, scale_i * d * dx (a block's
  * 16 factors made once, one permute a register: the int32 multiply by scale_i and the second permute
  * for d * dx took the ports the loop waits on; a Xeon core, row in L2, 69 -> 63 us a 1 MiB matrix, two
- * threads from RAM 1953 -> 1682 us a 64 MiB one; rounded once more than the integer form). */
+ * threads 1953 -> 1682 us a 64 MiB one; rounded once more than the integer form). */
 static float dot_q6_k(const uint8_t *row, int64_t blocks, const qx_t *x) {
     const __m256i low = _mm256_set1_epi8(15), bits01 = _mm256_set1_epi8(3), bits23 = _mm256_set1_epi8(12),
                   bits45 = _mm256_set1_epi8(48);
