@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from cpu_rows import timed  # this folder's: the script's own
 
 from llmx.bench.blocks import random_data
 from llmx.quant import cpu_native, qtype
@@ -55,7 +55,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         libs = [build(s, Path(tmp) / f"build{i}.so", args.threads) for i, s in enumerate(sources)]
     cpu_native.SOURCE = original
-    clock = time.thread_time if args.threads == 1 else time.perf_counter
     calls = 20 if args.mib < 8 else 5
     k = args.k
     shape = f"{args.mib:g} MiB a matrix, K = {k}, M = {args.m}"
@@ -77,12 +76,7 @@ def main() -> None:
         times: list[list[float]] = [[] for _ in gemvs]
         for _ in range(ROUNDS):
             for gemv, kept in zip(gemvs, times, strict=True):
-                best = float("inf")
-                for _ in range(calls):
-                    t0 = clock()
-                    gemv(x)
-                    best = min(best, clock() - t0)
-                kept.append(best * 1e6)
+                kept.append(timed(gemv, x, calls))
         cells = " | ".join(f"{min(t):.0f}-{statistics.median(t):.0f}" for t in times)
         print(f"| {name} | {cells} | {'yes' if same else 'NO'} |", flush=True)
 

@@ -471,7 +471,11 @@ static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t
         _mm256_storeu_ps(scale, scales);
 #endif
         mins = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x->s32 + 8 * blk), mins);
+#ifdef LLMX_AVX512
+        const __m512i hb = five ? _mm512_broadcast_i64x4(load32(b + 16)) : _mm512_setzero_si512(); /* in both halves */
+#else
         const __m256i hb = five ? load32(b + 16) : _mm256_setzero_si256();
+#endif
         for (int c = 0; c < 4; c++) {
             const __m256i v = load32(b + nibbles + 32 * c);
 #ifdef LLMX_AVX512
@@ -482,7 +486,7 @@ static inline float dot_k_nibbles(const uint8_t *row, int64_t blocks, const qx_t
                 const __m512i shifts =
                     _mm512_add_epi64(_mm512_set1_epi64(2 * c), _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1));
                 const __m512i bits =
-                    _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(hb), shifts), _mm512_set1_epi8(1));
+                    _mm512_and_si512(_mm512_srlv_epi64(hb, shifts), _mm512_set1_epi8(1));
                 u = _mm512_or_si512(u, _mm512_slli_epi64(bits, 4));
             }
             wide[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_x64(u, x, 256 * blk + 64 * c)),
@@ -605,7 +609,7 @@ static inline __m512i nibble_pair(const uint8_t *b, int bytes, int kind) {
 }
 #endif
 
-/* Q4_0, Q4_1, Q5_0 and Q5_1, eight blocks at a time (add_eight_blocks); the minimums (m, or the offset
+/* Q4_0, Q4_1, Q5_0 and Q5_1, eight blocks at a time (add_eight_totals); the minimums (m, or the offset
  * times d) come off as m * s32, eight at a time too. */
 static inline float dot_legacy_nibbles(const uint8_t *row, int64_t blocks, const qx_t *x, int kind) {
     const int bytes = legacy_bytes(kind), with_m = legacy_has_m(kind);
