@@ -52,7 +52,8 @@ def run_speed(model: list[str], n: int) -> float:
         text=True,
         check=True,
     ).stderr
-    return float(re.search(r"\beval time .*?([\d.]+) tokens per second", out).group(1))
+    # the decode line ("llmx:        eval time = ..."), not the "prompt eval time" line above it
+    return float(re.search(r"^llmx:\s+eval time .*?([\d.]+) tokens per second", out, re.M).group(1))
 
 
 def start_server(model: list[str], ctx: int = 512) -> tuple[subprocess.Popen, str]:
