@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
 #   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
+#   bash bench/gpu_session.sh serve     # `llmx serve -np 64` loaded by `llmx bench-serve` at 8, 32, 64 clients, ~6 min
 #   LLAMA_SRC=llama.tar.xz bash bench/gpu_session.sh llama  # llama-bench, llama-batched-bench with CUDA, ~4 min
 #   bash bench/gpu_session.sh beside    # issues #36-#38's tables, llmx then llama.cpp per row, ~9 min
 #                                       # (ROWS="kv moe batch" by default: which of them)
@@ -217,6 +218,27 @@ beside)
         [ -s "$f" ] && $PY bench/e2e.py table "$f"
     done | tee "$OUT/beside.md"
     ;;
+serve)
+    # #38's load benchmark: a real `llmx serve -np 64` on synthetic Llama-3-8B Q4_K_M, then `llmx bench-serve`
+    # at 8, 32 and 64 clients (128-token prompts all arriving at once, 64 tokens each, 8 distinct prompts so
+    # every reply is checked against the same prompt served alone); a first run compiles and captures.
+    # MODEL, NGL and CLIENTS change the model, its placement and the client counts (a CPU try-out)
+    q4=${MODEL:-$(synth llama3-8b Q4_K_M)} port=${PORT:-8089}
+    $PY -m llmx.cli serve -m "$q4" -ngl "${NGL:-99}" -np 64 -c 16384 --port "$port" > "$OUT/serve-log.txt" 2>&1 &
+    server=$!
+    for _ in $(seq 180); do
+        curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+        kill -0 "$server" 2> /dev/null || { echo "llmx serve ended: see $OUT/serve-log.txt" >&2; exit 1; }
+        sleep 1
+    done
+    load() { timeout 150 $PY -m llmx.cli bench-serve --url "http://127.0.0.1:$port" --distinct 8 --max-tokens 64 "$@"; }
+    load -n 64 --clients 64 > "$OUT/bench-serve-warm.txt" 2>&1
+    for clients in ${CLIENTS:-8 32 64}; do
+        load -n $((2 * clients)) --clients "$clients" 2>&1 | tee "$OUT/bench-serve-$clients.txt"
+    done
+    kill "$server"
+    wait "$server"
+    ;;
 ncu)
     command -v ncu >/dev/null || { echo "ncu is not installed here" >&2; exit 1; }
     # every section (memory throughput, pipe use, instruction mix, stall reasons) of each M = 1 GEMV
@@ -224,7 +246,7 @@ ncu)
     grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
-    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|attention-ab|moe-ab|e2e|hybrid|multi|llama|beside|ncu" >&2
+    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|attention-ab|moe-ab|e2e|hybrid|multi|llama|beside|serve|ncu" >&2
     exit 2
     ;;
 esac
