@@ -9,7 +9,7 @@
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
 #   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
-#   bash bench/gpu_session.sh mma-ab    # batched decode's tensor-core GEMMs: mma.sync against wgmma, ~8 min
+#   bash bench/gpu_session.sh mma-ab    # batched decode's tensor-core GEMMs: mma.sync against wgmma, ~7 min
 #   bash bench/gpu_session.sh serve     # `llmx serve -np 64` loaded by `llmx bench-serve` at 8, 32, 64 clients, ~6 min
 #   LLAMA_SRC=llama.tar.xz bash bench/gpu_session.sh llama  # llama-bench, llama-batched-bench with CUDA, ~4 min
 #   bash bench/gpu_session.sh beside    # issues #36-#38's tables, llmx then llama.cpp per row, ~9 min
@@ -242,14 +242,17 @@ serve)
     ;;
 mma-ab)
     # the batched decode's tensor-core GEMMs (#38: an 8-row step costs three 1-row steps) on Triton's mma.sync
-    # path against wgmma: Q4_K and Q6_K at 8 and 16 rows of x, mmq and dot8_rows, and mmh's tiles of 4 warps
-    # (wgmma; with DISABLE_MMA_V3=1, mma.sync) and of 1-2 warps (mma.sync either way: wgmma takes warp
-    # groups), each setting twice in turn
-    for v3 in 0 1 0 1; do
+    # path against wgmma: Q4_K and Q6_K at 8 and 16 rows of x, dot8_rows, then mmh's and mmq's tiles of 4-8
+    # warps (wgmma; with DISABLE_MMA_V3=1, mma.sync) and of 1-2 warps (mma.sync either way: wgmma takes
+    # warp groups); a big difference is the question, so each setting runs once
+    for v3 in 0 1; do
         if [ "$v3" = 1 ]; then export DISABLE_MMA_V3=1; else unset DISABLE_MMA_V3; fi
-        timeout 130 $PY bench/kernels.py --types Q4_K,Q6_K --m 8,16 --kernels dot8_rows,mmq \
-            --tile-sweep 16/64/256/4/3,16/64/256/2/3,16/32/256/2/3,16/32/256/1/3 --json "$OUT/mma-$v3.json" 2>&1 |
-            grep -E "^\| Q|tile sweep" | sed "s|^|DISABLE_MMA_V3=$v3 |" | tee -a "$OUT/mma-ab.txt"
+        for kernel in mmh mmq; do
+            timeout 100 $PY bench/kernels.py --types Q4_K,Q6_K --m 8,16 --kernels dot8_rows --tile-kernel $kernel \
+                --tile-sweep 16/64/256/4/3,16/64/256/2/3,16/32/256/2/3,16/32/256/1/3,32/128/256/8/3 \
+                --json "$OUT/mma-$kernel-$v3.json" 2>&1 |
+                grep -E "^\| Q|tile sweep" | sed "s|^|DISABLE_MMA_V3=$v3 |" | tee -a "$OUT/mma-ab.txt"
+        done
     done
     ;;
 ncu)

@@ -33,8 +33,8 @@ call reads its weight from HBM.
 at M <= 8 after S seconds of back-to-back calls and notes the SM clock and power they left: a
 GEMV that keeps the SMs busy issuing can hold an H200 at its power cap, at lower clocks.
 `--rows-bm 4,8,16` times "dot8_rows" at each of these rows of x a program (`matmul.ROWS8_BM`).
-`--tile-sweep` times the half-precision tensor-core GEMM "mmh" at each of these tiles (its
-`launch_shapes.json` entry) for each type and `--m`.
+`--tile-sweep` times the half-precision tensor-core GEMM "mmh" (or with `--tile-kernel mmq` the integer
+one) at each of these tiles (their `launch_shapes.json` entries) for each type and `--m`.
 Prints markdown tables; JSON goes to --json, else to $OUT/kernels.json when $OUT is set.
 """
 
@@ -366,19 +366,23 @@ def sweep(types: list[str], given: list[LaunchShape], m: int = 1) -> list[dict]:
     return rows
 
 
-def tile_sweep(types: list[str], tiles: list[GemmConfig], ms: list[int]) -> list[dict]:
-    """Time of "mmh" at each of `tiles` (BM/BN/BK/warps/stages) for each type, weight shape and M in
-    `ms`, x scaled into f16 beforehand; L2 cleared before each call."""
+def tile_sweep(kernel: str, types: list[str], tiles: list[GemmConfig], ms: list[int]) -> list[dict]:
+    """Time of the tensor-core GEMM `kernel` ("mmh" or "mmq") at each of `tiles` (BM/BN/BK/warps/stages)
+    for each type, weight shape and M in `ms`, x scaled into f16 (mmh) or quantized (mmq) beforehand;
+    L2 cleared before each call."""
     rows = []
     for name, (n, k), m in itertools.product(types, SHAPES, ms):
         w = prepare(make_weight(name, n, k))
-        half = activation.half_rows(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"))
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        launch, x_form = (
+            (tops._mmh, activation.half_rows(x)) if kernel == "mmh" else (tops._mmq, activation.quantize_x(x))
+        )
         for cfg in tiles:
-            t = bench_ms(partial(tops._mmh, half, [w], [out], None, cfg))
-            row = {"type": name, "n": n, "k": k, "m": m, "kernel": "mmh", "tile": str(cfg), "ms": t}
+            t = bench_ms(partial(launch, x_form, [w], [out], None, cfg))
+            row = {"type": name, "n": n, "k": k, "m": m, "kernel": kernel, "tile": str(cfg), "ms": t}
             rows.append(row | {"gbs": w.raw.numel() / t / 1e6})
-            label = f"tile sweep {name} {n}x{k} M={m} {cfg}"
+            label = f"tile sweep {kernel} {name} {n}x{k} M={m} {cfg}"
             print(f"{label}: {t * 1e3:.1f} us, {rows[-1]['gbs']:.0f} GB/s", flush=True)
     return rows
 
@@ -451,7 +455,12 @@ def main() -> None:
         "--rows-bm", default="", help="time dot8_rows at each of these rows of x a program, e.g. 4,8,16"
     )
     ap.add_argument(
-        "--tile-sweep", default="", help="time mmh at each of these tiles BM/BN/BK/warps/stages (at --m rows)"
+        "--tile-sweep",
+        default="",
+        help="time --tile-kernel at each of these tiles BM/BN/BK/warps/stages (at --m rows)",
+    )
+    ap.add_argument(
+        "--tile-kernel", default="mmh", choices=("mmh", "mmq"), help="the kernel --tile-sweep times"
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -468,7 +477,7 @@ def main() -> None:
     if args.tile_sweep:
         tiles = [GemmConfig.parse(t) for t in args.tile_sweep.split(",")]
         ms = [int(m) for m in args.m.split(",")]
-        result["tile_sweep"] = tile_sweep(args.types.split(","), tiles, ms)
+        result["tile_sweep"] = tile_sweep(args.tile_kernel, args.types.split(","), tiles, ms)
     if args.dequant_sweep:
         result["dequant_sweep"] = dequant_sweep(args.dequant_sweep.split(","), ceil)
         print(sweep_table(result["dequant_sweep"]) + "\n", flush=True)

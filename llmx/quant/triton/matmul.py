@@ -244,11 +244,17 @@ def _weight_slots(raws: list[torch.Tensor], outs: list[torch.Tensor], ws: list[B
     return [a for slot in args for a in slot]
 
 
-def _mmq(qx: QuantizedX, ws: list[Blocks], outs: list[torch.Tensor], residual: torch.Tensor | None) -> None:
-    """`_shared_launch` on the integer tensor-core GEMM (`mmq.mmq_kernel`), at the tuned tile for the weights'
-    type (`_tiles`)."""
+def _mmq(
+    qx: QuantizedX,
+    ws: list[Blocks],
+    outs: list[torch.Tensor],
+    residual: torch.Tensor | None,
+    cfg: GemmConfig | None = None,
+) -> None:
+    """`_shared_launch` on the integer tensor-core GEMM (`mmq.mmq_kernel`), at `cfg`'s tile, else the
+    tuned one for the weights' type (`_tiles`)."""
     qt, k = ws[0].qtype, ws[0].shape[1]
-    cfg = for_device(ws[0].raw.device).mmq(qt.name)
+    cfg = cfg or for_device(ws[0].raw.device).mmq(qt.name)
     su = max(1, cfg.bk // qt.block_elems)
     steps = cdiv(k // qt.block_elems, su)
     _tiles(mmq().mmq_kernel, (qx.q, qx.dx, qx.sums), ws, outs, residual, cfg, steps, QT=qt.name, SU=su)
