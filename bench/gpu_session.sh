@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh hybrid    # synthetic Llama-3-8B Q4_K_M at -ngl 24,16,0, then llama.cpp's placement of 24, 16, ~8 min
 #   bash bench/gpu_session.sh multi     # two GPUs: row split alone, then one GPU, layer and row split, ~6 min
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the M = 1 GEMVs (where ncu is installed), ~2 min
+#   bash bench/gpu_session.sh moe-sweep # the grouped expert GEMVs' tests and launch shapes (/h2 among them), ~6 min
 #   bash bench/gpu_session.sh mma-ab    # batched decode's tensor-core GEMMs: mma.sync against wgmma, ~7 min
 #   bash bench/gpu_session.sh serve     # `llmx serve -np 64` loaded by `llmx bench-serve` at 8, 32, 64 clients, ~6 min
 #   LLAMA_SRC=llama.tar.xz bash bench/gpu_session.sh llama  # llama-bench, llama-batched-bench with CUDA, ~4 min
@@ -255,6 +256,14 @@ mma-ab)
         done
     done
     ;;
+moe-sweep)
+    # the grouped expert GEMVs of a decode step: the MoE kernel tests on this GPU (all of
+    # tests/test_triton_moe.py: it runs on CUDA where there is one, the two-program sums included),
+    # then every gate+up and down launch shape of `bench/moe_kernels.py --dot8-sweep` (the /h2 ones: a
+    # token's slots in two programs), experts from HBM
+    timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_triton_moe.py 2>&1 | tail -4 | tee "$OUT/moe-tests.txt"
+    timeout 300 $PY bench/moe_kernels.py --dot8-sweep 2>&1 | tee "$OUT/dot8-sweep.txt"
+    ;;
 ncu)
     command -v ncu >/dev/null || { echo "ncu is not installed here" >&2; exit 1; }
     # every section (memory throughput, pipe use, instruction mix, stall reasons) of each M = 1 GEMV
@@ -262,7 +271,7 @@ ncu)
     grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
-    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|attention-ab|moe-ab|e2e|hybrid|multi|llama|beside|serve|mma-ab|ncu" >&2
+    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|attention-ab|moe-ab|e2e|hybrid|multi|llama|beside|serve|mma-ab|moe-sweep|ncu" >&2
     exit 2
     ;;
 esac

@@ -10,7 +10,7 @@ GB/s of the chosen experts' blocks (each used expert's rows read once: the floor
 with triton.testing.do_bench (L2 cleared before each call), with TFLOP/s.
 
 `--dot8-sweep` times the one-token grouped GEMVs (gate+up, and the weighted down projection) at each
-launch shape of `--gate-shapes` and `--down-shapes` (BN/BK/warps[/late], as launch_shapes.json spells
+launch shape of `--gate-shapes` and `--down-shapes` (BN/BK/warps[/late][/h2], as launch_shapes.json spells
 them): each timed call runs ROTATION tokens' launches, each on another routing, so that the chosen
 experts come from HBM as a decode step's do (one routing's 8 experts would sit in an H200's L2).
 
@@ -45,7 +45,10 @@ ROTATION = 16  # routings a timed call of --dot8-sweep cycles through (most of t
 GATE_SHAPES = (
     "2/2048/1,2/2048/2/late,4/2048/2/late,4/2048/4,4/2048/4/late,8/2048/4,8/2048/4/late,8/2048/8,16/2048/8"
 )
-DOWN_SHAPES = "2/1024/1,4/1024/2,4/1024/4,8/1024/2,8/1024/4,8/1024/8,16/1024/4,16/1024/8,32/1024/8"
+DOWN_SHAPES = (
+    "2/1024/1,4/1024/2,4/1024/4,8/1024/2,8/1024/4,8/1024/8,16/1024/4,16/1024/8,32/1024/8,"
+    "2/1024/1/h2,4/1024/2/h2,4/1024/4/h2,8/1024/4/h2,16/1024/4/h2"  # a token's slots in two programs
+)
 # the sweep's tiles: BM near a prompt's pairs an expert (T * 8 / 128: 32 at T = 512), BN and BK of
 # the dense GEMM's candidates, and deeper pipelines, which bf16 tiles leave shared memory for
 SWEEP_TILES = (

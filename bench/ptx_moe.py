@@ -9,7 +9,7 @@ in the whole kernel, and a thread's registers. The launch shapes of `launch_shap
 `moe_dot8` and `moe_dot8_sum` were picked from this table: no shuffles or barriers in the loop.
 
     python bench/ptx_moe.py [--types Q4_K,Q6_K,Q8_0] [--launch gated,sum] [--k 2048,768] [--bn 1,2,4,8]
-        [--bk 1024,2048] [--warps 1,2,4]
+        [--bk 1024,2048] [--warps 1,2,4] [--halves 1,2]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def compiled(name: str, k: int, cfg: LaunchShape, summed: bool) -> dict[str, str
     names = list(moe_kernels.moe_gemv8_kernel.arg_names)
     consts: dict[str, object] = {"BN": cfg.bn, "LATE": cfg.late_headers, "SLOTS": SLOTS, "ASM": True}
     consts |= {"GATED": not summed, "SUM": summed, "RES": summed, "PDL": True}  # as decode launches them
+    consts["HALVES"] = cfg.halves if summed else 1
     consts |= moe.gemv8_constants([(qtype(name), 4)] * 2, k, moe.step_weights(cfg.bk, k))
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in names}
     aligned = [i for i, n in enumerate(names) if n not in consts and n not in UNALIGNED]
@@ -66,17 +67,20 @@ def main() -> None:
     ap.add_argument("--bk", default="1024,2048")
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--late", default="1", help="Q4_K's headers loaded late (1), a step ahead (0), or both")
+    ap.add_argument("--halves", default="1", help="programs a token's sum (1, 2, or both: 1,2)")
     args = ap.parse_args()
-    ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps, args.late)]
+    ints = [[int(v) for v in a.split(",")] for a in (args.bn, args.bk, args.warps, args.late, args.halves)]
     print(f"Triton {triton.__version__}")
     loop = "loop loads (16-byte) | loop shuffles | loop barriers"
     print(f"| launch | type | BN/BK/warps | {loop} | loads (16-byte) | shuffles | barriers | registers |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     launches, types = args.launch.split(","), args.types.split(",")
-    for launch, name, bn, bk, warps, late in itertools.product(launches, types, *ints):
+    for launch, name, bn, bk, warps, late, halves in itertools.product(launches, types, *ints):
         if late and name != "Q4_K":
             late = 0
-        cfg = LaunchShape(bn, bk, warps, bool(late))
+        if halves > 1 and launch != "sum":
+            continue
+        cfg = LaunchShape(bn, bk, warps, bool(late), halves=halves)
         k = 768 if launch == "sum" else 2048
         asm = compiled(name, k, cfg, launch == "sum")
         try:

@@ -167,6 +167,14 @@ def test_every_gpu_kind_has_valid_shapes() -> None:
         assert all(GemmConfig.parse(str(c)) == c for c in t.gemm)
 
 
+def test_a_launch_shape_spells_its_options() -> None:
+    shape = LaunchShape.parse("4/1024/4/late/r64/h2")
+    assert (shape.late_headers, shape.max_registers, shape.halves) == (True, 64, 2)
+    assert LaunchShape.parse(str(shape)) == shape and str(LaunchShape(2, 1024, 1)) == "2/1024/1"
+    with pytest.raises(ValueError, match="/h takes 2"):  # more parts would add in an order that varies
+        LaunchShape.parse("4/1024/4/h4")
+
+
 def test_the_tuned_shapes_and_the_fallback(monkeypatch) -> None:
     """Hopper (sm_90) takes its swept shapes; an unknown GPU the default entry; the interpreter the
     tuned GPU's, so the tests cover them."""

@@ -25,7 +25,7 @@ import torch
 from llmx.bench.blocks import chunk_rng, random_data
 from llmx.errors import LlmxError
 from llmx.quant import choice, qtype
-from llmx.quant.triton import autotune, moe, tuning
+from llmx.quant.triton import activation, autotune, moe, tuning
 from llmx.quant.triton import layout as lay
 from llmx.quant.triton import matmul as tops
 from llmx.quant.triton.tuning import GemmConfig
@@ -224,6 +224,36 @@ def test_gemv8_down_sums_the_slots_weighted(name: str) -> None:
     res = randn(3, 6, seed=45)  # the layer's residual, added in the same launch
     y_res = moe.moe_linear(h.to(DEVICE), w, ids, topw.to(DEVICE), residual=res.to(DEVICE))
     assert torch.equal(y_res.cpu(), y.cpu() + res)
+
+
+@pytest.mark.parametrize("name", KEY_TYPES)
+def test_gemv8_down_in_two_halves(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a launch shape's /h2: each token's 4 slots summed by two programs of 2 slots, which add their
+    # sums (the first with the residual) into the output that x's quantization zeroed
+    k = width(name, 3) if name != "Q8_0" else 128
+    w, ref = experts(name, 5, 6, k, seed=60, layout="aligned")
+    ids = ids_tensor([[4, 2, 1, 0], [2, 2, 3, 3], [0, 4, 1, 1]])
+    h, topw = randn(3, 4, k, seed=61), torch.rand(3, 4, generator=torch.Generator().manual_seed(62))
+    res = randn(3, 6, seed=63).to(DEVICE)
+    whole = moe.moe_linear(h.to(DEVICE), w, ids, topw.to(DEVICE), residual=res)
+    summed = tuning.Tuning.moe_dot8
+    halved = lambda self, name, s: replace(summed(self, name, s), halves=2 if s else 1)  # noqa: E731
+    monkeypatch.setattr(tuning.Tuning, "moe_dot8", halved)
+    assert moe._halves(w, k, True, 4, whole) == 2 and moe._halves(w, k, True, 3, whole) == 1
+    split = moe.moe_linear(h.to(DEVICE), w, ids, topw.to(DEVICE), residual=res)
+    assert rel_err(split, whole.double().cpu().numpy()) < 1e-6  # the same sums, added in two parts
+    check_dot8(
+        split - res, h, lambda hs: np.einsum("tjn,tj->tn", per_slot(hs, ref, ids), topw.double().numpy())
+    )
+    assert torch.equal(split, moe.moe_linear(h.to(DEVICE), w, ids, topw.to(DEVICE), residual=res))
+
+
+def test_quantize_x_zeroes_the_output_the_next_launch_adds_into() -> None:
+    x = randn(3, 256, seed=64).to(DEVICE)
+    out = torch.full((1001,), float("nan"), device=DEVICE)  # more values than its programs' even shares
+    zeroed, alone = activation.quantize_x(x, out), activation.quantize_x(x)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert all(torch.equal(getattr(zeroed, f), getattr(alone, f)) for f in ("q", "dx", "sums"))
 
 
 @pytest.mark.parametrize(("gate_type", "up_type"), [("Q4_K", "Q4_K"), ("Q6_K", "Q8_0")])

@@ -51,16 +51,20 @@ class Pending(threading.local):
 PENDING = Pending()
 
 
-def quantize_x(x2: torch.Tensor) -> QuantizedX:
-    """x2 [M, K] (K a multiple of 32, unit stride) quantized for the integer-dot GEMV."""
+def quantize_x(x2: torch.Tensor, zero: torch.Tensor | None = None) -> QuantizedX:
+    """x2 [M, K] (K a multiple of 32, unit stride) quantized for the integer-dot GEMV; `zero` (float32,
+    contiguous), where given, set to 0 in the same launch."""
     m, k = x2.shape
     qx = empty_quantized(m, k, x2.device)
     groups = 4
     grid = (m, cdiv(k // 32, groups))
+    n_zero = 0 if zero is None else zero.numel()
+    zb = 0 if zero is None else 1 << (cdiv(n_zero, grid[0] * grid[1]) - 1).bit_length()  # a power of two
     pdl = programmatic_launch(x2.device)
     dot8().quantize_x_kernel[grid](
-        x2, qx.q, qx.dx, qx.sums, k, x2.stride(0), NG=groups, PDL=pdl, launch_pdl=pdl
-    )
+        x2, qx.q, qx.dx, qx.sums, k, x2.stride(0), qx.dx if zero is None else zero, n_zero, NG=groups, ZB=zb,
+        PDL=pdl, launch_pdl=pdl,
+    )  # fmt: skip
     return qx
 
 

@@ -112,12 +112,19 @@ def dp4a(a, b, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, K, sxm, NG: tl.constexpr, PDL: tl.constexpr):
+def quantize_x_kernel(
+    x_ptr, xq_ptr, dx_ptr, xs_ptr, K, sxm, zero_ptr, zero_n, NG: tl.constexpr, ZB: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
     """One program: NG groups of 32 values of row program_id(0) of x [M, K] (any float dtype),
-    quantized by `store_quantized`. PDL: as `moe_kernels.moe_gemv8_kernel`'s."""
+    quantized by `store_quantized`; with ZB, also ZB of the zero_n float32 values at zero_ptr set to 0
+    (the output that the next launch's programs add into). PDL: as `moe_kernels.moe_gemv8_kernel`'s."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+    if ZB:
+        at = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * ZB + tl.arange(0, ZB)
+        tl.store(zero_ptr + at, tl.zeros([ZB], tl.float32), mask=at < zero_n)
     m = tl.program_id(0)
     g = tl.program_id(1) * NG + tl.arange(0, NG)
     ok = g < K // 32

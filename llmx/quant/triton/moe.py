@@ -230,8 +230,16 @@ def _run(
         out = torch.empty((t if topk_weights is not None else t * slots, n), dtype=dtype, device=x.device)
         res = None if residual is None else residual.contiguous()  # read with out's strides
         if out.numel() and choice == "dot8":  # x quantized once for all pairs (gate and up share it)
-            qx = PENDING.quantized(x) or quantize_x(x2)
-            _gemv8(qx, w, raw, w2, raw2, ids, None if topk_weights is None else weights, out, x_div, res)
+            halves = _halves(w, k, topk_weights is not None, slots, out)
+            zeroed = out if halves > 1 else None  # the halves' programs add into it
+            qx = PENDING.quantized(x)
+            if qx is None:
+                qx = quantize_x(x2, zeroed)
+            elif zeroed is not None:
+                zeroed.zero_()
+            _gemv8(
+                qx, w, raw, w2, raw2, ids, None if topk_weights is None else weights, out, x_div, res, halves
+            )
         elif out.numel():
             cfg = for_device(raw.device).gemv(name, 1)
             moe_kernels().moe_gemv_kernel[(cdiv(n, cfg.bn), out.shape[0])](
@@ -275,11 +283,13 @@ def _gemv8(
     out: torch.Tensor,
     x_div: int,
     residual: torch.Tensor | None = None,
+    halves: int = 1,
 ) -> None:
     """The integer-dot grouped GEMV's launch (`moe_kernels.moe_gemv8_kernel`): out = x (quantized,
     `qx`) times the experts `ids` [T, k] of W, gated by W2's where given, or summed over the slots
     weighted by `topk_weights` (plus `residual`, out's shape and strides, where given); x row p // x_div
-    for pair p. `raw`, `raw2`: W's and W2's `layout.rows` (W's again without W2)."""
+    for pair p. `raw`, `raw2`: W's and W2's `layout.rows` (W's again without W2). `halves` (2: out
+    zeroed, see `_halves`): programs a token's sum."""
     n_expert, n, k = w.shape
     cfg, bk = _gemv8_shape(w, k, topk_weights is not None)
     types, row_units = [], []
@@ -291,12 +301,20 @@ def _gemv8(
     weights = ids if topk_weights is None else topk_weights  # read only with SUM
     res = out if residual is None else residual  # read only with RES
     pdl = programmatic_launch(out.device)
-    moe_kernels().moe_gemv8_kernel[(cdiv(n, cfg.bn), out.shape[0])](
+    moe_kernels().moe_gemv8_kernel[(cdiv(n, cfg.bn), out.shape[0] * halves)](
         qx.q, qx.dx, qx.sums, raw, raw2, ids, weights, res, out, n, k, n_expert, x_div, *row_units,
         out.stride(0), BN=cfg.bn, LATE=cfg.late_headers, SLOTS=ids.shape[1], ASM=not interpreting(),
-        GATED=w2 is not None, SUM=topk_weights is not None, RES=residual is not None, PDL=pdl,
-        num_warps=cfg.num_warps, maxnreg=cfg.max_registers, launch_pdl=pdl, **consts,
+        GATED=w2 is not None, SUM=topk_weights is not None, RES=residual is not None, HALVES=halves,
+        PDL=pdl, num_warps=cfg.num_warps, maxnreg=cfg.max_registers, launch_pdl=pdl, **consts,
     )  # fmt: skip
+
+
+def _halves(w: Blocks, k: int, summed: bool, slots: int, out: torch.Tensor) -> int:
+    """Programs a token's weighted sum takes in the integer-dot GEMV: its launch shape's `halves`
+    where the sum is split evenly and added into a float32 output (two halves, whose order of adding
+    cannot change the result), else 1."""
+    halves = _gemv8_shape(w, k, summed)[0].halves
+    return halves if summed and slots % halves == 0 and out.dtype == torch.float32 else 1
 
 
 def gemv8_constants(weights: list[tuple[QType, int]], k: int, bk: int) -> dict[str, object]:

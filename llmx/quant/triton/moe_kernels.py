@@ -97,6 +97,18 @@ def _store(out_ptr, res_ptr, row, som, rn, N, y, RES: tl.constexpr):
 
 
 @triton.jit
+def _add_half(out_ptr, res_ptr, row, som, rn, N, y, first, RES: tl.constexpr):
+    """`_store` for one of the two programs of a token's halves of slots (HALVES): y added into out
+    (float32, zeroed before the launch), the first half's plus res's row with RES. Two sums added to
+    zero give the same bits in either order, so the output does not depend on which program ends
+    first (with more parts it would)."""
+    at = row.to(tl.int64) * som + rn
+    if RES:
+        y += tl.where(first, tl.load(res_ptr + at, mask=rn < N, other=0.0).to(tl.float32), 0.0)
+    tl.atomic_add(out_ptr + at, y, mask=rn < N, sem="relaxed")
+
+
+@triton.jit
 def _pair(ids_ptr, pair, E, N, rn, row_units, ROW_WORDS: tl.constexpr):
     """The word offsets [BN] (int64) of rows rn of pair `pair`'s expert (rows past N clamped to the
     last one; an id out of range clamped too: a wrong expert rather than a read past the tensor)."""
@@ -130,7 +142,7 @@ def moe_gemv8_kernel(
     QUADS: tl.constexpr, QUADS2: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr, BU2: tl.constexpr,
     EVEN: tl.constexpr, EVEN2: tl.constexpr, ROW_WORDS: tl.constexpr, ROW_WORDS2: tl.constexpr,
     LATE: tl.constexpr, SLOTS: tl.constexpr, ONE_STEP: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr,
-    SUM: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
+    SUM: tl.constexpr, RES: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: BN outputs of pair program_id(1), or with SUM of token program_id(1) over its
     SLOTS pairs (plus its residual row with RES), from x quantized per 32 values (xq, dx, xs:
@@ -144,6 +156,10 @@ def moe_gemv8_kernel(
     projection's weighted sum: 2048 rows a token in all, ~16 an SM). Longer rows take each pair in
     turn through `dot8.row_dots`, pipelined along the row.
 
+    HALVES (2, with SUM; SLOTS even): program_id(1) is a token's half, each program sums half of its
+    pairs and adds that into out (zeroed by the launch before: `_add_half`), so a program waits for
+    half as many pairs' loads in turn, and twice as many programs share the reads.
+
     PDL (launched as a programmatic dependent): the next kernel may launch at once; this one waits
     for the kernel before it before reading anything (its rows follow the expert ids), so only its
     launch hides in that kernel's tail."""
@@ -151,9 +167,10 @@ def moe_gemv8_kernel(
         gdc_launch_dependents()
         gdc_wait()
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    row = tl.program_id(1)
-    COUNT: tl.constexpr = SLOTS if SUM else 1
-    first = row * COUNT
+    row = tl.program_id(1) // HALVES
+    half = tl.program_id(1) % HALVES
+    COUNT: tl.constexpr = SLOTS // HALVES if SUM else 1
+    first = row * (COUNT * HALVES) + half * COUNT
     acc = tl.zeros([BN, BU * QUADS], tl.float32)
     acc2 = tl.zeros([BN, BU2 * QUADS2], tl.float32)
     n_units, n_units2 = K // UNIT, K // UNIT2
@@ -196,7 +213,10 @@ def moe_gemv8_kernel(
     if GATED:
         y2 = tl.sum(acc2, axis=1)
         y = y * tl.sigmoid(y) * y2
-    _store(out_ptr, res_ptr, row, som, rn, N, y, RES)
+    if HALVES > 1:
+        _add_half(out_ptr, res_ptr, row, som, rn, N, y, half == 0, RES)
+    else:
+        _store(out_ptr, res_ptr, row, som, rn, N, y, RES)
 
 
 @triton.jit

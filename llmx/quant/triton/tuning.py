@@ -60,7 +60,9 @@ class LaunchShape:
     (the integer-dot GEMV, launched as a programmatic dependent): one program in `stagger` waits for
     the kernel before it and only then loads its weights, where the others load theirs first; when
     the wait ends, those programs' loads keep the memory busy while the rest compute what they
-    loaded ahead (1: none waits first)."""
+    loaded ahead (1: none waits first). `halves` (the grouped expert GEMV that sums a token's slots,
+    2 or 1): a token's pairs taken by two programs of half of them each, which add their sums into
+    the zeroed output, where one program goes through all of them in turn."""
 
     bn: int
     bk: int
@@ -68,22 +70,27 @@ class LaunchShape:
     late_headers: bool = False
     max_registers: int | None = None
     stagger: int = 1
+    halves: int = 1
 
     def __str__(self) -> str:
-        """BN/BK/warps, then /late, /rN and /sN where set: the name `parse` reads back (the table
-        and the benchmarks' --shapes use it)."""
+        """BN/BK/warps, then /late, /rN, /sN and /h2 where set: the name `parse` reads back (the
+        table and the benchmarks' --shapes use it)."""
         late = "/late" if self.late_headers else ""
         regs = f"/r{self.max_registers}" if self.max_registers else ""
         stagger = f"/s{self.stagger}" if self.stagger > 1 else ""
-        return f"{self.bn}/{self.bk}/{self.num_warps}{late}{regs}{stagger}"
+        halves = f"/h{self.halves}" if self.halves > 1 else ""
+        return f"{self.bn}/{self.bk}/{self.num_warps}{late}{regs}{stagger}{halves}"
 
     @staticmethod
     def parse(text: str) -> LaunchShape:
-        """ "BN/BK/warps[/late][/rN][/sN]" (as `str` spells it) -> LaunchShape."""
+        """ "BN/BK/warps[/late][/rN][/sN][/h2]" (as `str` spells it) -> LaunchShape."""
         bn, bk, warps, *extra = text.split("/")
         regs = next((int(e[1:]) for e in extra if e.startswith("r")), None)
         stagger = next((int(e[1:]) for e in extra if e.startswith("s")), 1)
-        return LaunchShape(int(bn), int(bk), int(warps), "late" in extra, regs, stagger)
+        halves = next((int(e[1:]) for e in extra if e.startswith("h")), 1)
+        if halves not in (1, 2):
+            raise ValueError(f"{text}: /h takes 2 (two programs a token's slots) or 1")
+        return LaunchShape(int(bn), int(bk), int(warps), "late" in extra, regs, stagger, halves)
 
 
 @dataclass(frozen=True)
