@@ -32,6 +32,7 @@ from llmx.plan.fit import plan as make_plan
 from llmx.plan.model import ModelSpec
 from llmx.plan.options import Options, options_from_kwargs
 from llmx.plan.placement import Plan
+from llmx.runtime import host_heap
 from llmx.runtime.cache import KVCache, LayerShape
 from llmx.runtime.devices import probe
 from llmx.runtime.executor import Executor
@@ -146,6 +147,7 @@ def load_with_options(path: str | os.PathLike | None, opts: Options, progress=No
     check_runnable(opts)
     t0 = time.perf_counter()
     torch.set_num_threads(opts.n_threads)
+    host_heap.keep_freed_blocks()
     mf, spec, cls, tokenizer = open_checked(path or default_model_path(), mmap=not opts.no_mmap)
     config = spec.config
     plan = make_plan(spec, probe(), opts)
