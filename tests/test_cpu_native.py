@@ -243,10 +243,12 @@ def test_the_prefetch_distance_is_measured_once_a_thread_count_and_can_be_forced
         cpu_native.prefetch_distance(lib, 2)
 
 
-@pytest.mark.parametrize("shape", [(1, 576), (3, 4096), (1, 9, 64)], ids=["smollm2", "3-rows", "q-heads"])
+@pytest.mark.parametrize(
+    "shape", [(1, 576), (3, 4096), (1, 9, 64), (64, 640)], ids=["smollm2", "3-rows", "q-heads", "prompt-rows"]
+)
 def test_rms_norm_matches_float64(shape, native_kernels):
-    """`rms_norm` (a decode step's norms) against float64: each last-dim row, with and without the
-    residual added first (which it also returns, exactly)."""
+    """`rms_norm` (a step's norms; a prompt's rows shared out among the threads) against float64: each
+    last-dim row, with and without the residual added first (which it also returns, exactly)."""
     g = torch.Generator().manual_seed(len(shape))
     x, delta = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     weight = torch.randn(shape[-1], generator=g)

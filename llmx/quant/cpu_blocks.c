@@ -2055,8 +2055,12 @@ int llmx_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t
  * then its residual add): a decode step's norms (two a layer, and the per-head q/k norms of some
  * models), each one call on one thread where torch took ~14 us of dispatch and helpers. The squares
  * are summed in double. */
+/* Rows shared out among the threads where there are enough of them to pay for the fork (a prompt step's;
+ * a decode step's few rows stay on the calling thread), each row's sum of squares in double lanes. */
+#define NORM_PARALLEL_FROM (1 << 15) /* values */
 void llmx_rms_norm(const float *x, const float *delta, const float *w, const float *res, float *sum, float *out,
-                   int64_t rows, int64_t n, float eps) {
+                   int64_t rows, int64_t n, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1 && rows * n >= NORM_PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *hr = out + r * n;
@@ -2066,6 +2070,7 @@ void llmx_rms_norm(const float *x, const float *delta, const float *w, const flo
             xr = sr;
         }
         double squares = 0.0;
+#pragma omp simd reduction(+ : squares)
         for (int64_t i = 0; i < n; i++) squares += (double)xr[i] * xr[i];
         const float scale = (float)(1.0 / sqrt(squares / (double)n + (double)eps));
         for (int64_t i = 0; i < n; i++) hr[i] = xr[i] * scale * w[i];
@@ -2867,7 +2872,7 @@ static int slots_paged_rope_store_attend(const slot_t *a) {
 }
 
 static int slots_rms_norm(const slot_t *a) {
-    llmx_rms_norm(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), PTR(5), a[6].i, a[7].i, a[8].f);
+    llmx_rms_norm(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), PTR(5), a[6].i, a[7].i, a[8].f, (int)a[9].i);
     return 0;
 }
 
@@ -2888,7 +2893,7 @@ static const struct {
     {"llmx_decode_attention", slots_decode_attention, 11},
     {"llmx_rope_store_attend", slots_rope_store_attend, 22},
     {"llmx_paged_rope_store_attend", slots_paged_rope_store_attend, 28},
-    {"llmx_rms_norm", slots_rms_norm, 9},
+    {"llmx_rms_norm", slots_rms_norm, 10},
 };
 
 /* The replay's number for entry point `name` taking `args` arguments, or -1 where it has none. */

@@ -104,7 +104,7 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_paged_rope_store_attend.argtypes += [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
     lib.llmx_paged_rope_store_attend.argtypes += [i32, i32, ptr, i32]
     lib.llmx_paged_rope_store_attend.restype = i32
-    lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.llmx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
     lib.llmx_rms_norm.restype = None
     lib.llmx_hadamard_rows.argtypes = [ptr, i64, i64, i32, i32]
     lib.llmx_hadamard_rows.restype = None
@@ -749,6 +749,17 @@ def rms_norm(
     w = weight.contiguous()
     add_ptr, res_ptr = (None if t is None else t.data_ptr() for t in (add, res))
     rows = x.numel() // n
-    args = (x.data_ptr(), add_ptr, w.data_ptr(), res_ptr, h.data_ptr(), out.data_ptr(), rows, n, eps)
-    _issue(lib.llmx_rms_norm, args, (x, add, w, res, h, out), False)
+    args = (
+        x.data_ptr(),
+        add_ptr,
+        w.data_ptr(),
+        res_ptr,
+        h.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        eps,
+        _threads(lib),
+    )
+    _issue(lib.llmx_rms_norm, args, (x, add, w, res, h, out))
     return h, out

@@ -71,11 +71,6 @@ def decode_tokens() -> Iterator[None]:
         _NATIVE_ROWS.limit = before
 
 
-def native_rows() -> int:
-    """Rows of x up to which the CPU's native kernels run now, on this thread (`decode_tokens`)."""
-    return _NATIVE_ROWS.limit
-
-
 @dataclass
 class QWeight:
     """A weight as stored in the GGUF, on its device, with its kernels chosen.
