@@ -2048,16 +2048,15 @@ int llmx_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t
     return 0;
 }
 
-/* --- RMSNorm of a few rows --------------------------------------------------------------------- */
+/* --- RMSNorm ------------------------------------------------------------------------------------ */
 
 /* out[r] = h[r] / sqrt(mean(h[r]^2) + eps) * w for `rows` rows of n floats, h = x, or with `delta`
  * h = x + delta, also written to `sum`; with `res`, out[r] = res[r] + that (Gemma's norm after the FFN,
- * then its residual add): a decode step's norms (two a layer, and the per-head q/k norms of some
- * models), each one call on one thread where torch took ~14 us of dispatch and helpers. The squares
- * are summed in double. */
-/* Rows shared out among the threads where there are enough of them to pay for the fork (a prompt step's;
- * a decode step's few rows stay on the calling thread), each row's sum of squares in double lanes. */
-#define NORM_PARALLEL_FROM (1 << 15) /* values */
+ * then its residual add). A decode step's norms (two a layer, and the per-head q/k norms of some models)
+ * are one call on the calling thread, where torch took ~14 us of dispatch and helpers; a prompt step's
+ * rows, from NORM_PARALLEL_FROM values, are shared out among the threads (one pass where torch's ops made
+ * several). Each row's squares are summed in double lanes. */
+#define NORM_PARALLEL_FROM (1 << 15)
 void llmx_rms_norm(const float *x, const float *delta, const float *w, const float *res, float *sum, float *out,
                    int64_t rows, int64_t n, float eps, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1 && rows * n >= NORM_PARALLEL_FROM)
