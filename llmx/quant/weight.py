@@ -535,11 +535,10 @@ def _dequant_matmul(x2: torch.Tensor, w: QWeight) -> torch.Tensor:
 def _chunked_matmul(x2: torch.Tensor, n: int, rows_of_w: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """x2 [M, K] @ W^T -> [M, N], where rows_of_w(r0, r1) is W[r0:r1] in float32."""
     step = _chunk_rows(x2.shape[1])
-    if step >= n:  # one chunk
-        return x2 @ rows_of_w(0, n).t()
-    # each chunk of W's rows writes its columns of y in place: BLAS takes the slice's row stride as its
-    # leading dimension. (Chunks of y^T made contiguous at the end cost a strided transpose of all of y:
-    # 12% of a Gemma 3 prompt on the 2-core Xeon, its 4 MB FFN outputs at ~1.6 GB/s.)
+    # each chunk of W's rows (one where they fit) writes its columns of y in place: BLAS takes the
+    # slice's row stride as its leading dimension. (Chunks of y^T made contiguous at the end cost a
+    # strided transpose of all of y: 12% of a Gemma 3 prompt on the 2-core Xeon, its 4 MB FFN outputs
+    # at ~1.6 GB/s.)
     out = torch.empty(x2.shape[0], n, device=x2.device)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
