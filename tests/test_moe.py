@@ -517,10 +517,20 @@ def tiny(request, tmp_path_factory) -> Tiny:
     return Tiny(model, path, prompts, logits, continuations)
 
 
+def on_gpu(model: LoadedModel) -> bool:
+    return any(device != "cpu" for device in model.plan.tensor_device.values())
+
+
+# On a machine with a GPU `tiny` runs there, where a row of logits may differ from transformers' by a
+# token routed elsewhere (the GPU section's ROW_TOL says why): there the rows are checked as the GPU
+# placements' are, per row and at decisive greedy steps; on the CPU, exactly.
 def test_logits_match_transformers(tiny):
     for ids, expected in zip(tiny.prompts, tiny.logits, strict=True):
         tiny.model.engine.reset()
         logits = tiny.model.engine.prefill(ids, all_logits=True)
+        if on_gpu(tiny.model):
+            assert most_rows_close(logits, expected), f"{len(ids)}-token prompt"
+            continue
         diff = (logits - expected).abs().max().item()
         assert diff < MAX_ABS_DIFF, f"{len(ids)}-token prompt: max |logit difference| {diff:.2e}"
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
@@ -528,8 +538,17 @@ def test_logits_match_transformers(tiny):
 
 def test_greedy_continuation_matches_transformers(tiny):
     for ids, expected in zip(tiny.prompts, tiny.greedy, strict=True):
-        tiny.model.engine.reset()
-        assert list(tiny.model.engine.generate(ids, N_GREEDY, GREEDY)) == expected
+        assert_greedy_continuation(tiny.model, ids, expected)
+
+
+def assert_greedy_continuation(model: LoadedModel, ids: list[int], expected: list[int]) -> None:
+    """Greedy decoding after `ids` gives `expected`: exactly on the CPU, at decisive steps on a GPU."""
+    if on_gpu(model):
+        steps = forced_logits(model, ids, expected)[len(ids) - 1 :]
+        assert_decisive_steps_pick(steps, expected)
+        return
+    model.engine.reset()
+    assert list(model.engine.generate(ids, N_GREEDY, GREEDY)) == expected
 
 
 def test_logits_are_not_degenerate(tiny):
@@ -559,8 +578,7 @@ def test_expert_placement_is_the_plan_and_keeps_the_tokens(tiny, placement):
             value = getattr(layers[int(i)], short.removesuffix(".weight").replace(".", "_"))
             assert (value.raw if isinstance(value, QWeight) else value).device.type == device
     for ids, expected in zip(tiny.prompts, tiny.greedy, strict=True):
-        model.engine.reset()
-        assert list(model.engine.generate(ids, N_GREEDY, GREEDY)) == expected
+        assert_greedy_continuation(model, ids, expected)
 
 
 @pytest.mark.parametrize("tiny", ONE_TYPE, indirect=True, ids="-".join)
@@ -668,9 +686,17 @@ def keeps_the_cpus_logits(tiny: Tiny, model: LoadedModel) -> None:
         got = forced_logits(model, prompt, tokens)
         assert most_rows_close(got, want), f"{len(prompt)}-token prompt"
         steps = want[len(prompt) - 1 :]
-        sure = decisive(steps, DECISIVE_MARGIN)
-        assert sure.sum() >= len(tokens) // 2
-        assert torch.equal(got[len(prompt) - 1 :].argmax(-1)[sure], steps.argmax(-1)[sure])
+        assert_decisive_steps_pick(got[len(prompt) - 1 :], steps.argmax(-1).tolist(), decided_by=steps)
+
+
+def assert_decisive_steps_pick(
+    steps: torch.Tensor, tokens: list[int], decided_by: torch.Tensor | None = None
+) -> None:
+    """`steps`' greedy choices are `tokens` wherever `decided_by`'s (default: `steps`') top two logits
+    are decisively apart, which at least half the steps are."""
+    sure = decisive(steps if decided_by is None else decided_by, DECISIVE_MARGIN)
+    assert sure.sum() >= len(tokens) // 2
+    assert torch.equal(steps.argmax(-1).cpu()[sure.cpu()], torch.tensor(tokens)[sure.cpu()])
 
 
 CPU_EXPERTS = {
