@@ -32,7 +32,8 @@ An entry holds, per kernel:
   up take the dense shapes (`bench/ptx_moe.py` read what Triton compiles for sm_90), Q4_K's timed
   on an H100. The down projection's are an H100's fastest of `bench/moe_kernels.py --dot8-sweep`
   (experts from HBM, s50): every type's /h2 shape, 8.5 / 7.1 / 7.7 us a launch for Q6_K / Q4_K /
-  Q8_0 against 11.7 / 10.8 / 9.4 for the best shape of one program a token.
+  Q8_0 against 11.7 / 10.8 / 9.4 for the best shape of one program a token (raw
+  bench/results/h100-20261208-s50-dot8-sweep-*.txt).
 """
 
 from __future__ import annotations
