@@ -12,6 +12,8 @@
 #   bash bench/gpu_session.sh moe-sweep # the grouped expert GEMVs' tests and launch shapes (/h2 among them), ~6 min
 #   bash bench/gpu_session.sh mma-ab    # batched decode's tensor-core GEMMs: mma.sync against wgmma, ~7 min
 #   bash bench/gpu_session.sh serve     # `llmx serve -np 64` loaded by `llmx bench-serve` at 8, 32, 64 clients, ~6 min
+#   bash bench/gpu_session.sh suite     # the whole test suite with the GPU present (unmarked tests take it too), ~8 min
+#   bash bench/gpu_session.sh moe-profile  # synthetic Qwen3-30B-A3B Q4_K_M all on the GPU: decode kernels by name, ~3 min
 #   LLAMA_SRC=llama.tar.xz bash bench/gpu_session.sh llama  # llama-bench, llama-batched-bench with CUDA, ~4 min
 #   bash bench/gpu_session.sh beside    # issues #36-#38's tables, llmx then llama.cpp per row, ~9 min
 #                                       # (ROWS="kv moe batch" by default: which of them)
@@ -60,6 +62,17 @@ check)
     group tests/test_gpu.py tests/test_memory_gpu.py tests/test_plan_gpu.py > "$OUT/gpu-tests-3.txt" 2>&1 &
     wait
     for f in "$OUT"/gpu-tests-*.txt; do echo "== $f"; grep -E "passed|failed|FAILED|Error" "$f" | tail -12; done
+    ;;
+suite)
+    # every test file, the GPU present: tests not marked gpu take it too where a user's load would (--fit
+    # places the tiny models on it), so their checks must hold on its kernels; files split among workers
+    timeout 560 $PY -m pytest -q -p no:cacheprovider -n 8 --dist loadfile -rf 2>&1 | tail -40 | tee "$OUT/suite.txt"
+    ;;
+moe-profile)
+    # #36's all-GPU decode, latency-bound: where a token's kernel time goes now (eager steps, every
+    # launch visible) beside the graph-replayed step
+    moe=$(synth qwen3-30b-a3b Q4_K_M)
+    timeout 200 $PY bench/profile_decode.py "$moe" -ngl 99 --steps 8 --top 25 | tee "$OUT/moe-profile.txt"
     ;;
 kernels)
     timeout 230 $PY bench/kernels.py --types Q4_K,Q6_K,Q8_0 --m 1,2,16,512 --json "$OUT/kernels.json" \
@@ -271,7 +284,7 @@ ncu)
     grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Executed Ipc A" "$OUT/ncu.txt" | head -150
     ;;
 *)
-    echo "usage: bash bench/gpu_session.sh check|kernels|gemm|gemv-ab|decode-ab|attention-ab|moe-ab|e2e|hybrid|multi|llama|beside|serve|mma-ab|moe-sweep|ncu" >&2
+    echo "usage: bash bench/gpu_session.sh check|suite|moe-profile|kernels|gemm|gemv-ab|decode-ab|attention-ab|moe-ab|e2e|hybrid|multi|llama|beside|serve|mma-ab|moe-sweep|ncu" >&2
     exit 2
     ;;
 esac
