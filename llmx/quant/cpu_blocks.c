@@ -2247,7 +2247,8 @@ static inline void tile_pool_rows(const int32_t *table, int64_t block_rows, int6
 /* A sequence's keys j..j+t-1 (t <= KEY_TILE) of one KV head, its rows row_bytes apart in the pool
  * (pool_row), as floats in rows (the rest of the tile zeroed); every line of the next tile's rows up
  * to key `end` is asked for meanwhile (the rows are strided, and in a paged cache scattered, which
- * the hardware prefetcher does not follow). */
+ * the hardware prefetcher does not follow), and, into the L2, the tile PREFETCH_FAR tiles ahead's
+ * (prefetch_block says why: SmolLM2 at 4096 keys, 2-core Xeon, 59.4-62.6 -> 62.9-66.1 t/s). */
 static inline void tile_rows(const char *base, int64_t row_bytes, int type, int64_t d, const int32_t *table,
                              int64_t block_rows, int64_t j, int64_t t, int64_t end, float rows[][MAX_HEAD_DIM]) {
     const int64_t bytes = kv_head_bytes(type, d), next = j + KEY_TILE;
@@ -2257,6 +2258,12 @@ static inline void tile_rows(const char *base, int64_t row_bytes, int type, int6
         tile_pool_rows(table, block_rows, next, ahead, at);
         for (int64_t r = 0; r < ahead; r++)
             for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + at[r] * row_bytes + o);
+    }
+    const int64_t far = j + PREFETCH_FAR * KEY_TILE, far_n = end - far < KEY_TILE ? end - far : KEY_TILE;
+    if (far_n > 0) {
+        tile_pool_rows(table, block_rows, far, far_n, at);
+        for (int64_t r = 0; r < far_n; r++)
+            for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + at[r] * row_bytes + o, 0, 1);
     }
     tile_pool_rows(table, block_rows, j, t, at);
     for (int64_t r = 0; r < KEY_TILE; r++) {
