@@ -90,10 +90,11 @@ SETTINGS = (
     ),
     Setting(
         "LLMX_CPU_PREFETCH",
-        "bytes",
+        "BYTES[/FAR]",
         "measured",
-        "how far ahead of its rows a native CPU GEMV thread asks for weights (default: the fastest "
-        "of 1-8 KiB, measured once per machine and thread count)",
+        "how far ahead of its rows a native CPU GEMV thread asks for weights into the L1, and FAR times "
+        "that into the L2 (0 or absent: not); default: the fastest of 1-8 KiB with FAR 0 or 4, "
+        "measured once per machine and thread count",
     ),
     Setting(
         "LLMX_PIN_THREADS",
@@ -168,14 +169,15 @@ def fused_norm() -> str:
     return _choice("LLMX_FUSED_NORM", FUSED_MODES)
 
 
-def cpu_prefetch() -> int | None:
-    """Bytes, or None: measure."""
+def cpu_prefetch() -> tuple[int, int] | None:
+    """(bytes ahead, far multiple), or None: measure."""
     value = _get("LLMX_CPU_PREFETCH")
     if value is None:
         return None
-    if not value.isdigit():
-        raise LlmxError(f"LLMX_CPU_PREFETCH={value!r} is not a number of bytes (e.g. 2048)")
-    return int(value)
+    ahead, _, far = value.partition("/")
+    if not ahead.isdigit() or not (far.isdigit() or not far and "/" not in value):
+        raise LlmxError(f"LLMX_CPU_PREFETCH={value!r} is not BYTES or BYTES/FAR (e.g. 2048 or 2048/4)")
+    return int(ahead), int(far or 0)
 
 
 def pin_threads() -> bool:

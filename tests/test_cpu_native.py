@@ -7,6 +7,7 @@ without a C compiler."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -222,25 +223,33 @@ def test_openmp_workers_are_pinned_and_python_stays_free(monkeypatch):
     assert str(sorted(before)[1]) in {_allowed_cpus(t) for t in tasks}
 
 
-def test_the_prefetch_distance_is_measured_once_a_thread_count_and_can_be_forced(monkeypatch, tmp_path):
-    """The GEMVs' prefetch distance is the one a RAM-streaming GEMV ran fastest under, measured once per
-    machine and thread count (kept in the cache directory), or LLMX_CPU_PREFETCH's."""
+def test_the_prefetch_is_measured_once_a_thread_count_and_can_be_forced(monkeypatch, tmp_path):
+    """The GEMVs' prefetch (distance, and the L2's multiple of it) is the one a RAM-streaming GEMV ran
+    fastest under, measured once per machine and thread count (kept in the cache directory), or
+    LLMX_CPU_PREFETCH's."""
     monkeypatch.setenv("LLMX_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LLMX_CPU_PREFETCH", raising=False)
     lib = cpu_native._library()
-    chosen = cpu_native.prefetch_distance(lib, 2)
-    assert chosen in cpu_native.PREFETCH_CHOICES and (tmp_path / "cpu-prefetch.json").exists()
+    chosen = cpu_native.prefetch_choice(lib, 2)
+    kept = tmp_path / cpu_native.PREFETCH_FILE
+    assert chosen in cpu_native.PREFETCH_CHOICES and kept.exists()
     measured = []
-    monkeypatch.setattr(cpu_native, "_fastest_prefetch", lambda lib: measured.append(1) or 1024)
-    assert cpu_native.prefetch_distance(lib, 2) == chosen and not measured  # from the cache
-    assert cpu_native.prefetch_distance(lib, 3) == 1024 and measured  # another thread count: measured
-    (tmp_path / "cpu-prefetch.json").write_text("{ torn")  # a damaged cache is measured again
-    assert cpu_native.prefetch_distance(lib, 2) == 1024 and len(measured) == 2
+    picked = cpu_native.Prefetch(1024, 4)
+    monkeypatch.setattr(cpu_native, "_fastest_prefetch", lambda lib: measured.append(1) or picked)
+    assert cpu_native.prefetch_choice(lib, 2) == chosen and not measured  # from the cache
+    assert cpu_native.prefetch_choice(lib, 3) == picked and measured  # another thread count: measured
+    kept.write_text("{ torn")  # a damaged cache is measured again
+    assert cpu_native.prefetch_choice(lib, 2) == picked and len(measured) == 2
+    kept.write_text(json.dumps(dict.fromkeys(json.loads(kept.read_text()), 2048)))  # not a choice: measured
+    assert cpu_native.prefetch_choice(lib, 2) == picked and len(measured) == 3
     monkeypatch.setenv("LLMX_CPU_PREFETCH", "3072")
-    assert cpu_native.prefetch_distance(lib, 2) == 3072
-    monkeypatch.setenv("LLMX_CPU_PREFETCH", "far")
-    with pytest.raises(LlmxError, match="LLMX_CPU_PREFETCH='far' is not a number of bytes"):
-        cpu_native.prefetch_distance(lib, 2)
+    assert cpu_native.prefetch_choice(lib, 2) == (3072, 0)
+    monkeypatch.setenv("LLMX_CPU_PREFETCH", "3072/4")
+    assert cpu_native.prefetch_choice(lib, 2) == (3072, 4)
+    for bad in ("far", "2048/", "2048/x", "/4"):
+        monkeypatch.setenv("LLMX_CPU_PREFETCH", bad)
+        with pytest.raises(LlmxError, match="is not BYTES or BYTES/FAR"):
+            cpu_native.prefetch_choice(lib, 2)
 
 
 @pytest.mark.parametrize(

@@ -44,12 +44,11 @@ enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_Q4_0 = 3, T_Q4_1 = 4, T_Q5_K = 5, T
  * machine's: 2 KiB on the H200 host's Xeon (4 and 8 KiB 6-8% slower), 4-8 KiB on this project's Zen 4
  * (15% faster than 2), so cpu_native.py measures it once per machine and thread count and sets it.
  * A prefetch into the L1 holds one of the core's few fill buffers until its line arrives, which caps
- * the bytes in flight from RAM; so the lines PREFETCH_FAR times as far ahead are asked into the L2 as
- * well, whose queue holds more (two threads of a Q4_K GEMV streaming from RAM on a 2-core Xeon: 14.5-15.4
- * GB/s without, 18.6-19.9 with, from 4 to 16 KiB ahead). */
-enum { PREFETCH_FAR = 4 };
-static int64_t prefetch_ahead = 2048;
-void llmx_set_prefetch(int64_t bytes) { prefetch_ahead = bytes; }
+ * the bytes in flight from RAM; so the lines `prefetch_far` times as far ahead may be asked into the L2
+ * as well, whose queue holds more (two threads of a Q4_K GEMV streaming from RAM on a 2-core Xeon: 14.5-15.4
+ * GB/s without, 18.6-19.9 with, from 4 to 16 KiB ahead); 0: not. Measured with the distance. */
+static int64_t prefetch_ahead = 2048, prefetch_far = 0;
+void llmx_set_prefetch(int64_t bytes, int64_t far) { prefetch_ahead = bytes, prefetch_far = far; }
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t bits;
@@ -432,11 +431,10 @@ static inline __m512 pair_scales(__m256 scales, int i) {
  * hardware prefetchers alone stop at each 4 KiB page). Past the end it is harmless: no fault. Inlined by
  * force, as prefetch_share: a call of it has no effect GCC can see, and would be removed. */
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *b, int bytes) {
-    const uint8_t *ahead = b + prefetch_ahead, *far = b + PREFETCH_FAR * prefetch_ahead;
-    for (int o = 0; o < bytes; o += 64) {
-        _mm_prefetch((const char *)(ahead + o), _MM_HINT_T0);
-        _mm_prefetch((const char *)(far + o), _MM_HINT_T2);
-    }
+    const uint8_t *ahead = b + prefetch_ahead, *far = b + prefetch_far * prefetch_ahead;
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(ahead + o), _MM_HINT_T0);
+    if (prefetch_far)
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(far + o), _MM_HINT_T2);
 }
 
 /* A Q4_K or Q5_K block's d * scale_j and dmin * min_j (j = 0..7) as floats, from one 16-byte load
@@ -2247,8 +2245,9 @@ static inline void tile_pool_rows(const int32_t *table, int64_t block_rows, int6
 /* A sequence's keys j..j+t-1 (t <= KEY_TILE) of one KV head, its rows row_bytes apart in the pool
  * (pool_row), as floats in rows (the rest of the tile zeroed); every line of the next tile's rows up
  * to key `end` is asked for meanwhile (the rows are strided, and in a paged cache scattered, which
- * the hardware prefetcher does not follow), and, into the L2, the tile PREFETCH_FAR tiles ahead's
- * (prefetch_block says why: SmolLM2 at 4096 keys, 2-core Xeon, 59.4-62.6 -> 62.9-66.1 t/s). */
+ * the hardware prefetcher does not follow), and, into the L2, the tile `prefetch_far` tiles ahead's
+ * where that is set (prefetch_block says why: SmolLM2 at 4096 keys, 2-core Xeon, 59.4-62.6 -> 62.9-66.1
+ * t/s). */
 static inline void tile_rows(const char *base, int64_t row_bytes, int type, int64_t d, const int32_t *table,
                              int64_t block_rows, int64_t j, int64_t t, int64_t end, float rows[][MAX_HEAD_DIM]) {
     const int64_t bytes = kv_head_bytes(type, d), next = j + KEY_TILE;
@@ -2259,8 +2258,8 @@ static inline void tile_rows(const char *base, int64_t row_bytes, int type, int6
         for (int64_t r = 0; r < ahead; r++)
             for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + at[r] * row_bytes + o);
     }
-    const int64_t far = j + PREFETCH_FAR * KEY_TILE, far_n = end - far < KEY_TILE ? end - far : KEY_TILE;
-    if (far_n > 0) {
+    const int64_t far = j + prefetch_far * KEY_TILE, far_n = end - far < KEY_TILE ? end - far : KEY_TILE;
+    if (prefetch_far && far_n > 0) {
         tile_pool_rows(table, block_rows, far, far_n, at);
         for (int64_t r = 0; r < far_n; r++)
             for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + at[r] * row_bytes + o, 0, 1);

@@ -34,6 +34,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -61,9 +62,20 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # a gated FFN's activation: cpu_block
 # tokens a native MoE call takes: its scratch is tokens * k * (2 * F + E) floats, 29 MB at 256 for
 # Qwen3-30B-A3B, and each call reads its chosen experts once (nearly all of them past ~64 tokens)
 MOE_TOKENS = 256
-PREFETCH_CHOICES = (1024, 2048, 4096, 8192)  # bytes ahead of its rows a GEMV thread asks for weights
+
+
+class Prefetch(NamedTuple):
+    """How a GEMV thread asks for its weights ahead (`cpu_blocks.c`'s prefetch_block): into the L1
+    `ahead` bytes past the block it multiplies, and into the L2 `far` times as far (0: not)."""
+
+    ahead: int
+    far: int
+
+
+PREFETCH_CHOICES = tuple(Prefetch(ahead, far) for far in (0, 4) for ahead in (1024, 2048, 4096, 8192))
 PREFETCH_MATRIX = 128 << 20  # bytes of the matrix timed to choose: past any CPU's last-level cache
-PREFETCH_FILE = "cpu-prefetch.json"  # the distances chosen, by CPU and thread count
+PREFETCH_FILE = "cpu-prefetch-2.json"  # the choices made, by CPU and thread count (cpu-prefetch.json:
+# the distances alone that versions before the L2 prefetch keep)
 
 
 def supports(qt: QType, shape: tuple[int, ...]) -> bool:
@@ -111,7 +123,7 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.llmx_top_k.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.llmx_top_k.restype = None
     lib.llmx_pin_threads.argtypes = [ptr, i32]
-    lib.llmx_set_prefetch.argtypes = [i64]
+    lib.llmx_set_prefetch.argtypes = [i64, i64]
     lib.llmx_set_prefetch.restype = None
     lib.llmx_gemv_many.restype = lib.llmx_dequantize_rows.restype = lib.llmx_decode_attention.restype = i32
     lib.llmx_gated_ffn.restype = lib.llmx_moe_swiglu.restype = lib.llmx_moe_route.restype = i32
@@ -218,7 +230,7 @@ def _set_up_team(lib: ctypes.CDLL, n: int) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if pin_threads() and 1 < n <= len(cpus):
         lib.llmx_pin_threads((ctypes.c_int * n)(*cpus[:n]), n)
-    lib.llmx_set_prefetch(prefetch_distance(lib, n))
+    lib.llmx_set_prefetch(*prefetch_choice(lib, n))
 
 
 class Recording:
@@ -349,24 +361,25 @@ def _issue(
     return entry(*args)
 
 
-def prefetch_distance(lib: ctypes.CDLL, threads: int) -> int:
-    """How far ahead of its rows a GEMV thread asks for weights: LLMX_CPU_PREFETCH (bytes), else the
-    choice a decode GEMV ran fastest under on this machine with this many threads, measured once
-    (~0.1 s) and kept in the cache directory. The best distance is the machine's (bench/RESULTS.md:
-    2 KiB on the H200 host, 4-8 KiB on a Zen 4)."""
+def prefetch_choice(lib: ctypes.CDLL, threads: int) -> Prefetch:
+    """How a GEMV thread asks for its weights ahead: LLMX_CPU_PREFETCH's, else the choice a decode
+    GEMV ran fastest under on this machine with this many threads, measured once (~0.2 s) and kept in
+    the cache directory. The best is the machine's (bench/RESULTS.md: 2 KiB on the H200 host, 4-8 KiB
+    on a Zen 4; the L2 prefetch far ahead +17-22% on a 2-core Xeon's MoE decode)."""
     forced = cpu_prefetch()
     if forced is not None:
-        return forced
+        return Prefetch(*forced)
     key = f"{hashlib.sha256(cpu_features().encode()).hexdigest()[:16]}|{threads} threads"
-    distance = remembered(PREFETCH_FILE).get(key)
-    if distance is None:
-        distance = _fastest_prefetch(lib)
-        remember(PREFETCH_FILE, key, distance)
-    return int(distance)
+    kept = remembered(PREFETCH_FILE).get(key)
+    if isinstance(kept, list) and len(kept) == 2 and all(isinstance(v, int) for v in kept):
+        return Prefetch(*kept)
+    choice = _fastest_prefetch(lib)  # none kept, or not a choice
+    remember(PREFETCH_FILE, key, list(choice))
+    return choice
 
 
-def _fastest_prefetch(lib: ctypes.CDLL) -> int:
-    """The PREFETCH_CHOICES distance under which a Q4_K GEMV over PREFETCH_MATRIX bytes (more than the
+def _fastest_prefetch(lib: ctypes.CDLL) -> Prefetch:
+    """The PREFETCH_CHOICES choice under which a Q4_K GEMV over PREFETCH_MATRIX bytes (more than the
     caches hold: it streams from RAM) runs fastest, each timed thrice, round by round."""
     qt, k = qtype("Q4_K"), 4096
     block = np.full(qt.block_bytes, 0x11, dtype=np.uint8)  # every code 1 ...
@@ -377,7 +390,7 @@ def _fastest_prefetch(lib: ctypes.CDLL) -> int:
     best = dict.fromkeys(PREFETCH_CHOICES, float("inf"))
     for _ in range(3):
         for choice in PREFETCH_CHOICES:
-            lib.llmx_set_prefetch(choice)
+            lib.llmx_set_prefetch(*choice)
             t0 = time.perf_counter()
             matrix(x)
             best[choice] = min(best[choice], time.perf_counter() - t0)
